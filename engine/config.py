@@ -1,0 +1,124 @@
+"""Configuration tree: small frozen dataclasses validated at construction.
+
+Every `__post_init__` raises ValueError naming the bad field, so a bad flag or a bad model file
+fails at start-up rather than in the middle of a forward pass. The environment is read only at
+entry points (CLI, servers), never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: 'linear' (divide positions by factor) or 'llama3'
+    (Llama-3.1's piecewise rescaling of low frequencies)."""
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {self.kind!r} (supported: linear, llama3)")
+        _positive(self, "factor", "low_freq_factor", "high_freq_factor", "original_max_position")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a LLaMA-family decoder. Weight names follow Hugging Face's Llama naming."""
+
+    architecture: str  # model family key in engine.models: "llama", "qwen2", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position: int = 2048  # the model's context length
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                  "max_position")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens, for every layer."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "num_blocks")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per forward pass: running decodes first (1 token each), then prefill
+    chunks fill what is left. That single rule is chunked prefill and split-fuse."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # Largest prefill chunk of one request in one pass; 0 means the whole budget.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_batched_tokens", "max_num_seqs")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "w8a8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Linear-layer weight format (see kernels/linear.py); logits are always fp32.
+    weight_format: str = "fp32"
+    max_model_len: int | None = None  # defaults to model.max_position
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def context_length(self) -> int:
+        return min(self.max_model_len or self.model.max_position, self.model.max_position)

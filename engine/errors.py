@@ -1,0 +1,26 @@
+"""Errors a user can cause. Each names the bad thing; the CLI and servers show the message,
+never a traceback. Internal faults stay ordinary exceptions."""
+
+
+class TandemError(Exception):
+    """Base class for errors caused by user input or the environment."""
+
+
+class ModelNotFoundError(TandemError):
+    """A model name or path that resolves to nothing."""
+
+
+class ModelFormatError(TandemError):
+    """A file that is missing, truncated, or not a model in a format we read."""
+
+
+class UnsupportedModelError(TandemError):
+    """A well-formed model we cannot run: unknown architecture or quantization type."""
+
+
+class ContextLengthError(TandemError):
+    """A prompt (plus the tokens asked for) that does not fit the context window."""
+
+
+class InvalidOptionError(TandemError):
+    """A sampling or request option of the wrong type or out of range."""

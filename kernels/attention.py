@@ -1,0 +1,58 @@
+"""Attention over the paged KV cache for a ragged batch (the one op the model calls).
+
+A batch holds B sequences. Sequence b contributes q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]
+query tokens, which are its *last* q_len_b positions: it has seq_lens[b] tokens of context in
+the cache in total (prefix already cached + the new tokens, whose K/V the caller has already
+written). Query i of sequence b sits at position p = seq_lens[b] - q_len_b + i and attends to
+cached positions 0..p (causal). A decode is q_len_b == 1; a prefill chunk continuing a cached
+prefix is q_len_b < seq_lens[b]; a fresh prefill is q_len_b == seq_lens[b].
+
+Position j of sequence b lives in block block_tables[b, j // block_size] at offset
+j % block_size. GQA: query head h reads kv head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                              block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain per-sequence attention in fp32; the definition every fast path is tested against."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    starts = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[b, pos // block_size].long()
+        keys = k_cache[blocks, pos % block_size].float()      # [S, Hkv, D]
+        values = v_cache[blocks, pos % block_size].float()
+        keys = keys.repeat_interleave(group, dim=1)            # [S, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        qb = q[q_start:q_end].float()                          # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", qb, keys) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = pos[None, :] > q_pos[:, None]                   # [L, S] True = future
+        scores.masked_fill_(mask[None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
+    return out
+
+
+def paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; cu_seqlens_q: [B+1] int32;
+    seq_lens: [B] int32; block_tables: [B, max_blocks] int32 -> [T, Hq, D]."""
+    return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
