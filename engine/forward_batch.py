@@ -1,0 +1,39 @@
+"""The tensors of one forward pass over a ragged batch, built by the model runner.
+
+Layout for B sequences and T = sum of their new tokens (decodes contribute 1 token each,
+prefill chunks any number):
+
+    input_ids     [T]    new tokens, sequence after sequence
+    positions     [T]    absolute position of each new token in its sequence
+    slot_mapping  [T]    cache slot of each new token: block_table[pos // bs] * bs + pos % bs
+    cu_seqlens_q  [B+1]  new-token offsets: sequence b owns rows cu[b]:cu[b+1]
+    seq_lens      [B]    context length after this pass (cached prefix + new tokens)
+    block_tables  [B, M] each sequence's block ids, padded with 0 (never read past seq_lens)
+    logits_indices[S]    rows whose hidden state becomes logits (last token of sequences
+                         that sample in this pass)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    # Called as on_layer_done(layer_index) right after a layer's K/V is in the cache: the
+    # prefill worker uses it to start that layer's transfer while later layers compute.
+    on_layer_done: Callable[[int], None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,169 @@
+"""One engine: scheduler + model runner + sampler, driven as schedule -> execute -> update.
+
+This is the single-process engine behind `tandem run` and the colocated worker; the prefill
+and decode workers wrap the same parts with a role.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.errors import ContextLengthError
+from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
+from engine.models import model_class
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    status: RequestStatus
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(model, config.cache, kv_dtype)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        self._ids = itertools.count()
+        self._pending: list[StepOutput] = []
+        self.load_duration_s = 0.0
+
+    @classmethod
+    def from_path(cls, path: str | Path, *, weight_format: str = "fp32", block_size: int = 16,
+                  num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                  scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
+                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype = torch.float32,
+                  load_tokenizer: bool = True) -> "LLMEngine":
+        from engine.loaders import load_model
+        from engine.tokenizer import Tokenizer
+
+        t0 = time.monotonic()
+        loaded = load_model(Path(path))
+        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format)
+        if num_blocks is None:
+            per_block = kv_cache_bytes_per_block(loaded.config, block_size, kv_dtype)
+            num_blocks = max(1, kv_cache_bytes // per_block)
+        config = EngineConfig(
+            model=loaded.config,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=scheduler or SchedulerConfig(),
+            weight_format=weight_format,
+            max_model_len=max_model_len,
+        )
+        tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
+        engine = cls(model, config, tokenizer, kv_dtype)
+        engine.load_duration_s = time.monotonic() - t0
+        return engine
+
+    # -- requests ------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None,
+                    stop_token_ids: frozenset[int] | None = None) -> Request:
+        """Queues a request. Raises ContextLengthError when the prompt leaves no room for a
+        single generated token in the context window (num_ctx when given, capped by the
+        model's)."""
+        context = min(params.num_ctx or self.context_length, self.context_length)
+        if not prompt_token_ids:
+            raise ContextLengthError("the prompt is empty")
+        if len(prompt_token_ids) >= context:
+            raise ContextLengthError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
+                f"{context} tokens")
+        if stop_token_ids is None:
+            stop_token_ids = self.tokenizer.stop_token_ids if self.tokenizer is not None else frozenset()
+        request = Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=params.max_tokens_for(len(prompt_token_ids), context),
+            stop_token_ids=frozenset(stop_token_ids),
+        )
+        if request.max_tokens <= 0:
+            request.status = RequestStatus.FINISHED_LENGTH
+            self._pending.append(StepOutput(request.request_id, [], True, request.status))
+            return request
+        self._generators[request.request_id] = make_generator(params.seed)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_request(request_id, status)
+        self._generators.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
+                                c.start_pos, self.block_manager.block_table(c.request_id), c.samples)
+                  for c in plan.chunks]
+        logits = self.runner.execute(chunks)
+        sampled = self._sample([c.request for c in plan.chunks if c.samples], logits)
+        finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
+        by_id = {c.request_id: c.request for c in plan.chunks}
+        for request_id, token in sampled.items():
+            done = request_id in finished
+            if done:
+                self._generators.pop(request_id, None)
+            outputs.append(StepOutput(request_id, [token], done, by_id[request_id].status))
+        return outputs
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
+        if not requests:
+            return {}
+        tokens = self.sampler.sample(
+            logits,
+            [r.sampling_params for r in requests],
+            [r.token_ids for r in requests],
+            [self._generators[r.request_id] for r in requests],
+        )
+        return {r.request_id: int(t) for r, t in zip(requests, tokens.tolist())}
+
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Convenience for one request alone: yields its tokens as they are sampled."""
+        request = self.add_request(prompt_token_ids, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request.request_id:
+                    yield from out.new_token_ids
+                    if out.finished:
+                        return
+            if not self.has_unfinished():
+                return

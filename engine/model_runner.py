@@ -1,0 +1,94 @@
+"""Runs the model over one scheduled batch: builds the ForwardBatch tensors, owns the paged KV
+cache tensor, returns fp32 logits for the sequences that sample. No policy lives here: what to
+run is the scheduler's decision, what to do with the logits is the engine's.
+
+KV cache: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+(dim 1: K, V). Block b of every layer belongs to whichever request's block table holds b; the
+block manager decides that, the runner only writes slots it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's share of a forward pass."""
+
+    token_ids: Sequence[int]  # the new tokens of this pass (1 for a decode)
+    start_pos: int  # position of token_ids[0]; tokens before it are already cached
+    block_table: Sequence[int]  # covers start_pos + len(token_ids) slots
+    needs_logits: bool  # True when this pass reaches the sequence's last token
+
+
+def kv_cache_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+    return (model.num_layers, 2, cache.num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
+
+
+def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model, cache_config: CacheConfig, kv_dtype: torch.dtype = torch.float32,
+                 kv_cache: torch.Tensor | None = None) -> None:
+        self.model = model
+        self.block_size = cache_config.block_size
+        shape = kv_cache_shape(model.config, cache_config)
+        if kv_cache is not None and tuple(kv_cache.shape) != shape:
+            raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected {shape}")
+        # A caller-provided cache (e.g. in shared memory for a same-host KV receiver) is used
+        # as is; otherwise allocate.
+        self.kv_cache = kv_cache if kv_cache is not None else torch.zeros(shape, dtype=kv_dtype)
+
+    def prepare(self, chunks: Sequence[SequenceChunk]) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            if len(c.block_table) * bs < end:
+                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {end} tokens")
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, end))
+            slots.extend(c.block_table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+            if c.needs_logits:
+                logits_indices.append(cu[-1] - 1)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SequenceChunk],
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Runs one forward pass; returns fp32 logits [number of chunks needing logits, vocab],
+        in chunk order."""
+        batch = self.prepare(chunks)
+        batch.on_layer_done = on_layer_done
+        hidden = self.model.forward(batch, self.kv_cache)
+        if batch.logits_indices.numel() == 0:
+            return torch.empty(0, self.model.config.vocab_size)
+        return self.model.compute_logits(hidden[batch.logits_indices])
