@@ -1,0 +1,178 @@
+"""Per-request sampling options, with Ollama's names, defaults and leniencies.
+
+Torch-free: the coordinator validates a request's `options` with `SamplingParams.from_options`
+before it queues anything, so a bad option is a 400 naming the option and never reaches a worker.
+
+Where Ollama's behaviour is surprising we keep it, because Ollama's clients rely on it, and say
+so here:
+- `num_predict`: -1 is unbounded (stops at the context limit), -2 ("fill the context") is the
+  same thing for us, and 0 is unbounded too: Ollama's runner only stops on `numPredict > 0`.
+  After construction `num_predict` is therefore either -1 or a positive limit.
+- `seed`: Ollama's default is -1, meaning a random seed; any negative seed is stored as None.
+- `top_p` 0 and `typical_p` 0 are accepted: llama.cpp then keeps a single token (min_keep = 1).
+- `repeat_last_n` 0 turns off all three penalties, as in llama.cpp; -1 means the whole context.
+- `stop`: a string or a list of strings; empty strings are dropped (they would match anywhere).
+- A JSON null for any option means "use the default", as Go's decoder does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from engine.errors import InvalidOptionError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # 0 = greedy (argmax)
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.9  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    typical_p: float = 1.0  # 1 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64  # penalty window over prompt + output; 0 = off, -1 = whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None = a fresh random seed per request
+    num_predict: int = -1  # -1 = until the context limit, else the most tokens to generate
+    stop: tuple[str, ...] = ()
+    num_ctx: int | None = None  # the request's context window, capped by the engine's
+    # Accepted for Ollama compatibility and stored; the engine sizes these itself.
+    num_keep: int | None = None
+    num_batch: int | None = None
+    num_thread: int | None = None
+
+    def __post_init__(self) -> None:
+        # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
+        # from_options, so a SamplingParams built in code obeys the same rules.
+        for name, kind in _KINDS.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            object.__setattr__(self, name, _CONVERTERS[kind](name, value))
+        _check_range("temperature", self.temperature >= 0, ">= 0", self.temperature)
+        _check_range("top_k", self.top_k >= 0, ">= 0 (0 turns it off)", self.top_k)
+        _check_range("top_p", 0 <= self.top_p <= 1, "between 0 and 1", self.top_p)
+        _check_range("min_p", 0 <= self.min_p <= 1, "between 0 and 1", self.min_p)
+        _check_range("typical_p", 0 <= self.typical_p <= 1, "between 0 and 1", self.typical_p)
+        _check_range("repeat_penalty", self.repeat_penalty > 0, "> 0", self.repeat_penalty)
+        _check_range("repeat_last_n", self.repeat_last_n >= -1, ">= -1", self.repeat_last_n)
+        _check_range("num_predict", self.num_predict >= -2, ">= -2", self.num_predict)
+        if self.num_ctx is not None:
+            _check_range("num_ctx", self.num_ctx > 0, "> 0", self.num_ctx)
+        if self.num_keep is not None:
+            _check_range("num_keep", self.num_keep >= -1, ">= -1", self.num_keep)
+        if self.num_batch is not None:
+            _check_range("num_batch", self.num_batch > 0, "> 0", self.num_batch)
+        if self.num_thread is not None:
+            _check_range("num_thread", self.num_thread >= 0, ">= 0 (0 = automatic)",
+                         self.num_thread)
+        # Normalise Ollama's aliases so that consumers test one value (see the module docstring).
+        if self.num_predict in (0, -2):
+            object.__setattr__(self, "num_predict", -1)
+        if self.seed is not None and self.seed < 0:
+            object.__setattr__(self, "seed", None)
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None, *,
+                     warn: Callable[[str], None] | None = None) -> SamplingParams:
+        """Build from an Ollama `options` object, type-checking every known key.
+
+        Unknown keys (including Ollama options tandem does not implement, such as `mirostat`)
+        are ignored, each reported once through `warn`.
+        """
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise InvalidOptionError(f"options must be an object, got {_show(options)}")
+        values: dict[str, Any] = {}
+        for key, raw in options.items():
+            kind = _KINDS.get(key)
+            if kind is None:
+                if warn is not None:
+                    warn(f"unknown option {key!r} ignored")
+                continue
+            if raw is not None:
+                values[key] = raw
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax, so no random draw is needed."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def context_limit(self, context_len: int) -> int:
+        """The request's context window: the engine's, narrowed by `num_ctx` when given."""
+        return context_len if self.num_ctx is None else min(context_len, self.num_ctx)
+
+    def max_tokens_for(self, prompt_len: int, context_len: int) -> int:
+        """How many tokens this request may generate after a `prompt_len`-token prompt in an
+        engine whose context is `context_len` tokens. 0 when the prompt already fills it."""
+        room = max(0, self.context_limit(context_len) - prompt_len)
+        return room if self.num_predict < 0 else min(self.num_predict, room)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"option {name!r} must be a finite number, got {_show(value)}")
+
+
+def _check_range(name: str, ok: bool, expected: str, value: Any) -> None:
+    if not ok:
+        raise InvalidOptionError(f"option {name!r} must be {expected}, got {_show(value)}")
+
+
+def _to_int(name: str, value: Any) -> int:
+    # bool is an int subclass in Python; JSON true is never a count.
+    if isinstance(value, bool):
+        raise InvalidOptionError(f"option {name!r} must be an integer, got {_show(value)}")
+    if isinstance(value, int):
+        return value
+    # JSON has one number type and some clients send 40.0; only a whole number is an integer.
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise InvalidOptionError(f"option {name!r} must be an integer, got {_show(value)}")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(f"option {name!r} must be a number, got {_show(value)}")
+    result = float(value)
+    _check_finite(name, result)
+    return result
+
+
+def _to_stop(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise InvalidOptionError(f"option {name!r} must be a string or a list of strings, "
+                             f"got {_show(value)}")
+
+
+_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
+    "int": _to_int, "float": _to_float, "stop": _to_stop}
+
+
+def _kind(annotation: str) -> str:
+    if annotation.startswith("int"):
+        return "int"
+    if annotation == "float":
+        return "float"
+    return "stop"
+
+
+# Field annotations are strings under `from __future__ import annotations`.
+_KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)}
+_OPTIONAL: frozenset[str] = frozenset(
+    f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

@@ -1,0 +1,150 @@
+"""The single-process engine end to end on tiny random models: schedule -> execute -> update
+with real blocks, against transformers' greedy generate as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.errors import ContextLengthError
+from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from tests.test_model_forward import build_pair
+
+GREEDY = SamplingParams(temperature=0.0)
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair("llama", seed=5)
+
+
+def make_engine(model, *, budget=64, num_blocks=64, block_size=4, prefix=True, max_seqs=16,
+                chunk_cap=0) -> LLMEngine:
+    cfg = EngineConfig(model=model.config,
+                       cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                                 long_prefill_token_threshold=chunk_cap))
+    return LLMEngine(model, cfg)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          min_new_tokens=n, pad_token_id=EOS, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [engine.add_request(p, sp, stop_token_ids=frozenset()) for p, sp in zip(prompts, params)]
+    outputs = {r.request_id: [] for r in reqs}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        steps += 1
+        assert steps < 2000
+    return [outputs[r.request_id] for r in reqs], reqs
+
+
+def prompts_of(lengths, seed=0, vocab=160):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_concurrent_greedy_matches_transformers(pair):
+    hf, model = pair
+    prompts = prompts_of([3, 40, 17, 90, 8, 33, 61, 5])
+    engine = make_engine(model, budget=24)  # forces chunking and mixed batches
+    outs, reqs = run_all(engine, prompts, SamplingParams(temperature=0.0, num_predict=12))
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(hf, prompt, 12)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(pair):
+    hf, model = pair
+    shared = prompts_of([45], seed=1)[0]
+    first, second = shared + [7, 8], shared + [9, 10, 11]
+    engine = make_engine(model)
+    params = SamplingParams(temperature=0.0, num_predict=6)
+    run_all(engine, [first], params)
+    outs, (req,) = run_all(engine, [second], params)
+    assert req.num_cached_tokens == 44  # 11 full blocks of 4 shared tokens
+    assert outs[0] == hf_greedy(hf, second, 6)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(pair):
+    hf, model = pair
+    prompts = prompts_of([20, 22, 18, 25], seed=2)
+    # 4 requests x (~22 + 16 tokens) need ~40 blocks of 4; the pool has 16.
+    engine = make_engine(model, num_blocks=16, budget=64)
+    outs, _ = run_all(engine, prompts, SamplingParams(temperature=0.0, num_predict=16))
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(hf, prompt, 16)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
+    _, model = pair
+    prompt = prompts_of([12], seed=3)[0]
+    seeded = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=1234, num_predict=10)
+    alone, _ = run_all(make_engine(model), [prompt], seeded)
+    others = prompts_of([30, 5], seed=4)
+    crowd, _ = run_all(make_engine(model), others[:1] + [prompt] + others[1:],
+                       [SamplingParams(temperature=1.0, num_predict=10), seeded,
+                        SamplingParams(temperature=0.7, num_predict=10)])
+    assert crowd[1] == alone[0]
+    other_seed, _ = run_all(make_engine(model), [prompt],
+                            SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=99, num_predict=10))
+    assert other_seed[0] != alone[0]
+
+
+def test_stop_token_finishes_the_request(pair):
+    hf, model = pair
+    prompt = prompts_of([10], seed=6)[0]
+    expected = hf_greedy(hf, prompt, 8)
+    stop_at = expected[3]
+    engine = make_engine(model)
+    req = engine.add_request(prompt, SamplingParams(temperature=0.0, num_predict=8),
+                             stop_token_ids=frozenset({stop_at}))
+    got = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+    assert got == expected[:expected.index(stop_at) + 1]
+    assert req.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_context_window_limits(pair):
+    _, model = pair
+    engine = make_engine(model)
+    with pytest.raises(ContextLengthError, match="does not fit"):
+        engine.add_request(list(range(1, 600)), GREEDY)
+    with pytest.raises(ContextLengthError, match="context window of 32"):
+        engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0, num_ctx=32))
+    # A prompt that leaves room for 4 tokens is cut at the context edge.
+    outs, (req,) = run_all(engine, [list(range(1, 29))], SamplingParams(temperature=0.0, num_ctx=32))
+    assert len(outs[0]) == 4 and req.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_blocks(pair):
+    _, model = pair
+    # The chunk cap leaves part of each pass's budget for the short request.
+    engine = make_engine(model, budget=8, chunk_cap=6)
+    long = engine.add_request(prompts_of([60])[0], SamplingParams(temperature=0.0, num_predict=50))
+    short = engine.add_request([5, 6], SamplingParams(temperature=0.0, num_predict=50))
+    for _ in range(3):
+        engine.step()
+    assert long.num_computed_tokens < 60 and short.num_output_tokens > 0
+    engine.abort_request(long.request_id)
+    engine.abort_request(short.request_id)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
