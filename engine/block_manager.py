@@ -122,16 +122,19 @@ class BlockManager:
 
     # ---- allocation ----
 
-    def allocate(self, owner: str, token_ids: Sequence[int], num_tokens: int) -> Allocation | None:
+    def allocate(self, owner: str, token_ids: Sequence[int], num_tokens: int,
+                 use_prefix_cache: bool = True) -> Allocation | None:
         """Make `owner`'s table cover `num_tokens` slots (and, on the first call, at least the
         cached prefix found for `token_ids`). None, with nothing changed, if the pool is short.
 
         First call: reuse the longest registered prefix of `token_ids`, capped so that the last
         token is always computed (the model needs its logits). Later calls only append blocks;
-        `token_ids` is then unused.
+        `token_ids` is then unused. use_prefix_cache=False takes only fresh blocks (for blocks
+        a remote writer fills: it must never write into blocks other requests share).
         """
         first = owner not in self._tables
-        hit_blocks, hit_hashes = self._lookup(token_ids) if first else ([], [])
+        lookup = first and use_prefix_cache
+        hit_blocks, hit_hashes = self._lookup(token_ids) if lookup else ([], [])
         table = self._tables.get(owner, [])
         covered = max(num_tokens, len(hit_blocks) * self._block_size)
         need = max(0, self._blocks_for(covered) - len(table) - len(hit_blocks))

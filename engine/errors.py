@@ -24,3 +24,7 @@ class ContextLengthError(TandemError):
 
 class InvalidOptionError(TandemError):
     """A sampling or request option of the wrong type or out of range."""
+
+
+class ChatTemplateError(InvalidOptionError):
+    """A chat template that does not parse, or that fails or refuses to render the given messages."""

@@ -66,9 +66,46 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Ends a request in any state and frees every block it holds. Unknown or already
-        finished ids are ignored (an abort may race with a natural finish)."""
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Decode side of a disaggregated request: reserves blocks for its whole prompt,
+        which a prefill worker will fill, and parks it in WAITING_FOR_REMOTE_KV. The blocks
+        come fresh, never from the prefix cache: a remote writer must not write into blocks
+        that other requests share. Returns the block table, or None when the pool is full.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        alloc = self.block_manager.allocate(request.request_id, request.prompt_token_ids,
+                                            request.num_prompt_tokens, use_prefix_cache=False)
+        if alloc is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return alloc.block_ids
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> Request | None:
+        """The request's prompt KV has arrived and the prefill worker sampled `first_token`:
+        it joins the running batch, its next pass a one-token decode."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.commit(request_id, request.token_ids, request.num_computed_tokens)
+        request.append_token(first_token)
+        request.status = RequestStatus.RUNNING
+        status = request.check_stop()
+        if status is not None:
+            self.finish_request(request_id, status)
+        else:
+            self.running.append(request)
+        return request
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       free_blocks: bool = True) -> Request | None:
+        """Ends a request in any state and, unless told otherwise, frees every block it holds.
+        Unknown or already finished ids are ignored (an abort may race with a natural finish).
+        free_blocks=False leaves the blocks with the request id as owner: the prefill worker
+        keeps them until the decode worker has acknowledged their transfer, then frees them.
+        """
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -77,7 +114,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        if free_blocks:
+            self.block_manager.free(request_id)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
