@@ -1,0 +1,182 @@
+"""What a KV cache looks like, and where it lives.
+
+The decode worker's paged cache is one tensor; a transfer unit is one layer's K and V for a
+list of blocks:
+
+    kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                       |   `-- block ids, the same for every layer of a request
+                       `-- 0 = K, 1 = V
+    payload  [2, n, block_size, num_kv_heads, head_dim] == kv_cache[layer, :, block_ids]
+
+kvtransfer knows models only through `KVLayout`: shapes, dtype and an opaque model id. Two
+workers may exchange KV only if their layouts' fingerprints are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from multiprocessing import shared_memory
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of a paged KV cache, plus the identity of the model that fills it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per block
+    dtype: str  # a key of DTYPES
+    model_id: str  # e.g. a checkpoint's sha256 or "HuggingFaceTB/SmolLM2-135M-Instruct@rev"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError(f"KVLayout.model_id must be a non-empty str, got {self.model_id!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @cached_property  # frozen, so computed once (cached_property bypasses __setattr__)
+    def fingerprint(self) -> str:
+        """Stable hex digest of every field; equal fingerprints mean interchangeable caches."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of K (or V) for one layer."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block_per_layer(self) -> int:
+        """K and V of one block for one layer."""
+        return 2 * math.prod(self.block_shape()) * self.itemsize
+
+    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, *self.block_shape())
+
+    def payload_nbytes(self, num_blocks: int) -> int:
+        return num_blocks * self.bytes_per_block_per_layer()
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, *self.block_shape())
+
+    def cache_nbytes(self, num_blocks: int) -> int:
+        return self.num_layers * self.payload_nbytes(num_blocks)
+
+    def diff(self, other: KVLayout) -> list[str]:
+        """Fields that differ, as 'name: ours != theirs' (empty when equal)."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+@dataclass
+class KVCacheBuffer:
+    """The cache tensor and the memory that backs it.
+
+    With a shared-memory name the tensor lives in a POSIX segment (/dev/shm/<name>) that a
+    same-host sender can map and write into. The creator owns the segment: `close()` unlinks
+    it. Close it exactly once, after every user of `tensor` is done.
+    """
+
+    layout: KVLayout
+    num_blocks: int
+    tensor: torch.Tensor  # kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    shm_name: str | None = None
+    _shm: shared_memory.SharedMemory | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        self.tensor = torch.empty(0, dtype=self.layout.torch_dtype)  # drop our view first
+        shm.unlink()
+        try:
+            shm.close()
+        except BufferError:
+            # Someone still holds a view of the mapping; it is unmapped at process exit. The name
+            # is already unlinked, so nothing leaks in /dev/shm.
+            pass
+
+    def __enter__(self) -> KVCacheBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def allocate_cache(
+    layout: KVLayout, num_blocks: int, shared_memory_name: str | None = None
+) -> KVCacheBuffer:
+    """A zeroed cache for `num_blocks` blocks, in private memory or a new named shm segment."""
+    if not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    shape = layout.cache_shape(num_blocks)
+    if shared_memory_name is None:
+        return KVCacheBuffer(layout, num_blocks, torch.zeros(shape, dtype=layout.torch_dtype))
+    nbytes = layout.cache_nbytes(num_blocks)
+    shm = shared_memory.SharedMemory(name=shared_memory_name, create=True, size=nbytes)
+    try:
+        tensor = map_shared_tensor(shm, layout.torch_dtype, shape)
+        tensor.zero_()
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return KVCacheBuffer(layout, num_blocks, tensor, shared_memory_name, shm)
+
+
+def map_shared_tensor(
+    shm: shared_memory.SharedMemory | AttachedSegment, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor view of a segment's first prod(shape) elements (no copy)."""
+    count = math.prod(shape)
+    return torch.frombuffer(shm.buf, dtype=dtype, count=count).view(shape)
+
+
+class AttachedSegment:
+    """A mapping of someone else's shared-memory segment; closing it never unlinks it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if os.path.isdir(_DEV_SHM):
+            # Linux: map /dev/shm/<name> ourselves. multiprocessing.SharedMemory(create=False)
+            # would register the segment with the resource tracker (Python < 3.13), which is
+            # shared with spawned children and would unlink the *creator's* segment at our exit.
+            with open(os.path.join(_DEV_SHM, name.lstrip("/")), "r+b") as f:
+                self._map: mmap.mmap | shared_memory.SharedMemory = mmap.mmap(f.fileno(), 0)
+            self.buf = memoryview(self._map)
+        else:
+            self._map = shared_memory.SharedMemory(name=name, create=False)
+            self.buf = self._map.buf
+
+    def close(self) -> None:
+        """Unmap; BufferError if a tensor view of it is still alive (the caller decides)."""
+        self.buf.release()
+        self._map.close()
+
+
+_DEV_SHM = "/dev/shm"
