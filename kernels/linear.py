@@ -4,16 +4,48 @@ The model packs each projection once at load time into a `PackedLinear` for the 
 format, then calls `linear(x, packed)` in the forward pass. Activations come in and go out in
 the caller's dtype (fp32 residual stream); each format casts to what its kernel needs.
 
-Formats: "fp32", "bf16" (dense). Quantized formats ("int8", "int4", "w8a8") register here too.
+Formats, and the phase each is for (DESIGN.md, "prefill is compute-bound, decode is bandwidth-bound"):
+
+    fmt     weights                                   activations      module
+    fp32    dense fp32                                as given         here
+    bf16    dense bf16                                bf16             here
+    int8    int8, per-output-channel symmetric        bf16 (weight-    kernels.quant_int8  (decode)
+                                                      only)
+    int4    4-bit, group 32, asymmetric (zero point); bf16 (weight-    kernels.quant_int4  (decode)
+            GGUF Q4_0/Q4_1 repacked without floats    only)
+    w8a8    int8, per-output-channel symmetric,       int8 per token,  kernels.quant_w8a8  (prefill)
+            optional SmoothQuant                      int32 accumulate
+
+Quantized formats live one per module and register here by name; a module is imported only when
+its format is first used (lazy registry). Each module provides:
+
+    pack(weight, bias, device, **options) -> PackedLinear
+    forward(x2d, packed) -> y2d                    x2d: [T, in] in any float dtype -> [T, out], same dtype
+    dequantize(packed) -> fp32 [out, in]           the weights the kernels actually use
+    reference(x2d, packed) -> y2d                  plain fp32 torch, the definition tests compare against
+
+The packed payload depends on the device that will run it (`PackedLinear.layout`): CPU packs for
+the aten CPU kernels, CUDA packs for the Triton kernels in the same module.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from kernels.quantized_tensor import QuantizedTensor
+
+# fmt -> module implementing it. Dense formats are handled in this file.
+_QUANTIZED_FORMATS = {
+    "int8": "kernels.quant_int8",
+    "int4": "kernels.quant_int4",
+    "w8a8": "kernels.quant_w8a8",
+}
+DENSE_FORMATS = ("fp32", "bf16")
+FORMATS = DENSE_FORMATS + tuple(_QUANTIZED_FORMATS)
 
 
 def to_float(w: torch.Tensor | QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -25,10 +57,20 @@ class PackedLinear:
     fmt: str
     in_features: int
     out_features: int
-    weight: torch.Tensor  # format-specific packed payload
+    weight: torch.Tensor  # format-specific packed payload (may be padded past in/out_features)
     bias: torch.Tensor | None = None  # fp32 [out]
     scales: torch.Tensor | None = None  # format-specific (per-channel or per-group)
-    zeros: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None  # format-specific (int4: None, zeros travel with scales)
+    layout: str = "dense"  # how `weight` is laid out; which kernel can read it (see the format module)
+    group_size: int = 0  # int4: input features per scale/zero group
+    act_scale: torch.Tensor | None = None  # w8a8 SmoothQuant: fp32 [in], x is multiplied by it first
+
+
+def _format_module(fmt: str) -> ModuleType:
+    name = _QUANTIZED_FORMATS.get(fmt)
+    if name is None:
+        raise ValueError(f"unknown linear weight format {fmt!r}; expected one of {FORMATS}")
+    return importlib.import_module(name)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,20 +80,61 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.to(x.dtype)
 
 
-def pack_linear(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, fmt: str) -> PackedLinear:
+def dequantize_packed(packed: PackedLinear) -> torch.Tensor:
+    """The fp32 [out, in] weights a packed layer actually multiplies by."""
+    if packed.fmt in DENSE_FORMATS:
+        return packed.weight.float()
+    return _format_module(packed.fmt).dequantize(packed)
+
+
+def packed_linear_reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """Plain fp32 torch for any format (w8a8 includes its activation quantization)."""
+    x2 = x.reshape(-1, packed.in_features)
+    if packed.fmt in DENSE_FORMATS:
+        y = linear_reference(x2, packed.weight, packed.bias)
+    else:
+        y = _format_module(packed.fmt).reference(x2, packed)
+    return y.reshape(*x.shape[:-1], packed.out_features)
+
+
+def pack_linear(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, fmt: str, *,
+                device: torch.device | str | None = None, smooth: torch.Tensor | None = None,
+                smooth_alpha: float = 0.5) -> PackedLinear:
+    """weight: [out, in] float tensor or GGUF QuantizedTensor; bias: [out] or None.
+
+    device: where the layer will run (default: the weight's device; CPU for a QuantizedTensor).
+    smooth, smooth_alpha: w8a8 only, SmoothQuant statistics (see kernels.quant_w8a8.pack).
+    """
     out_features, in_features = weight.shape
-    bias = None if bias is None else bias.float().contiguous()
+    if device is None:
+        device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    if bias is not None:
+        if tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match out_features {out_features}")
+        bias = bias.float().to(device).contiguous()
+    if smooth is not None and fmt != "w8a8":
+        raise ValueError(f"smooth is a w8a8 option, not valid for fmt {fmt!r}")
     if fmt == "fp32":
-        return PackedLinear(fmt, in_features, out_features, to_float(weight).contiguous(), bias)
+        return PackedLinear(fmt, in_features, out_features, to_float(weight).to(device).contiguous(), bias)
     if fmt == "bf16":
-        return PackedLinear(fmt, in_features, out_features, to_float(weight, torch.bfloat16).contiguous(), bias)
-    raise ValueError(f"unknown linear weight format {fmt!r}")
+        w = to_float(weight).to(device=device, dtype=torch.bfloat16).contiguous()
+        return PackedLinear(fmt, in_features, out_features, w, bias)
+    module = _format_module(fmt)
+    if fmt == "w8a8":
+        return module.pack(weight, bias, device, smooth=smooth, smooth_alpha=smooth_alpha)
+    return module.pack(weight, bias, device)
 
 
 def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    """x: [T, in] -> [T, out] in x's dtype."""
-    if packed.fmt in ("fp32", "bf16"):
+    """x: [..., in] -> [..., out] in x's dtype."""
+    if x.shape[-1] != packed.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, layer expects {packed.in_features}")
+    if packed.fmt in DENSE_FORMATS:
         y = torch.nn.functional.linear(x.to(packed.weight.dtype), packed.weight)
-        y = y.to(x.dtype)
-        return y if packed.bias is None else y + packed.bias
-    raise ValueError(f"unknown linear weight format {packed.fmt!r}")
+        if packed.bias is not None:
+            y = y.float() + packed.bias
+        return y.to(x.dtype)
+    x2 = x.reshape(-1, packed.in_features)
+    y = _format_module(packed.fmt).forward(x2, packed)
+    return y.reshape(*x.shape[:-1], packed.out_features)

@@ -3,12 +3,16 @@
     residual_out = x + residual          (when residual is given)
     y = residual_out / sqrt(mean(residual_out^2) + eps) * weight
 
-Statistics are computed in fp32 whatever the input dtype.
+Statistics are computed in fp32 whatever the input dtype. The Triton kernel reads x and
+residual once and writes y and residual_out once (one program per token), instead of the four
+passes the unfused torch version makes.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -25,7 +29,51 @@ def rms_norm_cpu(x, weight, eps, residual=None):
     return (y * weight).to(x.dtype), h
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,  # [T, H], unit column stride
+        r_ptr,  # [T, H] residual (read only if HAS_RESIDUAL)
+        w_ptr,  # [H] weight
+        y_ptr,  # [T, H] out: normed, contiguous
+        h_ptr,  # [T, H] out: x + residual, contiguous (written only if HAS_RESIDUAL)
+        H, eps, stride_x, stride_r,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(h_ptr + row * H + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * H + cols, (h * inv_rms * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if not HAS_TRITON:
+        raise RuntimeError("rms_norm_triton needs triton")
+    t, h = x.shape
+    assert x.stride(1) == 1 and weight.shape == (h,) and weight.is_contiguous()
+    assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    h_out = torch.empty_like(y) if residual is not None else x
+    block_h = triton.next_power_of_2(h)
+    _rms_norm_kernel[(t,)](
+        x, residual if residual is not None else x, weight, y, h_out,
+        h, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=min(16, max(1, block_h // 256)),
+    )
+    return y, h_out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, H]; weight: [H]. Returns (normed, x + residual)."""
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_cpu(x, weight, eps, residual)

@@ -1,0 +1,265 @@
+"""Weight-only int4 linear, group-wise asymmetric (group 32): the compact decode format.
+
+Convention (torchao / gpt-fast "tinygemm"; verified against the CPU kernel by experiment):
+
+    w[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n],   q in 0..15,   g = k // 32
+    scales_and_zeros: bf16 [K/32, N, 2], the last axis (scale, zero)
+
+Centring q on 8 keeps `zero` near the group's midpoint (small, so bf16 rounds it finely).
+
+GGUF repack, integer to integer (the nibbles are copied, never rounded through floats):
+
+    Q4_0 block: fp16 d, 16 bytes     w = d * (q - 8)   ->  scale = d, zero = 0
+    Q4_1 block: fp16 d, fp16 m, 16B  w = d * q + m     ->  scale = d, zero = m + 8 d  (fp32, exact)
+    nibbles: element i < 16 of a block is the low nibble of byte i, element 16 + i the high one.
+
+Only scale and zero are rounded (to bf16); the result equals QuantizedTensor.dequantize() up to
+that rounding.
+
+Layouts (PackedLinear.layout), chosen by the device given to pack():
+    "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
+               aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
+               with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
+               K % group == 0; N is padded to Np = round_up(N, 16) (zero rows, output sliced).
+    "nibbles": uint8 [N, Kp/2], byte j of row n = q[n, 2j] | q[n, 2j+1] << 4. Read by the Triton
+               kernel below; where Triton (or the aten CPU kernel) is missing, dequantized on the
+               fly and multiplied densely in bf16.
+Both pad K to Kp = round_up(K, 32) with zero weights (scale 0, zero 0).
+
+Prefill on CPU should use w8a8: the CPU int4 kernel is tuned for few rows (measured ~2x slower
+than a dense bf16 matmul at M = 512, and ~3x faster at M = 1).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels.linear import PackedLinear, to_float
+from kernels.quantized_tensor import QuantizedTensor
+
+GROUP_SIZE = 32
+N_ALIGN_CPU = 16
+_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_HAS_CPU_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+class Int4Groups(NamedTuple):
+    """Device-independent int4 weights: w = (q - 8) * scales + zeros, per group of 32 along K."""
+
+    q: torch.Tensor  # uint8 [N, Kp], values 0..15
+    scales: torch.Tensor  # fp32 [N, Kp / 32]
+    zeros: torch.Tensor  # fp32 [N, Kp / 32]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
+    """Min-max asymmetric quantization of a float [N, K] matrix. scale and zero are rounded to
+    bf16 first and q is computed against the rounded values, so the kernels' bf16 parameters
+    are the ones q was fitted to."""
+    n, k = w.shape
+    w = F.pad(w.float(), (0, _round_up(k, group_size) - k)).reshape(n, -1, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8).to(torch.bfloat16).float()
+    zeros = (lo + 8.0 * scales).to(torch.bfloat16).float()
+    q = torch.round((w - zeros[..., None]) / scales[..., None] + 8.0).clamp(0, 15)
+    return Int4Groups(q.to(torch.uint8).reshape(n, -1), scales, zeros)
+
+
+def int4_from_gguf(qt: QuantizedTensor) -> Int4Groups:
+    """Q4_0 / Q4_1 raw blocks -> Int4Groups, integer nibbles copied as is (see module docstring)."""
+    block_bytes = _GGUF_BLOCK_BYTES.get(qt.ggml_type)
+    if block_bytes is None:
+        raise ValueError(f"int4 repack needs Q4_0 or Q4_1 blocks, got {qt.ggml_type}")
+    rows, cols = qt.shape
+    if cols % GROUP_SIZE:
+        raise ValueError(f"GGUF row length {cols} is not a multiple of {GROUP_SIZE}")
+    blocks = np.ascontiguousarray(qt.data).reshape(rows, cols // GROUP_SIZE, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, G]
+    if qt.ggml_type == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros = m + np.float32(8.0) * d  # 8d is exact; the sum is exact unless d and m differ by > 2^13
+        qs = blocks[..., 4:]
+    else:
+        zeros = np.zeros_like(d)
+        qs = blocks[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
+    if isinstance(weight, QuantizedTensor) and weight.ggml_type in _GGUF_BLOCK_BYTES:
+        return int4_from_gguf(weight)
+    return quantize_int4(to_float(weight))
+
+
+def default_layout(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" and _HAS_CPU_KERNEL else "nibbles"
+
+
+def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
+         layout: str | None = None) -> PackedLinear:
+    out_features, in_features = weight.shape
+    return pack_groups(to_int4_groups(weight), in_features, bias, device, layout)
+
+
+def pack_groups(groups: Int4Groups, in_features: int, bias: torch.Tensor | None,
+                device: torch.device, layout: str | None = None) -> PackedLinear:
+    """layout: "cpu" or "nibbles"; default by device (module docstring)."""
+    layout = layout or default_layout(device)
+    if layout not in ("cpu", "nibbles"):
+        raise ValueError(f"unknown int4 layout {layout!r}")
+    q, scales, zeros = groups
+    n, kp = q.shape
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(torch.bfloat16)  # [G, N, 2]
+    if layout == "cpu":
+        np_ = _round_up(n, N_ALIGN_CPU)
+        q = F.pad(q, (0, 0, 0, np_ - n), value=8)  # (8 - 8) * 0 + 0 = 0
+        sz = F.pad(sz, (0, 0, 0, np_ - n))
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    else:
+        weight = q[:, 0::2] | (q[:, 1::2] << 4)
+    return PackedLinear("int4", in_features, n, weight.to(device).contiguous(), bias,
+                        scales=sz.to(device).contiguous(), layout=layout, group_size=GROUP_SIZE)
+
+
+def unpack_q(packed: PackedLinear) -> torch.Tensor:
+    """uint8 [N_stored, Kp] nibble values 0..15 of a packed layer (for dequantize and tests)."""
+    if packed.layout == "nibbles":
+        w = packed.weight
+        return torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(w.shape[0], -1)
+    # The aten CPU layout is internal, so ask the kernel itself: identity activations with
+    # scale 1 and zero 8 return q^T exactly (integers 0..15 are exact in bf16).
+    g, np_ = packed.scales.shape[0], packed.scales.shape[1]
+    kp = g * packed.group_size
+    unit = torch.stack([torch.ones(g, np_), torch.full((g, np_), 8.0)], dim=-1).to(torch.bfloat16)
+    eye = torch.eye(kp, dtype=torch.bfloat16)
+    qt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed.weight, packed.group_size, unit)
+    return qt.t().round().to(torch.uint8)
+
+
+def dequantize(packed: PackedLinear) -> torch.Tensor:
+    q = unpack_q(packed).float()
+    sz = packed.scales.float().transpose(0, 1)  # [N, G, 2]
+    idx = torch.arange(q.shape[1], device=q.device) // packed.group_size
+    w = (q - 8.0) * sz[:, idx, 0] + sz[:, idx, 1]
+    return w[:packed.out_features, :packed.in_features]
+
+
+def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    y = x.float() @ dequantize(packed).t()
+    if packed.bias is not None:
+        y = y + packed.bias
+    return y.to(x.dtype)
+
+
+def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x: [M, K] -> [M, N] in x's dtype."""
+    if packed.layout == "cpu":
+        return int4_linear_cpu(x, packed)
+    if use_triton(x):
+        y = int4_linear_triton(x.to(torch.bfloat16), packed.weight, packed.scales, packed.group_size, packed.bias)
+        return y.to(x.dtype)
+    y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
+    return (y if packed.bias is None else y + packed.bias).to(x.dtype)
+
+
+def int4_linear_cpu(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    xb = x.to(torch.bfloat16)
+    kp = packed.scales.shape[0] * packed.group_size
+    if xb.shape[1] != kp:
+        xb = F.pad(xb, (0, kp - xb.shape[1]))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), packed.weight, packed.group_size, packed.scales)
+    if y.shape[1] != packed.out_features:
+        y = y[:, :packed.out_features]
+    if packed.bias is not None:
+        y = y.float() + packed.bias
+    return y.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _int4_weight_only_kernel(
+        x_ptr,  # [M, K] activations (fp32/fp16/bf16), unit column stride
+        w_ptr,  # [N, KP/2] uint8, byte j = q[2j] | q[2j+1] << 4, unit column stride
+        sz_ptr,  # [KP/GROUP, N, 2] contiguous (scale, zero): w = (q - 8) * scale + zero
+        b_ptr,  # [N] fp32 bias (read only if HAS_BIAS)
+        y_ptr,  # [M, N] output, unit column stride
+        M, N, K, KP,
+        stride_xm, stride_wn, stride_ym,
+        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Even and odd k are handled as two half-tiles (low and high nibbles), so no interleave
+        # is needed: acc += x[:, even] @ w_lo + x[:, odd] @ w_hi. GROUP is even, so a byte's two
+        # nibbles share one (scale, zero).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
+        x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm  # [BM]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, KP, BLOCK_K):
+            j = k0 // 2 + offs_j  # byte column
+            k_even = 2 * j
+            wmask = (k_even < KP)[:, None] & n_mask[None, :]
+            packed = tl.load(w_cols + j[:, None], mask=wmask, other=0)  # [BK/2, BN]
+            sz = sz_ptr + ((k_even // GROUP).to(tl.int64)[:, None] * N + offs_n[None, :]) * 2
+            scale = tl.load(sz, mask=wmask, other=0.0).to(tl.float32)
+            zero = tl.load(sz + 1, mask=wmask, other=0.0).to(tl.float32)
+            w_lo = ((packed & 0xF).to(tl.float32) - 8.0) * scale + zero
+            w_hi = ((packed >> 4).to(tl.float32) - 8.0) * scale + zero
+            if BLOCK_M == 1:
+                # GEMV (decode): x as [BK/2, 1] columns, multiply and reduce over K.
+                xe = tl.load(x_rows[None, :] + k_even[:, None],
+                             mask=(k_even < K)[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+                xo = tl.load(x_rows[None, :] + k_even[:, None] + 1,
+                             mask=(k_even + 1 < K)[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(xe * w_lo + xo * w_hi, axis=0)[None, :]
+            else:
+                xe = tl.load(x_rows[:, None] + k_even[None, :],
+                             mask=m_mask[:, None] & (k_even < K)[None, :], other=0.0)  # [BM, BK/2]
+                xo = tl.load(x_rows[:, None] + k_even[None, :] + 1,
+                             mask=m_mask[:, None] & (k_even + 1 < K)[None, :], other=0.0)
+                acc += tl.dot(xe, w_lo.to(xe.dtype))
+                acc += tl.dot(xo, w_hi.to(xo.dtype))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def int4_linear_triton(x: torch.Tensor, w: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] float; w: uint8 [N, Kp/2] ("nibbles" layout); scales_and_zeros: [Kp/group, N, 2];
+    bias: fp32 [N] -> [M, N] in x's dtype."""
+    if not HAS_TRITON:
+        raise RuntimeError("int4_linear_triton needs triton")
+    m, k = x.shape
+    n, kp = w.shape[0], 2 * w.shape[1]
+    assert x.stride(1) == 1 and w.dtype == torch.uint8 and w.stride(1) == 1 and kp >= k
+    assert group_size % 2 == 0 and kp % group_size == 0
+    assert scales_and_zeros.shape == (kp // group_size, n, 2) and scales_and_zeros.is_contiguous()
+    assert bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = (1, 64, 128) if m == 1 else (min(64, max(16, triton.next_power_of_2(m))), 64, 64)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int4_weight_only_kernel[grid](
+        x, w, scales_and_zeros, bias if bias is not None else scales_and_zeros, y,
+        m, n, k, kp, x.stride(0), w.stride(0), y.stride(0),
+        GROUP=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return y

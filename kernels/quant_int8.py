@@ -1,0 +1,164 @@
+"""Weight-only int8 linear, per-output-channel symmetric: the simple decode format.
+
+    w[n, k] ~= q[n, k] * scale[n],   q in -127..127,   scale[n] = max_k |w[n, k]| / 127
+
+Decode reads every weight once per step, so half the bytes of bf16 is half the step's memory
+time. Activations stay 16-bit (weight-only); accumulation is fp32; the scale is applied once per
+output in the epilogue, so the inner loop is a plain int8 -> float dot product.
+
+Layouts (PackedLinear.layout), chosen by the device given to pack():
+    "cpu":    q int8 [N, Kp], scales bf16 [N] for aten._weight_int8pack_mm(x bf16, q, scales).
+              Measured (torch 2.13, AVX-512): that kernel returns garbage for K % 16 != 0 and
+              crashes for some odd K, so K is zero-padded to Kp = round_up(K, 16) at pack time.
+              Its scales must share x's dtype (bf16), so they are rounded to bf16 before q is
+              computed against them (q absorbs the rounding).
+    "triton": q int8 [N, Kp], scales fp32 [N], read by the Triton kernel below. Without Triton
+              on the device, falls back to dequantize-on-the-fly + a dense bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels.linear import PackedLinear, to_float
+from kernels.quantized_tensor import QuantizedTensor
+
+K_ALIGN = 16
+# aten's int8 kernel costs ~50 us per row at N=1536, K=576 (one Zen 4 core, torch 2.13) while a
+# dense bf16 matmul amortizes over rows: from this many rows on, dequantizing to bf16 once and
+# calling the dense GEMM is faster (measured crossover between 32 and 64 rows; 5x at 512).
+CPU_DENSE_MIN_ROWS = 48
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (q int8 [N, K], scales [N] in scale_dtype), symmetric per row."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(scale_dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
+         layout: str | None = None) -> PackedLinear:
+    """layout: "cpu" or "triton"; default by device (module docstring)."""
+    out_features, in_features = weight.shape
+    layout = layout or ("triton" if device.type == "cuda" else "cpu")
+    if layout not in ("cpu", "triton"):
+        raise ValueError(f"unknown int8 layout {layout!r}")
+    q, scales = quantize_int8(to_float(weight), torch.float32 if layout == "triton" else torch.bfloat16)
+    q = F.pad(q, (0, _round_up(in_features, K_ALIGN) - in_features))
+    return PackedLinear("int8", in_features, out_features, q.to(device).contiguous(), bias,
+                        scales=scales.to(device).contiguous(), layout=layout)
+
+
+def dequantize(packed: PackedLinear) -> torch.Tensor:
+    return packed.weight[:, :packed.in_features].float() * packed.scales.float()[:, None]
+
+
+def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    y = x.float() @ dequantize(packed).t()
+    if packed.bias is not None:
+        y = y + packed.bias
+    return y.to(x.dtype)
+
+
+def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x: [M, K] -> [M, N] in x's dtype."""
+    if packed.layout == "cpu":
+        return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)
+    if use_triton(x):
+        return int8_linear_triton(x.to(torch.bfloat16), packed.weight, packed.scales, packed.bias).to(x.dtype)
+    y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
+    return (y if packed.bias is None else y + packed.bias).to(x.dtype)
+
+
+def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] float; q: int8 [N, Kp]; scales: bf16 [N]; bias: fp32 [N] -> [M, N] in x's dtype."""
+    xb = x.to(torch.bfloat16)
+    if xb.shape[1] != q.shape[1]:
+        xb = F.pad(xb, (0, q.shape[1] - xb.shape[1]))
+    if xb.shape[0] >= CPU_DENSE_MIN_ROWS:
+        y = F.linear(xb, q.to(torch.bfloat16) * scales[:, None])
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), q, scales)
+    if bias is not None:
+        y = y.float() + bias
+    return y.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _int8_weight_only_kernel(
+        x_ptr,  # [M, K] activations (fp32/fp16/bf16), unit column stride
+        w_ptr,  # [N, Kp] int8, unit column stride, zero past K
+        s_ptr,  # [N] fp32 per-output-channel scales
+        b_ptr,  # [N] fp32 bias (read only if HAS_BIAS)
+        y_ptr,  # [M, N] output, unit column stride
+        M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BK, BN]
+            if BLOCK_M == 1:
+                # GEMV (decode): x as a [BK, 1] column, multiply and reduce over K.
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + k[:, None],
+                            mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
+            else:
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+                acc += tl.dot(x, w.to(x.dtype))
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_blocks(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for M rows: a GEMV tile for decode, tensor-core tiles otherwise."""
+    if m == 1:
+        return 1, 64, 128
+    return min(64, max(16, triton.next_power_of_2(m))), 64, 64
+
+
+def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] float; q: int8 [N, Kp >= K]; scales: fp32 [N]; bias: fp32 [N] -> [M, N] in x's dtype."""
+    if not HAS_TRITON:
+        raise RuntimeError("int8_linear_triton needs triton")
+    m, k = x.shape
+    n = q.shape[0]
+    assert x.stride(1) == 1 and q.dtype == torch.int8 and q.stride(1) == 1 and q.shape[1] >= k
+    assert scales.shape == (n,) and scales.dtype == torch.float32
+    assert bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = gemm_blocks(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int8_weight_only_kernel[grid](
+        x, q, scales, bias if bias is not None else scales, y,
+        m, n, k, x.stride(0), q.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return y
