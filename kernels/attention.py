@@ -9,11 +9,29 @@ prefix is q_len_b < seq_lens[b]; a fresh prefill is q_len_b == seq_lens[b].
 
 Position j of sequence b lives in block block_tables[b, j // block_size] at offset
 j % block_size. GQA: query head h reads kv head h // (Hq // Hkv).
+
+    cu_seqlens_q  0     3 4        9        (B = 3; T = 9)
+    q rows        [a a a|b|c c c c c]
+    seq_lens      [3,    7, 12]           a: fresh prefill, b: decode at position 6,
+                                          c: chunk at positions 7..11 after a 7-token prefix
+
+Implementations (one file each), chosen by `paged_attention` from the device:
+- CUDA + Triton: kernels/paged_attention.py's decode kernel when T == B (every sequence a
+  decode, the common decode-node step), else kernels/flash_attention.py's kernel, which takes
+  any mix of decodes and chunks in one launch. Neither reads a device value on the host.
+- CPU: sequences split on the host (.tolist() of the small index tensors) into decodes
+  (batched gather + matmul) and prefill chunks (SDPA); both write into one output.
+- `paged_attention_reference`: the definition, a plain loop in fp32, for tests only.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels._triton import use_triton
+from kernels.flash_attention import (check_paged_attention_args, flash_attention_cpu,
+                                     flash_attention_triton)
+from kernels.paged_attention import paged_decode_cpu, paged_decode_triton
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,7 +65,31 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    """CPU fast path: decodes batched together, prefill chunks through SDPA."""
+    check_paged_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    decodes, chunks = [], []
+    for b in range(len(lens)):
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 1:
+            decodes.append(b)
+        elif q_len > 1:
+            chunks.append(b)
+    out = torch.empty_like(q)
+    paged_decode_cpu(q, k_cache, v_cache, starts, lens, block_tables, scale, decodes, out)
+    flash_attention_cpu(q, k_cache, v_cache, starts, lens, block_tables, scale, chunks, out)
+    return out
+
+
+def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    """GPU path. T == B is routed to the decode kernel by shape alone; that kernel is exact
+    for any q_len, so the routing only affects speed (a T == B batch holding a 0-token and
+    a 2-token sequence is still right)."""
+    if q.shape[0] == seq_lens.shape[0]:
+        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                   scale)
+    return flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                  scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,4 +97,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; cu_seqlens_q: [B+1] int32;
     seq_lens: [B] int32; block_tables: [B, max_blocks] int32 -> [T, Hq, D]."""
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                      scale)
     return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
