@@ -21,6 +21,7 @@ from engine.config import CacheConfig
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models import model_class
+from engine.runtime import configure_process
 
 
 def weight_bytes(model) -> int:
@@ -72,13 +73,13 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2")
-    parser.add_argument("--formats", default="fp32,bf16")
+    parser.add_argument("--formats", default="fp32,bf16,int8,int4,w8a8")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)
     path = ModelStore(default_home()).resolve(args.model)
     loaded = load_model(path)
     print(f"model {loaded.config.name}: {loaded.config.num_layers} layers, hidden {loaded.config.hidden_size}; "

@@ -3,6 +3,8 @@
     tandem pull smollm2                 fetch the default model into the cache
     tandem list                         cached models
     tandem run MODEL [PROMPT] [opts]    generate (interactive chat without a prompt)
+    tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
+                                        coordinator + workers on this host (Ollama API)
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from engine.errors import TandemError
 from engine.model_store import ModelStore, default_home
 
 DEFAULT_MODEL = "smollm2"
+# The fastest formats that keep answers right on the default model (README: quality table).
+DEFAULT_PREFILL_QUANT = "bf16"
+DEFAULT_DECODE_QUANT = "int4"
 
 
 def _progress(done: int, total: int) -> None:
@@ -39,7 +45,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     entries = _store().list()
     print(f"{'NAME':32} {'SIZE':>10}  {'DIGEST':14} MODIFIED")
     for e in entries:
-        print(f"{e.name:32} {e.size / 1e6:8.1f}MB  {e.digest[:12]:14} {e.modified_at:%Y-%m-%d %H:%M}")
+        print(f"{e.name:32} {e.size / 1e6:8.1f}MB  {e.sha256[:12]:14} {e.modified_at:%Y-%m-%d %H:%M}")
     return 0
 
 
@@ -65,15 +71,14 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import torch
-
     from engine.generation import TextStream, chat_prompt_ids
     from engine.llm_engine import LLMEngine
+    from engine.runtime import configure_process
 
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)
     params = _sampling_params(args)
     path = _resolve_or_pull(args.model)
-    engine = LLMEngine.from_path(path, weight_format=args.weight_format)
+    engine = LLMEngine.from_path(path, weight_format=args.decode_quant, prefill_format=args.prefill_quant)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
 
     def answer(prompt: str) -> str:
@@ -117,6 +122,33 @@ def cmd_run(args: argparse.Namespace) -> int:
             answer(line)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deploy.local import Topology, serve
+
+    path = _resolve_or_pull(args.model)
+    log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
+        "serve-%Y%m%d-%H%M%S")
+    try:
+        topology = Topology(model=args.model, model_path=path, log_dir=log_dir, host=args.host,
+                            port=args.port, prefill=args.prefill, decode=args.decode,
+                            colocated=args.colocated, kv_backend=args.kv_backend,
+                            chunk_size=args.chunk_size, prefill_threshold=args.prefill_threshold)
+    except ValueError as exc:
+        raise TandemError(str(exc)) from None
+    return serve(topology, start_timeout_s=args.start_timeout)
+
+
+def add_quant_flags(p: argparse.ArgumentParser) -> None:
+    from engine.config import DECODE_FORMATS, PREFILL_FORMATS
+
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default=DEFAULT_PREFILL_QUANT,
+                   help=f"weight format of prefill passes (default {DEFAULT_PREFILL_QUANT})")
+    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
+                   help=f"weight format of decode steps (default {DEFAULT_DECODE_QUANT})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,10 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-predict", type=int)
     p.add_argument("--num-ctx", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--weight-format", default="fp32", help="fp32 | bf16")
+    add_quant_flags(p)
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")))
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name (pulled if missing), GGUF file or Hugging Face directory")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address of the coordinator")
+    p.add_argument("--port", type=int, default=11434, help="HTTP port of the coordinator")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="one worker doing prefill and decode instead")
+    p.add_argument("--kv-backend", choices=("zmq", "shm", "grpc"), default="zmq",
+                   help="KV transfer between prefill and decode workers")
+    p.add_argument("--chunk-size", type=int, default=512, help="per-pass token budget")
+    p.add_argument("--prefill-threshold", type=int,
+                   help="prompts of at most this many tokens may prefill on the decode worker")
+    p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds to wait for every worker to register")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -102,6 +102,10 @@ class SchedulerConfig:
 
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "w8a8")
+# Per-role choices offered to users: prefill is compute-bound (GEMM formats), decode is
+# memory-bound (weight-only formats read fewer bytes per token).
+PREFILL_FORMATS = ("fp32", "bf16", "w8a8")
+DECODE_FORMATS = ("fp32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -109,13 +113,17 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Linear-layer weight format (see kernels/linear.py); logits are always fp32.
+    # Linear-layer weight formats (see kernels/linear.py) for decode steps and for large
+    # (prefill) passes; logits are always fp32.
     weight_format: str = "fp32"
+    prefill_weight_format: str | None = None  # None: same as weight_format
     max_model_len: int | None = None  # defaults to model.max_position
 
     def __post_init__(self) -> None:
-        if self.weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        for name in ("weight_format", "prefill_weight_format"):
+            value = getattr(self, name)
+            if value is not None and value not in WEIGHT_FORMATS:
+                raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

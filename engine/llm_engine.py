@@ -10,7 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from engine.models import model_class
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -35,18 +35,22 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     status: RequestStatus
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: torch.dtype = torch.float32, kv_cache: torch.Tensor | None = None) -> None:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, config.cache, kv_dtype)
+        self.runner = ModelRunner(model, config.cache, kv_dtype, kv_cache)
+        # Set by a prefill worker: given a pass's plan, returns the per-layer callback that
+        # starts each finished layer's KV transfer (or None when nothing in it is remote).
+        self.layer_hook: Callable[[SchedulerOutput], Callable[[int], None] | None] | None = None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
@@ -54,17 +58,19 @@ class LLMEngine:
         self.load_duration_s = 0.0
 
     @classmethod
-    def from_path(cls, path: str | Path, *, weight_format: str = "fp32", block_size: int = 16,
+    def from_path(cls, path: str | Path, *, weight_format: str = "fp32",
+                  prefill_format: str | None = None, block_size: int = 16,
                   num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                   scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
                   enable_prefix_caching: bool = True, kv_dtype: torch.dtype = torch.float32,
-                  load_tokenizer: bool = True) -> "LLMEngine":
+                  load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None) -> "LLMEngine":
         from engine.loaders import load_model
         from engine.tokenizer import Tokenizer
 
         t0 = time.monotonic()
         loaded = load_model(Path(path))
-        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format)
+        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format,
+                                                        prefill_format=prefill_format)
         if num_blocks is None:
             per_block = kv_cache_bytes_per_block(loaded.config, block_size, kv_dtype)
             num_blocks = max(1, kv_cache_bytes // per_block)
@@ -74,10 +80,11 @@ class LLMEngine:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=scheduler or SchedulerConfig(),
             weight_format=weight_format,
+            prefill_weight_format=prefill_format,
             max_model_len=max_model_len,
         )
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_dtype)
+        engine = cls(model, config, tokenizer, kv_dtype, kv_cache)
         engine.load_duration_s = time.monotonic() - t0
         return engine
 
@@ -89,10 +96,28 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None,
-                    stop_token_ids: frozenset[int] | None = None) -> Request:
+                    stop_token_ids: frozenset[int] | None = None,
+                    max_tokens: int | None = None) -> Request:
         """Queues a request. Raises ContextLengthError when the prompt leaves no room for a
         single generated token in the context window (num_ctx when given, capped by the
         model's)."""
+        return self.submit(self.make_request(prompt_token_ids, params, request_id, stop_token_ids, max_tokens))
+
+    def submit(self, request: Request) -> Request:
+        """Queues a request built by make_request."""
+        if request.max_tokens <= 0:
+            request.status = RequestStatus.FINISHED_LENGTH
+            self._pending.append(StepOutput(request.request_id, [], True, request.status))
+            return request
+        self._generators[request.request_id] = make_generator(request.sampling_params.seed)
+        self.scheduler.add_request(request)
+        return request
+
+    def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     request_id: str | None = None, stop_token_ids: frozenset[int] | None = None,
+                     max_tokens: int | None = None) -> Request:
+        """A validated request, not yet queued. max_tokens (when given) further caps what the
+        context and num_predict allow."""
         context = min(params.num_ctx or self.context_length, self.context_length)
         if not prompt_token_ids:
             raise ContextLengthError("the prompt is empty")
@@ -102,27 +127,43 @@ class LLMEngine:
                 f"{context} tokens")
         if stop_token_ids is None:
             stop_token_ids = self.tokenizer.stop_token_ids if self.tokenizer is not None else frozenset()
-        request = Request(
+        allowed = params.max_tokens_for(len(prompt_token_ids), context)
+        return Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            max_tokens=params.max_tokens_for(len(prompt_token_ids), context),
+            max_tokens=allowed if max_tokens is None else min(allowed, max_tokens),
             stop_token_ids=frozenset(stop_token_ids),
         )
-        if request.max_tokens <= 0:
-            request.status = RequestStatus.FINISHED_LENGTH
-            self._pending.append(StepOutput(request.request_id, [], True, request.status))
-            return request
-        self._generators[request.request_id] = make_generator(params.seed)
-        self.scheduler.add_request(request)
-        return request
 
-    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_request(request_id, status)
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Decode role: reserve blocks for a request whose prompt KV a prefill worker sends.
+        None when the pool has no room."""
+        blocks = self.scheduler.reserve_remote(request)
+        if blocks is not None:
+            self._generators[request.request_id] = make_generator(request.sampling_params.seed)
+        return blocks
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> Request | None:
+        """Decode role: the KV has arrived and the first token is known; the request joins
+        the batch (or finishes at once if that token ends it)."""
+        request = self.scheduler.admit_prefilled(request_id, first_token)
+        if request is not None and request.status.is_finished:
+            self._generators.pop(request_id, None)
+        return request
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      free_blocks: bool = True) -> None:
+        """Ends a request in any state. free_blocks=False leaves its blocks to the caller
+        (who frees them with block_manager.free once no transfer can write into them)."""
+        self.scheduler.finish_request(request_id, status, free_blocks)
         self._generators.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def has_work(self) -> bool:
+        """A step now would compute or report something."""
+        return self.scheduler.has_schedulable() or bool(self._pending)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -134,7 +175,8 @@ class LLMEngine:
         chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples)
                   for c in plan.chunks]
-        logits = self.runner.execute(chunks)
+        on_layer_done = self.layer_hook(plan) if self.layer_hook is not None else None
+        logits = self.runner.execute(chunks, on_layer_done)
         sampled = self._sample([c.request for c in plan.chunks if c.samples], logits)
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
         by_id = {c.request_id: c.request for c in plan.chunks}
@@ -142,7 +184,8 @@ class LLMEngine:
             done = request_id in finished
             if done:
                 self._generators.pop(request_id, None)
-            outputs.append(StepOutput(request_id, [token], done, by_id[request_id].status))
+            request = by_id[request_id]
+            outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens))
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:

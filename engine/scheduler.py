@@ -50,9 +50,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 hold_finished_blocks: bool = False) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Prefill role: a request that finishes keeps its blocks (owner = request id) until
+        # the worker has seen its KV transfer acknowledged and frees them itself.
+        self.hold_finished_blocks = hold_finished_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -123,6 +127,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable(self) -> bool:
+        """Work a pass could do now (requests waiting for remote KV have none)."""
+        return bool(self.waiting or self.running)
 
     @property
     def num_waiting(self) -> int:
@@ -214,6 +222,6 @@ class Scheduler:
             request.append_token(token)
             status = request.check_stop()
             if status is not None:
-                self.finish_request(request.request_id, status)
+                self.finish_request(request.request_id, status, free_blocks=not self.hold_finished_blocks)
                 finished.append(request)
         return finished

@@ -44,17 +44,33 @@ class DecoderLayer:
     down: PackedLinear
 
 
+# Passes with at least this many tokens use the prefill weight format (compute-bound GEMMs);
+# smaller ones, decode steps, the decode format (memory-bound GEMVs). Around this size int4
+# weight-only kernels stop beating int8 GEMMs on a CPU (kernels/bench_linear.py).
+PREFILL_MIN_TOKENS = 32
+
+# The lm_head reads the whole vocabulary every step; int8 halves bf16's bytes and keeps the
+# logits (computed in fp32) close enough that greedy choices hold.
+LM_HEAD_FORMAT = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int8", "w8a8": "int8"}
+
+
 class LlamaForCausalLM:
+    """weight_format packs the projections for decode; prefill_format (if different) packs a
+    second copy for large passes, so one model serves both phases in its best format."""
+
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
-                 lm_head_format: str | None = None) -> None:
+                 lm_head_format: str | None = None, prefill_format: str | None = None) -> None:
         self.config = config
         self.weight_format = weight_format
+        self.prefill_format = prefill_format or weight_format
         get = self._getter(weights)
         self.embed_tokens = to_float(get("model.embed_tokens.weight"))
         self.layers = [self._load_layer(get, i, weight_format) for i in range(config.num_layers)]
+        self.prefill_layers = self.layers if self.prefill_format == weight_format else [
+            self._load_layer(get, i, self.prefill_format) for i in range(config.num_layers)]
         self.norm = to_float(get("model.norm.weight"))
         lm_head = get("lm_head.weight")
-        head_fmt = lm_head_format or ("bf16" if weight_format == "bf16" else "fp32")
+        head_fmt = lm_head_format or LM_HEAD_FORMAT[weight_format]
         if head_fmt == "fp32" and lm_head is weights.get("model.embed_tokens.weight"):
             # Tied and already fp32: share the embedding matrix instead of a second copy.
             self.lm_head = PackedLinear("fp32", config.hidden_size, config.vocab_size, self.embed_tokens)
@@ -94,7 +110,8 @@ class LlamaForCausalLM:
         t = batch.num_tokens
         hidden = self.embed_tokens[batch.input_ids]
         residual = None
-        for i, layer in enumerate(self.layers):
+        layers = self.prefill_layers if t >= PREFILL_MIN_TOKENS else self.layers
+        for i, layer in enumerate(layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = linear(x, layer.qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)

@@ -1,0 +1,18 @@
+"""tandem's coordinator: the front door (HTTP APIs, chat template, tokenizer) and the global
+scheduler (admission, placement, the request flow over prefill and decode workers, the worker
+registry). It never imports torch.
+
+    config.py         CoordinatorConfig
+    model.py          ServedModel: config + tokenizer + fingerprint, no weights
+    registry.py       workers, Registry gRPC servicer, liveness
+    placement.py      which decode worker, which prefill worker or none (pure)
+    admission.py      bounded queue and concurrency limit (503 when full)
+    request_flow.py   one request through the workers, as token ids
+    text_stream.py    token ids -> text (detokenizer, stop strings)
+    generation.py     one admitted request at the text level, timed
+    metrics.py        Prometheus series and per-request timings
+    convert.py        typed values <-> worker.proto messages
+    service.py        Coordinator: all of the above as one object
+    ollama_request.py / ollama_response.py / http_api.py   the Ollama HTTP API
+    server.py, __main__.py                                  the process
+"""

@@ -1,0 +1,74 @@
+"""`python -m coordinator --model PATH_OR_NAME [--host H] [--port P] [--registry-port P] ...`
+
+The process entry: flags (and TANDEM_HOME, read here only) -> config -> serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from coordinator.config import CoordinatorConfig
+from engine.errors import TandemError
+
+DEFAULTS = CoordinatorConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m coordinator",
+                                description="tandem coordinator: HTTP front door and scheduler")
+    p.add_argument("--model", required=True, help="model name in the store, GGUF file or HF dir")
+    p.add_argument("--model-name", help="name clients use (default: --model as given)")
+    p.add_argument("--host", default=DEFAULTS.host)
+    p.add_argument("--port", type=int, default=DEFAULTS.port)
+    p.add_argument("--registry-host", default=DEFAULTS.registry_host,
+                   help="address the Registry gRPC service listens on")
+    p.add_argument("--registry-port", type=int, default=DEFAULTS.registry_port,
+                   help="port of the Registry gRPC service (0 = any free port)")
+    p.add_argument("--prefill-threshold", type=int, default=DEFAULTS.prefill_threshold,
+                   help="prompts of at most this many tokens may prefill on the decode worker")
+    p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
+                   help="per-pass token budget assumed for workers that do not report one")
+    p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue)
+    p.add_argument("--max-running-per-worker", type=int, default=DEFAULTS.max_running_per_worker)
+    p.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s)
+    p.add_argument("--heartbeat-interval", type=float, default=DEFAULTS.heartbeat_interval_s)
+    p.add_argument("--heartbeat-misses", type=int, default=DEFAULTS.heartbeat_misses)
+    p.add_argument("--prefill-timeout", type=float, default=DEFAULTS.prefill_timeout_s)
+    p.add_argument("--token-timeout", type=float, default=DEFAULTS.token_timeout_s)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from coordinator.model import load_served_model
+        from coordinator.server import serve
+        from engine.model_store import ModelStore, default_home
+
+        config = CoordinatorConfig(
+            host=args.host, port=args.port, registry_host=args.registry_host,
+            registry_port=args.registry_port, prefill_threshold=args.prefill_threshold,
+            chunk_size=args.chunk_size, max_queue=args.max_queue,
+            max_running_per_worker=args.max_running_per_worker,
+            queue_timeout_s=args.queue_timeout, heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
+            token_timeout_s=args.token_timeout)
+        store = ModelStore(default_home())
+        path = store.resolve(args.model)
+        entry = store.entry(args.model)
+        aliases = entry.names if entry is not None else ()
+        model = load_served_model(path, args.model_name or args.model, aliases)
+    except (TandemError, ValueError) as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    serve(config, model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

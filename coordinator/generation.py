@@ -1,0 +1,85 @@
+"""One admitted request at the text level: token ids from the request flow become text pieces
+(detokenized, stop strings applied), timed for the metrics and the Ollama figures.
+
+Life cycle, driven by the HTTP layer:
+
+    Coordinator.begin(...)  -> Generation   (admission slot held)
+    async for piece in generation.pieces()  (once; WorkerError ends it mid-stream)
+    await generation.close()                (always, exactly once in effect: cancels whatever
+                                             is still running, frees the slot, records metrics)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from coordinator.metrics import Metrics, RequestTimings
+from coordinator.request_flow import FlowOutcome, FlowRequest, RequestFlow, WorkerError
+from coordinator.text_stream import TextStream
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Generation:
+    def __init__(self, request: FlowRequest, timings: RequestTimings, flow: RequestFlow,
+                 tokenizer: Tokenizer, metrics: Metrics, release: Callable[[], None]) -> None:
+        self.request = request
+        self.timings = timings
+        self.outcome = FlowOutcome()
+        self.done_reason: str | None = None  # "stop" | "length" once finished normally
+        self.error: str | None = None
+        self._flow = flow
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._release = release
+        self._pieces: AsyncIterator[str] | None = None
+        self._closed = False
+
+    def pieces(self) -> AsyncIterator[str]:
+        if self._pieces is not None:
+            raise RuntimeError("Generation.pieces() may be iterated only once")
+        self._pieces = self._run()
+        return self._pieces
+
+    async def _run(self) -> AsyncIterator[str]:
+        text = TextStream(self._tokenizer, self.request.params.stop)
+        try:
+            async with aclosing(self._flow.stream(self.request, self.outcome)) as tokens:
+                async for token_ids in tokens:
+                    piece, stopped = text.push(token_ids)
+                    self.timings.on_tokens(len(token_ids))
+                    if piece:
+                        yield piece
+                    if stopped:  # leaving the `async with` cancels the worker's stream
+                        self.done_reason = "stop"
+                        return
+            tail = text.finish()
+            if tail:
+                yield tail
+            self.done_reason = self.outcome.finish_reason
+        except WorkerError as exc:
+            self.error = str(exc)
+            log.error("request %s failed: %s", self.request.request_id, exc)
+            raise
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._pieces is not None:
+                await self._pieces.aclose()
+        finally:
+            self._release()
+            self.timings.finish()
+            self.timings.cached_tokens = self.outcome.cached_tokens
+            self.timings.prefill_worker_s = self.outcome.prefill_seconds
+            outcome = self.done_reason or ("error" if self.error else "cancelled")
+            self._metrics.observe_request(self.timings, outcome)
+            log.info("request %s: %s, %d prompt + %d output tokens, decode %s, prefill %s (%s)",
+                     self.request.request_id, outcome, self.timings.prompt_tokens,
+                     self.timings.output_tokens, self.outcome.decode_worker or "-",
+                     self.outcome.prefill_worker or "local", self.outcome.placement_reason)

@@ -1,0 +1,47 @@
+"""The model the coordinator serves: config, tokenizer and identity, without any weights.
+
+The coordinator renders chat templates and tokenizes, so it needs the tokenizer; it checks
+prompt lengths, so it needs the context length; it refuses workers of another model, so it
+needs the fingerprint. Everything else about the model lives on the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.loaders import load_config
+from engine.model_identity import model_fingerprint
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # the name responses carry
+    names: frozenset[str]  # every name a request may use for it
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str
+
+    @property
+    def context_len(self) -> int:
+        return self.config.max_position
+
+    def answers_to(self, name: str) -> bool:
+        """Ollama clients add the default tag: "smollm2" and "smollm2:latest" are one model."""
+        base = name[: -len(":latest")] if name.endswith(":latest") else name
+        return name in self.names or base in self.names
+
+
+def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = ()) -> ServedModel:
+    """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors."""
+    path = Path(path).expanduser()
+    config = load_config(path)
+    tokenizer = Tokenizer.from_path(path)
+    names = {name, *aliases, str(path), path.name, path.stem}
+    return ServedModel(name=name, names=frozenset(n for n in names if n), path=path,
+                       config=config, tokenizer=tokenizer,
+                       fingerprint=model_fingerprint(path, config))

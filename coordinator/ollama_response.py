@@ -1,0 +1,75 @@
+"""Shaping Ollama API responses: NDJSON lines, stream chunks, and the final object with its
+figures in integer nanoseconds (see /work/shared/OLLAMA-API.md for the field meanings).
+
+tandem adds one field to final objects, `tandem`, with the request's serving figures (TTFT,
+TPOT, ITL, queue time, workers); Ollama clients ignore fields they do not know.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from coordinator.generation import Generation
+from coordinator.metrics import RequestTimings
+
+
+def created_at() -> str:
+    """RFC 3339 in UTC with microseconds, as Ollama writes it: 2024-05-17T10:30:00.123456Z."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def ndjson(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def error_body(message: str) -> dict[str, str]:
+    return {"error": message}
+
+
+def _ns(seconds: float | None) -> int:
+    return max(0, round((seconds or 0.0) * 1e9))
+
+
+def figures(t: RequestTimings) -> dict[str, int]:
+    """Ollama's six figures. prompt_eval_count counts the whole prompt, prefix-cached tokens
+    included; prompt_eval_duration is arrival to first token (queueing, prefill, KV hand-off)."""
+    return {
+        "total_duration": _ns(t.e2e),
+        "load_duration": 0,  # the workers keep the model resident
+        "prompt_eval_count": t.prompt_tokens,
+        "prompt_eval_duration": _ns(t.ttft if t.ttft is not None else t.e2e),
+        "eval_count": t.output_tokens,
+        "eval_duration": _ns(t.eval_time),
+    }
+
+
+def serving_figures(g: Generation) -> dict[str, Any]:
+    t = g.timings
+    return {
+        "ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": [round(x, 6) for x in t.itl],
+        "queue_s": t.queue_time, "cached_tokens": t.cached_tokens,
+        "decode_worker": g.outcome.decode_worker or None,
+        "prefill_worker": g.outcome.prefill_worker or None,
+    }
+
+
+def chat_chunk(model: str, content: str) -> dict[str, Any]:
+    return {"model": model, "created_at": created_at(),
+            "message": {"role": "assistant", "content": content}, "done": False}
+
+
+def chat_final(model: str, g: Generation, content: str = "") -> dict[str, Any]:
+    g.timings.finish()
+    return {"model": model, "created_at": created_at(),
+            "message": {"role": "assistant", "content": content}, "done": True,
+            "done_reason": g.done_reason or "stop", **figures(g.timings),
+            "tandem": serving_figures(g)}
+
+
+def chat_load(model: str) -> dict[str, Any]:
+    """Empty `messages`: Ollama loads the model and answers at once."""
+    return {"model": model, "created_at": created_at(),
+            "message": {"role": "assistant", "content": ""}, "done": True,
+            "done_reason": "load"}

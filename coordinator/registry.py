@@ -1,0 +1,258 @@
+"""Worker registry: who is serving, where, with what model and KV layout, and whether alive.
+
+Workers call Register once at start (and again whenever a Heartbeat answers known=false), then
+Heartbeat every `heartbeat_interval_s` with their WorkerStatus. A worker is routed to only
+while it is alive:
+
+    Register(accepted) -> alive --(no heartbeat for heartbeat_misses intervals)--> dead
+                          alive --(an RPC to it fails with UNAVAILABLE)-----------> dead
+                          dead  --(Register again)----------------------------------> alive
+
+A dead worker's Heartbeat answers known=false, so a worker that was only cut off for a while
+registers again and is revived with a fresh channel. Records of dead workers are kept so that
+/internal/workers can show them.
+
+The coordinator also counts what it has itself sent to each worker (`assigned_*`): heartbeats
+are up to one interval old, and placement must not send a burst of requests to one worker
+because its last report looked idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.convert import WorkerLoad, load_from_status
+from engine.rpc import worker_pb2 as pb
+from engine.rpc import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+DECODE_ROLES = ("decode", "colocated")  # roles that run Generate streams
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """What placement sees of one live worker."""
+
+    worker_id: str
+    role: str
+    kv_backend: str
+    kv_layout_fingerprint: str
+    load: WorkerLoad
+    assigned_requests: int = 0  # requests this coordinator has running there now
+    assigned_prefill_tokens: int = 0  # prompt tokens this coordinator has sent it to prefill
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    role: str
+    address: str  # host:port of its gRPC server
+    kv_endpoint: str
+    kv_backend: str
+    model_fingerprint: str
+    kv_layout_fingerprint: str
+    channel: grpc.aio.Channel
+    load: WorkerLoad
+    last_heartbeat: float  # monotonic seconds
+    alive: bool = True
+    dead_reason: str = ""
+    assigned_requests: int = 0
+    assigned_prefill_tokens: int = 0
+    registrations: int = 1
+    prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
+    decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
+
+    def snapshot(self) -> WorkerSnapshot:
+        return WorkerSnapshot(self.worker_id, self.role, self.kv_backend,
+                              self.kv_layout_fingerprint, self.load, self.assigned_requests,
+                              self.assigned_prefill_tokens)
+
+    def describe(self) -> dict:
+        """JSON-ready view for /internal/workers."""
+        load = self.load
+        return {
+            "worker_id": self.worker_id, "role": self.role, "address": self.address,
+            "alive": self.alive, "dead_reason": self.dead_reason or None,
+            "kv_endpoint": self.kv_endpoint, "kv_backend": self.kv_backend,
+            "kv_layout_fingerprint": self.kv_layout_fingerprint,
+            "num_blocks": load.num_blocks, "num_free_blocks": load.num_free_blocks,
+            "num_running": load.num_running, "num_waiting": load.num_waiting,
+            "queued_prefill_tokens": load.queued_prefill_tokens,
+            "assigned_requests": self.assigned_requests,
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, config: CoordinatorConfig, model_fingerprint: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.model_fingerprint = model_fingerprint
+        self._clock = clock
+        self._workers: dict[str, WorkerRecord] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    # ---- called by the Registry servicer ------------------------------------------------------
+
+    def register(self, info: pb.WorkerInfo) -> pb.RegisterResponse:
+        reason = self._refusal(info)
+        if reason:
+            log.warning("refused worker %r at %s: %s", info.worker_id, info.address, reason)
+            return pb.RegisterResponse(accepted=False, reason=reason)
+        old = self._workers.get(info.worker_id)
+        if old is not None and old.address == info.address:
+            channel = old.channel  # same server: keep the connection
+        else:
+            channel = grpc.aio.insecure_channel(info.address)
+            if old is not None:
+                _close_later(old.channel)
+        record = WorkerRecord(
+            worker_id=info.worker_id, role=info.role, address=info.address,
+            kv_endpoint=info.kv_endpoint, kv_backend=info.kv_backend,
+            model_fingerprint=info.model_fingerprint,
+            kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
+            load=load_from_status(info.status), last_heartbeat=self._clock(),
+            registrations=old.registrations + 1 if old else 1,
+        )
+        if info.role == "prefill":
+            record.prefill_stub = pb_grpc.PrefillWorkerStub(channel)
+        else:
+            record.decode_stub = pb_grpc.DecodeWorkerStub(channel)
+        self._workers[info.worker_id] = record
+        log.info("worker %s (%s) at %s registered%s", info.worker_id, info.role, info.address,
+                 " again" if old else "")
+        self._notify()
+        return pb.RegisterResponse(accepted=True,
+                                   heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        record = self._workers.get(request.worker_id)
+        if record is None or not self._check_alive(record):
+            return pb.HeartbeatResponse(known=False)  # the worker registers again
+        record.last_heartbeat = self._clock()
+        if request.HasField("status"):
+            record.load = load_from_status(request.status)
+        self._notify()
+        return pb.HeartbeatResponse(known=True)
+
+    def _refusal(self, info: pb.WorkerInfo) -> str:
+        if not info.worker_id:
+            return "worker_id is empty"
+        if info.role not in ROLES:
+            return f"role {info.role!r} is not one of {', '.join(ROLES)}"
+        if not info.address:
+            return "address is empty"
+        if info.model_fingerprint != self.model_fingerprint:
+            return (f"model fingerprint {info.model_fingerprint!r} does not match the "
+                    f"coordinator's {self.model_fingerprint!r}: the worker serves a different "
+                    "model or a different file of it")
+        return ""
+
+    # ---- liveness -------------------------------------------------------------------------------
+
+    def _check_alive(self, record: WorkerRecord) -> bool:
+        if record.alive and self._clock() - record.last_heartbeat > self.config.heartbeat_deadline_s:
+            self._kill(record, f"no heartbeat for {self.config.heartbeat_deadline_s:g} s")
+        return record.alive
+
+    def sweep(self) -> None:
+        """Mark workers whose heartbeats stopped as dead. Run periodically by `run_sweeper`."""
+        for record in list(self._workers.values()):
+            self._check_alive(record)
+
+    async def run_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s / 2)
+            self.sweep()
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        """An RPC to the worker failed as if it were gone (UNAVAILABLE)."""
+        record = self._workers.get(worker_id)
+        if record is not None and record.alive:
+            self._kill(record, reason)
+
+    def _kill(self, record: WorkerRecord, reason: str) -> None:
+        record.alive = False
+        record.dead_reason = reason
+        log.warning("worker %s (%s) at %s is dead: %s", record.worker_id, record.role,
+                    record.address, reason)
+        self._notify()
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
+        """Add to (or, negative, take from) what this coordinator has sent a worker. A record
+        replaced by a re-registration starts from zero, so counts are clamped there."""
+        record = self._workers.get(worker_id)
+        if record is not None:
+            record.assigned_requests = max(0, record.assigned_requests + requests)
+            record.assigned_prefill_tokens = max(0, record.assigned_prefill_tokens + prefill_tokens)
+
+    def live(self, roles: tuple[str, ...] = ROLES) -> list[WorkerRecord]:
+        return [r for r in self._workers.values() if r.role in roles and self._check_alive(r)]
+
+    def snapshots(self, roles: tuple[str, ...] = ROLES) -> list[WorkerSnapshot]:
+        return [r.snapshot() for r in self.live(roles)]
+
+    def all(self) -> list[WorkerRecord]:
+        self.sweep()
+        return list(self._workers.values())
+
+    def live_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(ROLES, 0)
+        for record in self.live():
+            counts[record.role] += 1
+        return counts
+
+    # ---- change notification (admission wakes its waiters) --------------------------------------
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    async def close(self) -> None:
+        for record in self._workers.values():
+            await record.channel.close()
+        self._workers.clear()
+
+
+def _close_later(channel: grpc.aio.Channel) -> None:
+    # The replaced record's in-flight calls end with CANCELLED, which their flows report.
+    asyncio.get_running_loop().create_task(channel.close(grace=5.0))
+
+
+class RegistryServicer(pb_grpc.RegistryServicer):
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+
+    async def Register(self, request: pb.WorkerInfo, context) -> pb.RegisterResponse:
+        return self._registry.register(request)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        return self._registry.heartbeat(request)
+
+
+async def start_registry_server(registry: WorkerRegistry, host: str, port: int
+                                ) -> tuple[grpc.aio.Server, int]:
+    """Serve the Registry service on host:port (0 = a free port); returns (server, bound port)."""
+    server = grpc.aio.server()
+    pb_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen for workers on {host}:{port} (port in use?)")
+    await server.start()
+    return server, bound

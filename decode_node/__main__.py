@@ -1,0 +1,84 @@
+"""`python -m decode_node --model M --port P [--coordinator HOST:PORT] [--role decode|colocated]`"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import torch
+import uvloop
+
+from decode_node.server import DecodeServicer
+from decode_node.worker import DecodeWorker
+from engine.errors import TandemError
+from engine.node_server import (NodeIdentity, build_engine, new_worker_id, node_arg_parser,
+                                resolve_model, run_node, setup_logging, worker_status)
+from engine.model_identity import model_fingerprint
+from engine.model_runner import kv_cache_bytes_per_block
+from engine.rpc import worker_pb2_grpc as pb_grpc
+
+
+def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
+    if backend == "zmq":
+        return {"endpoint": f"tcp://{host}:{port or '*'}"}
+    if backend == "grpc":
+        return {"endpoint": f"{host}:{port}"}
+    return {}
+
+
+async def main_async(args) -> None:
+    import kvtransfer
+    from engine.loaders import load_config
+
+    path = resolve_model(args.model)
+    config = load_config(path)
+    fingerprint = model_fingerprint(path, config)
+    worker_id = args.worker_id or new_worker_id(args.role)
+    # The cache lives in the KV receiver's buffer (shared memory for the shm backend), so the
+    # layout is fixed first and the engine is built around that tensor.
+    num_blocks = args.num_blocks or max(1, int(args.kv_cache_gb * (1 << 30)) //
+                                        kv_cache_bytes_per_block(config, args.block_size, torch.float32))
+    layout = kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                 head_dim=config.head_dim, block_size=args.block_size, dtype="float32",
+                                 model_id=fingerprint)
+    shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if args.kv_backend == "shm" else None
+    cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
+    advertise = args.advertise_host or args.host
+    receiver = kvtransfer.create_receiver(args.kv_backend, cache, layout,
+                                          **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port))
+    engine = build_engine(args, path, kv_cache=cache.tensor, num_blocks=num_blocks)
+    loop = asyncio.get_running_loop()
+    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend)
+    worker.start()
+    endpoint = receiver.endpoint.replace("0.0.0.0", advertise)
+
+    def status():
+        return worker_status(worker_id, args.role, engine)
+
+    identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
+                            fingerprint, layout.fingerprint)
+
+    def stop() -> None:
+        worker.stop()
+        receiver.close()
+        cache.close()
+
+    await run_node(args, "tandem.worker.DecodeWorker",
+                   lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, status), server),
+                   identity, status, on_stop=stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = node_arg_parser("decode_node", ("decode", "colocated")).parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        uvloop.run(main_async(args))
+    except TandemError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

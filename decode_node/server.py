@@ -1,0 +1,57 @@
+"""The decode worker's gRPC face (DecodeWorker in proto/worker.proto): translates RPCs into
+DecodeWorker calls and events back into messages. Cancelling a Generate call (client gone,
+stop string, coordinator gives up) aborts the request and frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
+from engine.rpc import worker_pb2 as pb
+from engine.rpc import worker_pb2_grpc as pb_grpc
+from engine.wire import sampling_from_proto
+from engine.errors import TandemError
+
+
+class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, status) -> None:
+        self.worker = worker
+        self.status_fn = status
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            params = sampling_from_proto(request.sampling)
+        except TandemError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.request_id or not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
+        job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
+                        frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
+                        request.remote_prefill)
+        events = self.worker.open(job)
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                if isinstance(event, Reserved):
+                    yield pb.GenerateEvent(reserved=pb.Reserved(
+                        block_ids=event.block_ids, kv_endpoint=event.kv_endpoint, kv_backend=event.kv_backend))
+                    continue
+                assert isinstance(event, Tokens)
+                finished = event.finished
+                yield pb.GenerateEvent(tokens=pb.Tokens(
+                    token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
+                    error=event.error, num_cached_tokens=event.num_cached_tokens))
+        finally:
+            if not finished:
+                self.worker.close_stream(job.request_id)
+
+    async def StartDecode(self, request: pb.StartDecodeRequest, context) -> pb.Ack:
+        first = None if request.error else request.first_token
+        self.worker.start_decode(request.request_id, first, request.error)
+        return pb.Ack()
+
+    async def Status(self, request, context) -> pb.WorkerStatus:
+        return self.status_fn()

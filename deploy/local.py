@@ -1,0 +1,278 @@
+"""Start a tandem topology on this host: a coordinator and its workers, one process each.
+
+    topology = Topology(model="smollm2", model_path=path, prefill=1, decode=1)
+    specs, ready = plan(topology)          # argv of every process, ports chosen here
+    with LocalCluster(specs, ready) as cluster:
+        cluster.start()                     # waits until the coordinator reports the workers
+        cluster.wait()                      # until Ctrl-C / SIGTERM or a process exits
+
+Start order: the coordinator first (workers register with it), then the workers. Ready means
+the coordinator answers HTTP and GET /internal/workers lists the expected live workers by role.
+If a process exits during start-up, the others are stopped and LaunchError names it with the
+tail of its log. Stopping sends SIGTERM to the workers, then the coordinator, waits up to
+`grace_s` for each, then SIGKILLs what is left. Children run in their own sessions, so the
+terminal's Ctrl-C reaches only this launcher, which forwards it in that order.
+
+Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import TandemError
+
+KV_BACKENDS = ("zmq", "shm", "grpc")
+WORKER_HOST = "127.0.0.1"
+
+
+class LaunchError(TandemError):
+    """A process of the topology failed to start, or the topology never became ready."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    model: str  # as the user named it; the coordinator resolves it and answers to it
+    model_path: Path  # the resolved file or directory, given to the workers
+    log_dir: Path
+    host: str = "127.0.0.1"  # HTTP address of the coordinator
+    port: int = 11434
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False  # one worker doing prefill and decode; prefill/decode ignored
+    kv_backend: str = "zmq"
+    chunk_size: int = 512  # per-pass token budget of every worker
+    prefill_threshold: int | None = None  # None = the coordinator's default
+    coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
+
+    def __post_init__(self) -> None:
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, "
+                             f"got {self.kv_backend!r}")
+        if not self.colocated:
+            if self.decode < 1:
+                raise ValueError(f"a disaggregated topology needs at least one decode worker, "
+                                 f"got decode={self.decode}")
+            if self.prefill < 0:
+                raise ValueError(f"prefill must be >= 0, got {self.prefill}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+    def expected_workers(self) -> dict[str, int]:
+        if self.colocated:
+            return {"colocated": 1}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # "coordinator", "prefill-0", "decode-1", "colocated-0"
+    argv: list[str]
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class Readiness:
+    url: str  # the coordinator's HTTP base URL
+    expected: dict[str, int]  # live workers by role
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((WORKER_HOST, 0))
+        return s.getsockname()[1]
+
+
+def plan(t: Topology, port_picker: Callable[[], int] = free_port
+         ) -> tuple[list[ProcessSpec], Readiness]:
+    registry_port = port_picker()
+    coordinator = [sys.executable, "-m", "coordinator", "--model", t.model,
+                   "--host", t.host, "--port", str(t.port),
+                   "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
+                   "--chunk-size", str(t.chunk_size)]
+    if t.prefill_threshold is not None:
+        coordinator += ["--prefill-threshold", str(t.prefill_threshold)]
+    specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
+                         t.log_dir / "coordinator.log")]
+    if t.colocated:
+        roles = [("colocated", "decode_node")]
+    else:
+        roles = [("prefill", "prefill_node")] * t.prefill + [("decode", "decode_node")] * t.decode
+    counters: dict[str, int] = {}
+    for role, module in roles:
+        index = counters[role] = counters.get(role, -1) + 1
+        name = f"{role}-{index}"
+        argv = [sys.executable, "-m", module, "--model", str(t.model_path),
+                "--host", WORKER_HOST, "--port", str(port_picker()),
+                "--coordinator", f"{WORKER_HOST}:{registry_port}",
+                "--kv-backend", t.kv_backend, "--worker-id", name,
+                "--max-batched-tokens", str(t.chunk_size)]
+        if module == "decode_node":
+            argv += ["--role", role]
+        specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log"))
+    host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
+    return specs, Readiness(f"http://{host}:{t.port}", t.expected_workers())
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    process: subprocess.Popen
+    log: object = field(repr=False)
+
+
+class LocalCluster:
+    def __init__(self, specs: list[ProcessSpec], ready: Readiness, *,
+                 start_timeout_s: float = 300.0, grace_s: float = 10.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.specs = specs
+        self.ready = ready
+        self.start_timeout_s = start_timeout_s
+        self.grace_s = grace_s
+        self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        self.children: list[_Child] = []
+        self.stop_requested = threading.Event()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every process and wait until the topology is ready (LaunchError if not)."""
+        for spec in self.specs:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(spec.log_path, "ab")
+            process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=self.env,
+                                       start_new_session=True)
+            self.children.append(_Child(spec, process, log))
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        last = "no answer yet"
+        while True:
+            self._check_children("during start-up")
+            if self.stop_requested.is_set():
+                raise LaunchError("start-up interrupted")
+            live = self._live_workers()
+            if isinstance(live, dict):
+                if all(live.get(role, 0) >= n for role, n in self.ready.expected.items()):
+                    return
+                last = f"live workers {live}, expected {self.ready.expected}"
+            else:
+                last = live
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the topology was not ready within {self.start_timeout_s:g} s "
+                                  f"({last}); logs are in {self.specs[0].log_path.parent}")
+            self.stop_requested.wait(0.25)
+
+    def _live_workers(self) -> dict[str, int] | str:
+        try:
+            with urllib.request.urlopen(f"{self.ready.url}/internal/workers", timeout=2) as r:
+                return json.loads(r.read())["live"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+            return f"coordinator not answering: {exc}"
+
+    def _check_children(self, when: str) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise LaunchError(f"{child.spec.name} exited with code {code} {when}; last lines "
+                                  f"of {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+
+    def wait(self) -> str | None:
+        """Block until stop is requested (None) or a process exits (its LaunchError)."""
+        while not self.stop_requested.wait(0.5):
+            try:
+                self._check_children("while serving")
+            except LaunchError as exc:
+                return str(exc)
+        return None
+
+    def stop(self) -> None:
+        """Workers first (so none re-registers with a vanishing coordinator), coordinator last."""
+        for group in (self.children[1:], self.children[:1]):
+            for child in group:
+                if child.process.poll() is None:
+                    _signal(child.process, signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            for child in group:
+                try:
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal(child.process, signal.SIGKILL)
+                    child.process.wait(self.grace_s)
+        for child in self.children:
+            child.log.close()
+
+
+def _signal(process: subprocess.Popen, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def serve(topology: Topology, *, start_timeout_s: float = 300.0,
+          out: Callable[[str], None] = print) -> int:
+    """Run a topology until Ctrl-C or SIGTERM; 0 on a requested stop, 1 if a process failed."""
+    specs, ready = plan(topology)
+    cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: cluster.stop_requested.set())
+    try:
+        with cluster:
+            out(f"starting {', '.join(s.name for s in specs)}; logs in {topology.log_dir}")
+            try:
+                cluster.start()
+            except LaunchError:
+                if cluster.stop_requested.is_set():
+                    out("interrupted during start-up; stopped every process")
+                    return 130
+                raise
+            out(f"tandem is serving {topology.model} at {ready.url}  (Ollama API: "
+                f"{ready.url}/api/chat, metrics: {ready.url}/metrics); Ctrl-C stops it")
+            for spec in specs[1:]:
+                out(f"  {spec.name}: {' '.join(spec.argv[2:])}")
+            failure = cluster.wait()
+            if failure:
+                out(f"stopping: {failure}")
+                return 1
+            out("stopping")
+            return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,178 @@
+"""What every worker process shares: its command line, building its engine, the gRPC server
+with the standard health service, and registration plus heartbeats with the coordinator.
+The environment is read here (entry point), nowhere deeper."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.config import DECODE_FORMATS, PREFILL_FORMATS, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.rpc import worker_pb2 as pb
+from engine.rpc import worker_pb2_grpc as pb_grpc
+from engine.runtime import configure_process
+
+log = logging.getLogger("tandem.node")
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--model", required=True, help="model name, GGUF file or HF directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
+    p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
+    p.add_argument("--kv-backend", default="zmq", choices=["zmq", "shm", "grpc"])
+    p.add_argument("--kv-port", type=int, default=0, help="decode: port of the KV receiver (0 = any)")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--role", default=roles[0], choices=roles)
+    p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=0, help="largest prefill chunk of one request (0 = budget)")
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="bf16")
+    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def resolve_model(name: str) -> Path:
+    from engine.model_store import ModelStore, default_home
+
+    return ModelStore(default_home()).resolve(name)
+
+
+def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks: int | None = None) -> LLMEngine:
+    configure_process(args.threads)
+    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                                max_num_seqs=args.max_num_seqs,
+                                long_prefill_token_threshold=args.chunk_size)
+    return LLMEngine.from_path(
+        path, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
+        block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
+        load_tokenizer=False)
+
+
+def worker_status(worker_id: str, role: str, engine: LLMEngine) -> pb.WorkerStatus:
+    sched = engine.scheduler
+    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+    queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_output_tokens == 0)
+    return pb.WorkerStatus(
+        worker_id=worker_id, role=role, num_blocks=engine.block_manager.num_blocks,
+        num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
+        num_waiting=len(sched.waiting), queued_prefill_tokens=queued,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+        block_size=engine.block_manager.block_size)
+
+
+@dataclass
+class NodeIdentity:
+    worker_id: str
+    role: str
+    address: str
+    kv_endpoint: str
+    kv_backend: str
+    model_fingerprint: str
+    kv_layout_fingerprint: str
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
+                                 status: Callable[[], pb.WorkerStatus], stop: asyncio.Event) -> None:
+    """Registers (retrying while the coordinator is not up yet), then heartbeats; registers
+    again whenever the coordinator has forgotten us. A refusal (e.g. a model mismatch) is
+    fatal: the worker exits rather than serve a cluster it does not belong to."""
+    async with grpc.aio.insecure_channel(coordinator) as channel:
+        stub = pb_grpc.RegistryStub(channel)
+        interval = 1.0
+        registered = False
+        while not stop.is_set():
+            try:
+                if not registered:
+                    info = pb.WorkerInfo(worker_id=identity.worker_id, role=identity.role,
+                                         address=identity.address, kv_endpoint=identity.kv_endpoint,
+                                         kv_backend=identity.kv_backend,
+                                         model_fingerprint=identity.model_fingerprint,
+                                         kv_layout_fingerprint=identity.kv_layout_fingerprint,
+                                         status=status())
+                    reply = await stub.Register(info, timeout=5)
+                    if not reply.accepted:
+                        log.error("coordinator refused registration: %s", reply.reason)
+                        raise SystemExit(f"registration refused: {reply.reason}")
+                    interval = reply.heartbeat_interval_s or interval
+                    registered = True
+                    log.info("registered with %s as %s", coordinator, identity.worker_id)
+                else:
+                    reply = await stub.Heartbeat(pb.HeartbeatRequest(worker_id=identity.worker_id,
+                                                                     status=status()), timeout=5)
+                    registered = reply.known
+            except grpc.aio.AioRpcError as exc:
+                log.warning("coordinator %s unreachable: %s", coordinator, exc.code().name)
+                registered = False
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def run_node(args: argparse.Namespace, service_name: str,
+                   add_servicer: Callable[[grpc.aio.Server], None], identity: NodeIdentity,
+                   status: Callable[[], pb.WorkerStatus],
+                   on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s %s serving on %s:%d", identity.role, identity.worker_id, args.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = []
+    if args.coordinator:
+        tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop)))
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task is not waiter and task.exception() is not None:
+            stop.set()
+            raise task.exception()
+    stop.set()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+    for task in tasks:
+        task.cancel()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+

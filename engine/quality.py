@@ -1,0 +1,88 @@
+"""Quality of each weight format against fp32 on one fixed text.
+
+    python -m engine.quality [MODEL] [--formats fp32,bf16,int8,int4,w8a8]
+
+For each format: perplexity of the text, its change against fp32, and greedy top-1
+agreement (share of positions where the format's most likely next token equals fp32's).
+One forward pass over the whole text per format, every projection in that format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from engine.config import CacheConfig
+from engine.loaders import load_model
+from engine.model_runner import ModelRunner, SequenceChunk
+from engine.models import model_class
+from engine.runtime import configure_process
+from engine.tokenizer import Tokenizer
+
+TEXT = """\
+The history of computing is a story of abstraction. Early machines were programmed by \
+rewiring panels of cables, and every new problem meant a new arrangement of hardware. The \
+stored-program computer changed that: instructions became data, held in the same memory as \
+the numbers they worked on, and a single machine could be turned to any task that could be \
+written down precisely.
+
+Languages followed. Assembly gave names to instructions, compilers turned formulas into \
+machine code, and operating systems let many programs share one processor without knowing \
+about each other. Each layer hid the details of the one below it, so that people could think \
+about what they wanted done rather than how the wires were arranged.
+
+Networks added a new kind of abstraction. A program on one computer could call a service on \
+another as if it were a local function, and the internet grew out of thousands of such \
+agreements about message formats and addresses. Today a request to a web page may touch \
+dozens of machines in several countries before the answer comes back, in well under a second.
+
+Machine learning is the latest layer. Instead of writing rules by hand, engineers collect \
+examples and let an optimization procedure find the parameters of a model that reproduces \
+them. Large language models are trained this way on huge collections of text, and they can \
+answer questions, translate, and write code. Serving them efficiently is itself an \
+engineering problem: the model must read billions of numbers for every word it produces.
+"""
+
+
+def evaluate(loaded, fmt: str, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities [len(ids) - 1, vocab] of each next token, every projection in fmt."""
+    model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, fmt, prefill_format=fmt)
+    bs = 16
+    n_blocks = (len(ids) + bs - 1) // bs
+    runner = ModelRunner(model, CacheConfig(block_size=bs, num_blocks=n_blocks))
+    batch = runner.prepare([SequenceChunk(ids, 0, list(range(n_blocks)), True)])
+    with torch.inference_mode():
+        logits = model.compute_logits(model.forward(batch, runner.kv_cache))
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.model_store import ModelStore, default_home
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default="smollm2")
+    parser.add_argument("--formats", default="fp32,bf16,int8,int4,w8a8")
+    args = parser.parse_args(argv)
+    configure_process(1)
+    path = ModelStore(default_home()).resolve(args.model)
+    loaded = load_model(path)
+    ids = Tokenizer.from_path(path).encode(TEXT, add_special_tokens=True)
+    targets = torch.tensor(ids[1:])
+    print(f"model {loaded.config.name}; text of {len(ids)} tokens")
+    print(f"{'format':8} {'perplexity':>11} {'change':>9} {'top-1 agreement':>16}")
+    base_top1 = None
+    base_ppl = None
+    for fmt in args.formats.split(","):
+        logprobs = evaluate(loaded, fmt, ids)
+        ppl = math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
+        top1 = logprobs.argmax(-1)
+        if base_top1 is None:
+            base_top1, base_ppl = top1, ppl
+        agree = (top1 == base_top1).float().mean().item()
+        print(f"{fmt:8} {ppl:11.3f} {100 * (ppl / base_ppl - 1):+8.2f}% {100 * agree:15.1f}%")
+
+
+if __name__ == "__main__":
+    main()

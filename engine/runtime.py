@@ -1,0 +1,52 @@
+"""Process-level settings for a worker or CLI process, applied once at its entry point.
+
+- Torch threads: one per worker process by default; tandem runs several processes per host.
+  With more than one thread, OpenMP's spinning waits cost milliseconds per op on small
+  machines unless OMP_WAIT_POLICY=PASSIVE is set before torch starts, so entry points that
+  spawn workers set it in the child's environment (see `worker_env`).
+- glibc malloc: large freed temporaries (attention scratch, GEMM outputs) are returned to the
+  OS and page-faulted back on the next step, which can cost half of a CPU decode step. Raising
+  the mmap and trim thresholds keeps them in the process. Applied with mallopt at run time, so
+  it works in an already-started interpreter too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 1 << 30  # glibc caps the mmap threshold (HEAP_MAX / 2 on 64-bit)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse. False where this is not glibc."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def configure_process(threads: int = 1) -> None:
+    import torch
+
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    keep_freed_memory()
+
+
+def worker_env(threads: int = 1) -> dict[str, str]:
+    """Environment for a child worker process: thread counts and OpenMP's wait policy must be
+    set before the child imports torch."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    return env

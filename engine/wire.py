@@ -1,0 +1,26 @@
+"""The one place where engine types meet the internal protobuf messages (proto/worker.proto).
+Torch-free: the coordinator uses it too."""
+
+from __future__ import annotations
+
+from engine.rpc import worker_pb2 as pb
+from engine.sampling_params import SamplingParams
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
+                 "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("top_k", "repeat_last_n", "num_predict")
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
+    msg = pb.SamplingOptions(**{f: getattr(params, f) for f in _FLOAT_FIELDS + _INT_FIELDS},
+                             num_ctx=params.num_ctx or 0)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
+    """Stop strings are the coordinator's business (it detokenizes); workers never see them."""
+    values = {f: getattr(msg, f) for f in _FLOAT_FIELDS + _INT_FIELDS}
+    return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
+                          num_ctx=msg.num_ctx or None)

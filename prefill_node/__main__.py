@@ -1,0 +1,62 @@
+"""`python -m prefill_node --model M --port P [--coordinator HOST:PORT] [--kv-backend zmq]`"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import uvloop
+
+import kvtransfer
+from engine.errors import TandemError
+from engine.model_identity import model_fingerprint
+from engine.node_server import (NodeIdentity, build_engine, new_worker_id, node_arg_parser,
+                                resolve_model, run_node, setup_logging, worker_status)
+from engine.rpc import worker_pb2_grpc as pb_grpc
+from prefill_node.senders import SenderPool
+from prefill_node.server import PrefillServicer
+from prefill_node.worker import PrefillWorker
+
+
+async def main_async(args) -> None:
+    path = resolve_model(args.model)
+    engine = build_engine(args, path)
+    config = engine.config.model
+    fingerprint = model_fingerprint(path, config)
+    layout = kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                 head_dim=config.head_dim, block_size=args.block_size, dtype="float32",
+                                 model_id=fingerprint)
+    worker_id = args.worker_id or new_worker_id("prefill")
+    worker = PrefillWorker(engine, asyncio.get_running_loop())
+    worker.start()
+    senders = SenderPool(layout)
+
+    def status():
+        return worker_status(worker_id, "prefill", engine)
+
+    identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
+                            args.kv_backend, fingerprint, layout.fingerprint)
+
+    def stop() -> None:
+        worker.stop()
+        senders.close()
+
+    await run_node(args, "tandem.worker.PrefillWorker",
+                   lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(
+                       PrefillServicer(worker, senders, status), server),
+                   identity, status, on_stop=stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = node_arg_parser("prefill_node", ("prefill",)).parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        uvloop.run(main_async(args))
+    except TandemError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

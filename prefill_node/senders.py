@@ -1,0 +1,44 @@
+"""One connected KVSender per (backend, decode endpoint), made on first use.
+
+connect() handshakes with the receiver and may block for its timeout, so it runs in a thread,
+never on the event loop nor the engine thread; a layout mismatch surfaces here, before any
+compute is spent on a request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kvtransfer
+from engine.errors import TandemError
+
+
+class SenderPool:
+    def __init__(self, layout: kvtransfer.KVLayout, ack_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 10.0) -> None:
+        self.layout = layout
+        self.ack_timeout_s = ack_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._senders: dict[tuple[str, str], kvtransfer.KVSender] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, backend: str, endpoint: str) -> kvtransfer.KVSender:
+        key = (backend, endpoint)
+        async with self._lock:
+            sender = self._senders.get(key)
+            if sender is not None:
+                return sender
+            try:
+                sender = kvtransfer.create_sender(backend, ack_timeout_s=self.ack_timeout_s,
+                                                  connect_timeout_s=self.connect_timeout_s)
+                await asyncio.to_thread(sender.connect, endpoint, self.layout)
+            except kvtransfer.KVLayoutMismatch as exc:
+                raise TandemError(f"KV layout of {endpoint} does not match this worker's: {exc}") from exc
+            except (kvtransfer.KVTransferError, ValueError) as exc:
+                raise TandemError(f"cannot reach KV receiver {endpoint} ({backend}): {exc}") from exc
+            self._senders[key] = sender
+            return sender
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()

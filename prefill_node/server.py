@@ -1,0 +1,46 @@
+"""The prefill worker's gRPC face (PrefillWorker in proto/worker.proto). Prefill returns the
+first token as soon as it is sampled; the KV keeps streaming to the decode worker. A cancelled
+call aborts the request and frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.errors import TandemError
+from engine.rpc import worker_pb2 as pb
+from engine.rpc import worker_pb2_grpc as pb_grpc
+from engine.wire import sampling_from_proto
+from prefill_node.senders import SenderPool
+from prefill_node.worker import PrefillJob, PrefillWorker
+
+
+class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, senders: SenderPool, status) -> None:
+        self.worker = worker
+        self.senders = senders
+        self.status_fn = status
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResult:
+        dest = request.destination
+        if not request.request_id or not request.prompt_token_ids or not dest.endpoint:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request_id, prompt_token_ids and destination.endpoint are required")
+        try:
+            params = sampling_from_proto(request.sampling)
+            sender = await self.senders.get(dest.backend, dest.endpoint)
+        except TandemError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        job = PrefillJob(request.request_id, list(request.prompt_token_ids), params, list(dest.block_ids))
+        try:
+            outcome = await self.worker.prefill(job, sender)
+        except (TandemError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        return pb.PrefillResult(first_token=outcome.first_token, num_cached_tokens=outcome.num_cached_tokens,
+                                prefill_seconds=outcome.seconds)
+
+    async def Status(self, request, context) -> pb.WorkerStatus:
+        return self.status_fn()

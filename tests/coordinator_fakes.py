@@ -1,0 +1,269 @@
+"""Scripted fake workers and a coordinator harness for the coordinator tests.
+
+The fakes are real grpc.aio servers implementing worker.proto (PrefillWorker / DecodeWorker)
+that register with the coordinator's Registry over gRPC and heartbeat, like the real workers.
+Each one records what it was asked and whether the coordinator cancelled its calls, and can be
+told to fail (UNAVAILABLE) at a chosen point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.model import ServedModel, load_served_model
+from coordinator.server import uvicorn_server
+from coordinator.service import Coordinator
+from engine.rpc import worker_pb2 as pb
+from engine.rpc import worker_pb2_grpc as pb_grpc
+from tests.model_factory import write_tiny_tokenizer
+
+LAYOUT = "layout-A"
+DEADLINE_S = 20.0  # every wait in these tests ends by then
+
+
+def run(coro, timeout: float = 60.0):
+    """Run a test coroutine with a hard deadline."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_model_dir(dir: Path, max_position: int = 128) -> Path:
+    """config.json + tokenizer only: all the coordinator reads."""
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": max_position, "bos_token_id": 1, "eos_token_id": 2}))
+    write_tiny_tokenizer(dir, 320)
+    return dir
+
+
+async def wait_until(predicate, what: str, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class Script:
+    """What a fake decode/prefill worker does with each request."""
+
+    tokens: list[int] = field(default_factory=list)  # the whole output; [0] is the first token
+    finish_reason: str = "stop"
+    token_delay_s: float = 0.0
+    die_after: int | None = None  # decode: abort UNAVAILABLE after this many streamed tokens
+    unavailable: bool = False  # prefill: every Prefill fails UNAVAILABLE
+    hang: bool = False  # decode: after the first event, stream nothing until cancelled
+
+
+class FakeWorker:
+    """A fake worker process: gRPC server + registration + heartbeats."""
+
+    def __init__(self, worker_id: str, role: str, registry_address: str, fingerprint: str,
+                 script: Script, layout: str = LAYOUT, num_blocks: int = 100,
+                 max_batched_tokens: int = 512) -> None:
+        self.worker_id, self.role = worker_id, role
+        self.registry_address = registry_address
+        self.fingerprint = fingerprint
+        self.script = script
+        self.layout = layout
+        self.status = pb.WorkerStatus(worker_id=worker_id, role=role, num_blocks=num_blocks,
+                                      num_free_blocks=num_blocks, block_size=16,
+                                      max_num_batched_tokens=max_batched_tokens)
+        self.requests: list = []  # GenerateRequest / PrefillRequest received
+        self.start_decodes: list[pb.StartDecodeRequest] = []
+        self.cancelled: list[str] = []  # request ids whose call the coordinator cancelled
+        self.finished: list[str] = []  # request ids whose call ended normally
+        self.register_response: pb.RegisterResponse | None = None
+        self.heartbeating = True
+        self._started: dict[str, asyncio.Queue] = {}
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._beat: asyncio.Task | None = None
+        self.address = ""
+
+    async def start(self) -> FakeWorker:
+        self._server = grpc.aio.server()
+        if self.role == "prefill":
+            pb_grpc.add_PrefillWorkerServicer_to_server(_Prefill(self), self._server)
+        else:
+            pb_grpc.add_DecodeWorkerServicer_to_server(_Decode(self), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        await self._server.start()
+        self._channel = grpc.aio.insecure_channel(self.registry_address)
+        await self.register()
+        if self.register_response.accepted:
+            self._beat = asyncio.create_task(self._heartbeats())
+        return self
+
+    async def register(self) -> pb.RegisterResponse:
+        stub = pb_grpc.RegistryStub(self._channel)
+        self.register_response = await stub.Register(pb.WorkerInfo(
+            worker_id=self.worker_id, role=self.role, address=self.address,
+            kv_endpoint=f"tcp://{self.address}-kv" if self.role != "prefill" else "",
+            kv_backend="zmq", model_fingerprint=self.fingerprint,
+            kv_layout_fingerprint=self.layout, status=self.status), timeout=DEADLINE_S)
+        return self.register_response
+
+    async def _heartbeats(self) -> None:
+        stub = pb_grpc.RegistryStub(self._channel)
+        while True:
+            await asyncio.sleep(self.register_response.heartbeat_interval_s)
+            if not self.heartbeating:
+                continue
+            answer = await stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id,
+                                                              status=self.status),
+                                          timeout=DEADLINE_S)
+            if not answer.known:
+                await self.register()
+
+    async def stop(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await self._beat
+        if self._server is not None:
+            await self._server.stop(grace=None)
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class _Decode(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: FakeWorker) -> None:
+        self.w = worker
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        w, script = self.w, self.w.script
+        w.requests.append(request)
+        rid = request.request_id
+        try:
+            tokens = list(script.tokens)
+            if request.remote_prefill:
+                w._started[rid] = asyncio.Queue()
+                yield pb.GenerateEvent(reserved=pb.Reserved(
+                    block_ids=[7, 8, 9], kv_endpoint=f"tcp://{w.address}-kv", kv_backend="zmq"))
+                start = await asyncio.wait_for(w._started[rid].get(), DEADLINE_S)
+                if start.error:
+                    yield pb.GenerateEvent(tokens=pb.Tokens(finished=True, finish_reason="error",
+                                                            error=start.error))
+                    return
+                tokens = tokens[1:]  # the first token came from the prefill worker
+            if script.hang:
+                await asyncio.sleep(DEADLINE_S)
+            for i, token in enumerate(tokens):
+                if script.die_after is not None and i >= script.die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker crashed")
+                await asyncio.sleep(script.token_delay_s)
+                last = i == len(tokens) - 1
+                yield pb.GenerateEvent(tokens=pb.Tokens(
+                    token_ids=[token], finished=last,
+                    finish_reason=script.finish_reason if last else ""))
+            if not tokens:
+                yield pb.GenerateEvent(tokens=pb.Tokens(finished=True,
+                                                        finish_reason=script.finish_reason))
+            w.finished.append(rid)
+        except asyncio.CancelledError:
+            w.cancelled.append(rid)
+            raise
+
+    async def StartDecode(self, request: pb.StartDecodeRequest, context):
+        self.w.start_decodes.append(request)
+        queue = self.w._started.get(request.request_id)
+        if queue is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id}")
+        queue.put_nowait(request)
+        return pb.Ack()
+
+    async def Status(self, request, context):
+        return self.w.status
+
+
+class _Prefill(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: FakeWorker) -> None:
+        self.w = worker
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        self.w.requests.append(request)
+        if self.w.script.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker crashed")
+        try:
+            await asyncio.sleep(self.w.script.token_delay_s)
+        except asyncio.CancelledError:
+            self.w.cancelled.append(request.request_id)
+            raise
+        return pb.PrefillResult(first_token=self.w.script.tokens[0], prefill_seconds=0.01)
+
+    async def Status(self, request, context):
+        return self.w.status
+
+
+@dataclass
+class Harness:
+    coordinator: Coordinator
+    url: str
+    registry_address: str
+    workers: list[FakeWorker] = field(default_factory=list)
+
+    async def add_worker(self, worker_id: str, role: str, script: Script, **kwargs) -> FakeWorker:
+        fingerprint = kwargs.pop("fingerprint", self.coordinator.model.fingerprint)
+        worker = FakeWorker(worker_id, role, self.registry_address, fingerprint, script, **kwargs)
+        self.workers.append(worker)
+        return await worker.start()
+
+
+DEFAULT_TEST_CONFIG = dict(heartbeat_interval_s=0.1, heartbeat_misses=3, queue_timeout_s=5.0,
+                           reserve_timeout_s=DEADLINE_S, prefill_timeout_s=DEADLINE_S,
+                           control_timeout_s=DEADLINE_S, token_timeout_s=DEADLINE_S,
+                           request_timeout_s=60.0)
+
+
+@contextlib.asynccontextmanager
+async def coordinator_harness(model: ServedModel, **overrides) -> AsyncIterator[Harness]:
+    """The real coordinator (HTTP on uvicorn + Registry gRPC) on free ports, in this loop."""
+    config = CoordinatorConfig(port=free_port(), registry_port=0,
+                               **{**DEFAULT_TEST_CONFIG, **overrides})
+    coordinator = Coordinator(config, model)
+    server = uvicorn_server(coordinator, loop="asyncio", graceful_timeout_s=2.0)
+    server.config.log_level = "warning"
+    task = asyncio.create_task(server.serve())
+    harness = None
+    try:
+        await wait_until(lambda: server.started or task.done(), "uvicorn to start")
+        if task.done():
+            task.result()
+        harness = Harness(coordinator, f"http://127.0.0.1:{config.port}",
+                          f"127.0.0.1:{coordinator.registry_port}")
+        yield harness
+    finally:
+        if harness is not None:
+            for worker in harness.workers:
+                await worker.stop()
+        server.should_exit = True
+        await asyncio.wait_for(task, DEADLINE_S)
+
+
+def load_model(dir: Path) -> ServedModel:
+    return load_served_model(dir, "tiny")
+
+
+__all__ = ["Harness", "Script", "FakeWorker", "coordinator_harness", "free_port", "load_model",
+           "make_tiny_model_dir", "run", "wait_until"]
