@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import TandemError
+from engine.runtime import worker_env
 
 KV_BACKENDS = ("zmq", "shm", "grpc")
 WORKER_HOST = "127.0.0.1"
@@ -56,6 +57,7 @@ class Topology:
     chunk_size: int = 512  # per-pass token budget of every worker
     prefill_threshold: int | None = None  # None = the coordinator's default
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
+    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --decode-quant)
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -123,6 +125,7 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
                 "--max-batched-tokens", str(t.chunk_size)]
         if module == "decode_node":
             argv += ["--role", role]
+        argv += list(t.worker_args)
         specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log"))
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
     return specs, Readiness(f"http://{host}:{t.port}", t.expected_workers())
@@ -154,7 +157,8 @@ class LocalCluster:
         self.ready = ready
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s
-        self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        # One torch thread per process and passive OpenMP waits: several workers share a host.
+        self.env = {**(worker_env() if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.children: list[_Child] = []
         self.stop_requested = threading.Event()
 

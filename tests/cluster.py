@@ -1,0 +1,59 @@
+"""A real tandem cluster for tests: coordinator and workers as separate processes on
+127.0.0.1 (deploy.local), with helpers to talk to it and to read every worker's KV pool."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.local import LocalCluster, Topology, free_port, plan
+
+
+@dataclass
+class Cluster:
+    url: str
+    handle: LocalCluster
+    log_dir: Path
+
+    def workers(self) -> list[dict]:
+        with urllib.request.urlopen(self.url + "/internal/workers", timeout=10) as r:
+            return json.loads(r.read())["workers"]
+
+    def wait_pools_full(self, timeout_s: float = 20.0) -> list[dict]:
+        """Waits until every live worker reports all KV blocks free (heartbeats carry the
+        counts, so this polls); returns the last snapshot, which the caller asserts on."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = [w for w in self.workers() if w["alive"]]
+            if all(w["num_free_blocks"] == w["num_blocks"] for w in workers) or time.monotonic() > deadline:
+                return workers
+
+    def chat(self, messages: list[dict], timeout: float = 120, **body) -> dict:
+        data = json.dumps({"model": body.pop("model", "tiny"), "messages": messages, "stream": False, **body})
+        req = urllib.request.Request(self.url + "/api/chat", data=data.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+
+@contextmanager
+def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", prefill: int = 1,
+                    decode: int = 1, colocated: bool = False, kv_backend: str = "zmq",
+                    chunk_size: int = 256, prefill_threshold: int | None = None,
+                    worker_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
+                    start_timeout_s: float = 120.0):
+    topology = Topology(model=str(model_path), model_path=model_path,
+                        log_dir=log_dir, port=free_port(), prefill=prefill, decode=decode,
+                        colocated=colocated, kv_backend=kv_backend, chunk_size=chunk_size,
+                        prefill_threshold=prefill_threshold, worker_args=worker_args,
+                        coordinator_args=("--model-name", model, *coordinator_args))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    specs, ready = plan(topology)
+    handle = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)
+    with handle:
+        handle.start()
+        yield Cluster(ready.url, handle, log_dir)

@@ -1,0 +1,240 @@
+"""The prefill and decode workers in one process, joined by the in-process fake KV transport:
+the disaggregated request flow step by step, its failure paths, and the KV pools after each.
+
+The flow is the coordinator's (proto/worker.proto): the decode worker reserves blocks, the
+prefill worker computes the prompt in chunks and streams each layer's KV into them, returns
+the first token, and the decode worker continues once all KV has landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+import kvtransfer
+from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
+from engine.config import SchedulerConfig
+from engine.errors import TandemError
+from engine.llm_engine import LLMEngine
+from engine.model_identity import model_fingerprint
+from engine.sampling_params import SamplingParams
+from kvtransfer.fake import FakeFault, FakeReceiver, FakeSender
+from prefill_node.senders import SenderPool
+from prefill_node.worker import PrefillJob, PrefillWorker
+from tests.model_factory import make_tiny_hf_model
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", "llama", max_position=4096)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLMEngine:
+    return LLMEngine.from_path(model_dir, num_blocks=512, block_size=BLOCK)
+
+
+def expected(reference: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    return list(reference.generate(prompt, SamplingParams(temperature=0.0, num_predict=n)))
+
+
+class Pair:
+    """A prefill and a decode worker sharing this test's event loop."""
+
+    def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
+                 kv_deadline_s=30.0, ack_timeout_s=30.0) -> None:
+        self.prefill_engine = LLMEngine.from_path(
+            model_dir, num_blocks=256, block_size=BLOCK, load_tokenizer=False,
+            scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget))
+        cfg = self.prefill_engine.config.model
+        self.layout = kvtransfer.KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK,
+                                          "float32", model_fingerprint(model_dir, cfg))
+        self.cache = kvtransfer.allocate_cache(self.layout, decode_blocks)
+        self.receiver = FakeReceiver(self.cache, self.layout)
+        self.decode_engine = LLMEngine.from_path(model_dir, num_blocks=decode_blocks, block_size=BLOCK,
+                                                 load_tokenizer=False, kv_cache=self.cache.tensor)
+        self.prefill = PrefillWorker(self.prefill_engine, loop)
+        self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s)
+        self.sender = FakeSender(faults=faults, ack_timeout_s=ack_timeout_s)
+        self.sender.connect(self.receiver.endpoint, self.layout)
+        self.prefill.start()
+        self.decode.start()
+
+    def close(self) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+        self.sender.close()
+        self.receiver.close()
+
+    def pools_full(self) -> bool:
+        return all(e.block_manager.num_free_blocks == e.block_manager.num_blocks
+                   for e in (self.prefill_engine, self.decode_engine))
+
+    async def wait_pools_full(self, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.pools_full() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.pools_full()
+
+    async def reserve(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
+        events = self.decode.open(DecodeJob(rid, prompt, params, frozenset(), max_tokens, True))
+        first = await asyncio.wait_for(events.get(), 10)
+        return events, first
+
+    async def run(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
+        """The whole disaggregated flow; returns (tokens, final Tokens event)."""
+        events, reserved = await self.reserve(rid, prompt, max_tokens, params)
+        assert isinstance(reserved, Reserved), reserved
+        try:
+            outcome = await self.prefill.prefill(PrefillJob(rid, prompt, params, reserved.block_ids), self.sender)
+        except TandemError as exc:
+            self.decode.start_decode(rid, None, str(exc))
+            raise
+        tokens = [outcome.first_token]
+        self.decode.start_decode(rid, outcome.first_token)
+        while True:
+            event = await asyncio.wait_for(events.get(), 30)
+            tokens += event.token_ids
+            if event.finished:
+                return tokens, event
+
+
+def run_async(fn):
+    """Runs an async test body on a fresh event loop (the workers post results to it)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        asyncio.run(fn(*args, **kwargs))
+    return wrapper
+
+
+def prompts(lengths, seed=0):
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture
+def pair_factory(model_dir):
+    made: list[Pair] = []
+
+    def make(**kw) -> Pair:
+        pair = Pair(model_dir, asyncio.get_running_loop(), **kw)  # called inside the test's loop
+        made.append(pair)
+        return pair
+    yield make
+    for pair in made:
+        pair.close()
+
+
+@run_async
+async def test_remote_prefill_matches_the_single_process_engine(pair_factory, reference):
+    pair = pair_factory(prefill_budget=24)  # long prompts cross many chunks and block edges
+    cases = prompts([3, 16, 17, 40, 100, 333])
+    results = await asyncio.gather(*(pair.run(f"r{i}", p, 12) for i, p in enumerate(cases)))
+    for prompt, (tokens, final) in zip(cases, results):
+        assert tokens == expected(reference, prompt, 12)
+        assert final.finish_reason == "length"
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_local_prefill_on_the_decode_worker(pair_factory, reference):
+    pair = pair_factory()
+    prompt = prompts([45], seed=1)[0]
+    events = pair.decode.open(DecodeJob("loc", prompt, GREEDY, frozenset(), 10, False))
+    tokens = []
+    while True:
+        event = await asyncio.wait_for(events.get(), 30)
+        tokens += event.token_ids
+        if event.finished:
+            break
+    assert tokens == expected(reference, prompt, 10)
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_corrupted_payload_fails_only_its_request(pair_factory, reference):
+    pair = pair_factory(faults=[FakeFault("corrupt", request_id="bad", layer=1)])
+    good, bad = prompts([50, 50], seed=2)
+    (g_tokens, g_final), (b_tokens, b_final) = await asyncio.gather(
+        pair.run("good", good, 8), pair.run("bad", bad, 8))
+    assert g_tokens == expected(reference, good, 8)
+    assert b_final.finish_reason == "error" and "KV transfer failed" in b_final.error
+    assert b_tokens == b_tokens[:1]  # only the prefill's first token, nothing decoded
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_mismatched_layout_is_refused_before_any_compute(pair_factory):
+    pair = pair_factory()
+    other = kvtransfer.KVLayout(pair.layout.num_layers, pair.layout.num_kv_heads, pair.layout.head_dim,
+                                BLOCK, "float32", "another-model")
+    with pytest.raises(TandemError, match="does not match"):
+        await SenderPool(other).get("fake", pair.receiver.endpoint)
+    assert pair.prefill_engine.block_manager.num_used_blocks == 0
+
+
+@run_async
+async def test_abort_mid_decode_frees_both_pools(pair_factory):
+    pair = pair_factory()
+    prompt = prompts([30], seed=3)[0]
+    events, reserved = await pair.reserve("d", prompt, 1000)
+    outcome = await pair.prefill.prefill(PrefillJob("d", prompt, GREEDY, reserved.block_ids), pair.sender)
+    pair.decode.start_decode("d", outcome.first_token)
+    got = 0
+    while got < 5:
+        got += len((await asyncio.wait_for(events.get(), 10)).token_ids)
+    assert pair.decode_engine.block_manager.num_used_blocks > 0
+    pair.decode.close_stream("d")
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_abort_mid_prefill_frees_both_pools(pair_factory):
+    pair = pair_factory(prefill_budget=8)
+    prompt = prompts([600], seed=4)[0]  # 75 chunks of 8 tokens
+    events, reserved = await pair.reserve("p", prompt, 10)
+    task = asyncio.create_task(pair.prefill.prefill(PrefillJob("p", prompt, GREEDY, reserved.block_ids), pair.sender))
+    deadline = time.monotonic() + 10
+    while pair.prefill_engine.block_manager.num_used_blocks < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    request = pair.prefill_engine.scheduler.requests.get("p")
+    assert request is not None and 0 < request.num_computed_tokens < 600
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pair.decode.close_stream("p")  # the coordinator cancels the decode side too
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_abort_while_kv_is_landing_frees_after_quarantine(pair_factory):
+    pair = pair_factory(faults=[FakeFault("delay", delay_s=0.3)], ack_timeout_s=5)
+    prompt = prompts([64], seed=5)[0]
+    events, reserved = await pair.reserve("t", prompt, 10)
+    await pair.prefill.prefill(PrefillJob("t", prompt, GREEDY, reserved.block_ids), pair.sender)
+    assert pair.decode_engine.block_manager.num_used_blocks > 0  # KV still in flight
+    pair.decode.close_stream("t")
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_kv_that_never_arrives_fails_at_the_deadline(pair_factory):
+    pair = pair_factory(faults=[FakeFault("drop")], kv_deadline_s=0.5, ack_timeout_s=0.5)
+    tokens, final = await pair.run("lost", prompts([40], seed=6)[0], 10)
+    assert final.finish_reason == "error" and "KV transfer failed" in final.error
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_full_decode_pool_refuses_the_reservation(pair_factory):
+    pair = pair_factory(decode_blocks=4)  # 64 slots
+    events, event = await pair.reserve("big", prompts([100], seed=7)[0], 10)
+    assert isinstance(event, Tokens) and event.finish_reason == "error" and "no free KV blocks" in event.error
+    assert pair.pools_full()
