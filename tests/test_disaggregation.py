@@ -1,0 +1,158 @@
+"""tandem serve's topology for real: a coordinator, prefill and decode workers as separate
+processes on 127.0.0.1, the KV cache crossing between them over each transfer backend.
+
+Expected answers come from the single-process engine on the same model and formats: greedy
+output through the disaggregated path must be the same text."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.generation import TextStream, chat_prompt_ids
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.cluster import running_cluster
+from tests.model_factory import make_tiny_hf_model
+
+FP32 = ("--decode-quant", "fp32", "--prefill-quant", "fp32", "--kv-cache-gb", "0.05")
+WORDS = "the of and to in is was for on that with as by it at from his an were are which this".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", "llama", max_position=4096)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> LLMEngine:
+    return LLMEngine.from_path(tiny, num_blocks=1024)
+
+
+def text_prompt(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def expected_text(engine: LLMEngine, content: str, n: int) -> str:
+    ids = chat_prompt_ids(engine, [{"role": "user", "content": content}])
+    return "".join(TextStream(engine, ids, SamplingParams(temperature=0.0, num_predict=n)))
+
+
+def chat(cluster, content: str, n: int, timeout: float = 180) -> dict:
+    return cluster.chat([{"role": "user", "content": content}], timeout=timeout,
+                        options={"temperature": 0, "num_predict": n})
+
+
+def assert_pools_full(cluster) -> None:
+    workers = cluster.wait_pools_full()
+    assert workers and all(w["num_free_blocks"] == w["num_blocks"] for w in workers), workers
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc"])
+def test_greedy_through_each_backend_equals_single_process(tiny, reference, tmp_path, backend):
+    contents = [text_prompt(n, seed=n) for n in (3, 40, 150)]
+    with running_cluster(tiny, tmp_path / "logs", kv_backend=backend, prefill_threshold=1,
+                         chunk_size=64, worker_args=FP32) as cluster:
+        for content in contents:
+            reply = chat(cluster, content, 12)
+            assert reply["tandem"]["prefill_worker"] == "prefill-0"  # prefilled remotely
+            assert reply["message"]["content"] == expected_text(reference, content, 12)
+        assert_pools_full(cluster)
+
+
+def test_thirty_two_concurrent_mixed_requests(tiny, reference, tmp_path):
+    rng = random.Random(7)
+    lengths = [rng.choice([5, 10, 40, 200, 700, 1400]) for _ in range(32)]
+    contents = [text_prompt(n, seed=i) for i, n in enumerate(lengths)]
+    expected = [expected_text(reference, c, 8) for c in contents]
+    with running_cluster(tiny, tmp_path / "logs", chunk_size=256, worker_args=FP32) as cluster:
+        with ThreadPoolExecutor(32) as pool:
+            replies = list(pool.map(lambda c: chat(cluster, c, 8), contents))
+        assert [r["message"]["content"] for r in replies] == expected
+        assert {r["tandem"]["prefill_worker"] for r in replies} == {None, "prefill-0"}  # both paths used
+        assert max(r["prompt_eval_count"] for r in replies) > 2000
+        assert_pools_full(cluster)
+
+
+def stream_chat(cluster, content: str, n: int):
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}],
+                       "options": {"temperature": 0, "num_predict": n}}).encode()
+    req = urllib.request.Request(cluster.url + "/api/chat", data=body, headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120)
+
+
+def kill(cluster, name: str) -> None:
+    child = next(c for c in cluster.handle.children if c.spec.name == name)
+    child.process.send_signal(signal.SIGKILL)
+    child.process.wait(10)
+
+
+def test_killed_decode_worker_fails_its_requests_and_traffic_moves_on(tiny, reference, tmp_path):
+    with running_cluster(tiny, tmp_path / "logs", decode=2, chunk_size=64, worker_args=FP32) as cluster:
+        stream = stream_chat(cluster, text_prompt(30, 1), 100000)
+        first = json.loads(stream.readline())
+        assert first["done"] is False
+        victim = next(w["worker_id"] for w in cluster.workers() if w["role"] == "decode" and w["num_running"] > 0
+                      ) if any(w["num_running"] for w in cluster.workers()) else None
+        # Heartbeats may lag: find the stream's worker by killing each decode worker in turn
+        # until the stream breaks, starting with the one that reports the request.
+        names = [victim] if victim else []
+        names += [n for n in ("decode-0", "decode-1") if n not in names]
+        kill(cluster, names[0])
+        lines = [json.loads(line) for line in stream if line.strip()]
+        survivor = names[1]
+        if not lines or "error" not in lines[-1]:
+            kill(cluster, names[1])  # the stream lived on the other worker
+            pytest.fail(f"killing {names[0]} did not end the stream: {lines[-1:]}")
+        assert names[0] in lines[-1]["error"]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            state = {w["worker_id"]: w["alive"] for w in cluster.workers()}
+            if state.get(names[0]) is False:
+                break
+            time.sleep(0.2)
+        assert state[names[0]] is False and state[survivor] is True
+        for i in range(3):
+            content = text_prompt(20 + i, seed=100 + i)
+            reply = chat(cluster, content, 6)
+            assert reply["tandem"]["decode_worker"] == survivor
+            assert reply["message"]["content"] == expected_text(reference, content, 6)
+
+
+def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
+    with running_cluster(tiny, tmp_path / "logs", prefill=2, prefill_threshold=1, chunk_size=64,
+                         worker_args=FP32) as cluster:
+        kill(cluster, "prefill-0")
+        for i in range(4):
+            content = text_prompt(60 + i, seed=200 + i)
+            reply = chat(cluster, content, 6)
+            assert reply["tandem"]["prefill_worker"] == "prefill-1"
+            assert reply["message"]["content"] == expected_text(reference, content, 6)
+        state = {w["worker_id"]: w["alive"] for w in cluster.workers()}
+        assert state["prefill-0"] is False
+        assert_pools_full(cluster)
+
+
+@pytest.mark.model
+def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_path):
+    engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="bf16", num_blocks=256)
+    questions = ["List four primary colors.", "What is continuous batching?",
+                 "Summarize: " + text_prompt(120, seed=3)]
+    expected = [expected_text(engine, q, 24) for q in questions]
+    del engine
+    with running_cluster(default_gguf, tmp_path / "logs", model="smollm2", prefill_threshold=1,
+                         worker_args=("--kv-cache-gb", "0.2")) as cluster:
+        for q, want in zip(questions, expected):
+            reply = cluster.chat([{"role": "user", "content": q}], model="smollm2",
+                                 options={"temperature": 0, "num_predict": 24})
+            assert reply["tandem"]["prefill_worker"] == "prefill-0"
+            assert reply["message"]["content"] == want
+        assert_pools_full(cluster)
