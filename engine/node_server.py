@@ -44,7 +44,7 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="bf16")
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32")
     p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-level", default="INFO")

@@ -138,3 +138,18 @@ def test_cli_errors_are_one_clear_line(tmp_path):
                              text=True, timeout=60)
         assert out.returncode == 1
         assert "Traceback" not in out.stderr and needle in out.stderr, out.stderr
+
+
+def test_int4_decode_keeps_greedy_answers(default_gguf):
+    """The default decode format (int4, repacked straight from the GGUF's Q4_1 blocks) must not
+    change greedy answers to simple questions."""
+    questions = ["What is the capital of France?", "What is 12 times 12?",
+                 "How many days are in a week?", "What is the boiling point of water?"]
+    answers = {}
+    for fmt in ("fp32", "int4"):
+        engine = LLMEngine.from_path(default_gguf, weight_format=fmt, prefill_format="fp32", num_blocks=64)
+        answers[fmt] = ["".join(TextStream(engine, chat_prompt_ids(engine, [{"role": "user", "content": q}]),
+                                           SamplingParams(temperature=0.0, num_predict=24)))
+                        for q in questions]
+    assert answers["int4"] == answers["fp32"]
+    assert "Paris" in answers["int4"][0]

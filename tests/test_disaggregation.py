@@ -143,7 +143,7 @@ def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
 
 @pytest.mark.model
 def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_path):
-    engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="bf16", num_blocks=256)
+    engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="fp32", num_blocks=256)
     questions = ["List four primary colors.", "What is continuous batching?",
                  "Summarize: " + text_prompt(120, seed=3)]
     expected = [expected_text(engine, q, 24) for q in questions]
