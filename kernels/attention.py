@@ -26,12 +26,42 @@ Implementations (one file each), chosen by `paged_attention` from the device:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._triton import use_triton
 from kernels.flash_attention import (check_paged_attention_args, flash_attention_cpu,
                                      flash_attention_triton)
-from kernels.paged_attention import paged_decode_cpu, paged_decode_triton
+from kernels.paged_attention import DecodePlan, paged_decode_cpu, paged_decode_triton, plan_decode
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """CPU-side index work for one pass, shared by all its layers: which sequences decode and
+    which run prefill chunks, and the decode gather indices."""
+
+    starts: list[int]  # cu_seqlens_q as a list
+    lens: list[int]  # seq_lens as a list
+    chunks: list[int]  # sequences with q_len > 1
+    decode: DecodePlan | None
+
+
+def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor, block_size: int) -> AttentionPlan | None:
+    """Built once per forward pass and handed to every layer's paged_attention. None where
+    the kernels need no host-side plan (CUDA)."""
+    if use_triton(cu_seqlens_q):
+        return None
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    decodes, chunks = [], []
+    for b in range(len(lens)):
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 1:
+            decodes.append(b)
+        elif q_len > 1:
+            chunks.append(b)
+    return AttentionPlan(starts, lens, chunks, plan_decode(starts, lens, block_tables, block_size, decodes))
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,20 +94,17 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-def paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    """CPU fast path: decodes batched together, prefill chunks through SDPA."""
-    check_paged_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
-    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    decodes, chunks = [], []
-    for b in range(len(lens)):
-        q_len = starts[b + 1] - starts[b]
-        if q_len == 1:
-            decodes.append(b)
-        elif q_len > 1:
-            chunks.append(b)
+def paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                        plan: AttentionPlan | None = None):
+    """CPU fast path: decodes batched together, prefill chunks through SDPA. Without a plan
+    the arguments are checked and one is built; a caller passing a plan built for these index
+    tensors (the model, once per pass) skips both."""
+    if plan is None:
+        check_paged_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+        plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
     out = torch.empty_like(q)
-    paged_decode_cpu(q, k_cache, v_cache, starts, lens, block_tables, scale, decodes, out)
-    flash_attention_cpu(q, k_cache, v_cache, starts, lens, block_tables, scale, chunks, out)
+    paged_decode_cpu(q, k_cache, v_cache, plan.decode, scale, out)
+    flash_attention_cpu(q, k_cache, v_cache, plan.starts, plan.lens, block_tables, scale, plan.chunks, out)
     return out
 
 
@@ -94,10 +121,11 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, plan: AttentionPlan | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; cu_seqlens_q: [B+1] int32;
-    seq_lens: [B] int32; block_tables: [B, max_blocks] int32 -> [T, Hq, D]."""
+    seq_lens: [B] int32; block_tables: [B, max_blocks] int32 -> [T, Hq, D].
+    plan: from plan_paged_attention for these index tensors (optional; saves per-layer work)."""
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                       scale)
-    return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, plan)

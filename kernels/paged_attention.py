@@ -26,6 +26,8 @@ SDPA in kernels/bench_attention.py).
 
 import functools
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._triton import HAS_TRITON, triton, tl
@@ -253,12 +255,34 @@ def _gather_head_major(cache: torch.Tensor, tables: torch.Tensor, num_seqs: int)
     return out.copy_(seq_major.transpose(1, 2))
 
 
-def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cu_seqlens_q: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-                     scale: float, seqs: list[int], out: torch.Tensor) -> None:
-    """Decode (q_len == 1) sequences `seqs` of the batch, written into `out` ([T, Hq, D]).
+@dataclass(frozen=True)
+class DecodePlan:
+    """Index tensors of a batch's decode rows. They are the same for every layer of a pass,
+    so the model builds them once per forward (plan_decode) instead of once per layer."""
 
-    cu_seqlens_q, seq_lens: the batch's index tensors as Python lists. All sequences at once:
+    rows: torch.Tensor  # [n] query row of each decode sequence
+    tables: torch.Tensor  # [n * nblk] block ids to gather; entries past a sequence's need -> 0
+    padding: torch.Tensor  # [n, nblk * BS] True at positions >= the sequence's length
+
+
+def plan_decode(cu_seqlens_q: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                block_size: int, seqs: list[int]) -> DecodePlan | None:
+    if not seqs:
+        return None
+    lens = torch.tensor([seq_lens[b] for b in seqs])
+    num_blocks = -(-int(lens.max()) // block_size)
+    tables = block_tables[seqs, :num_blocks].long()
+    needed = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
+    tables = torch.where(needed, tables, 0).reshape(-1)
+    padding = torch.arange(num_blocks * block_size)[None, :] >= lens[:, None]
+    rows = torch.tensor([cu_seqlens_q[b] for b in seqs])
+    return DecodePlan(rows, tables, padding)
+
+
+def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan | None, scale: float, out: torch.Tensor) -> None:
+    """Decode (q_len == 1) rows of the batch, as planned, written into `out` ([T, Hq, D]).
+    All sequences at once:
 
         tables  [n, nblk]                table rows; entries past a sequence's need -> block 0
         K, V    [n, Hkv, nblk * BS, D]   whole blocks gathered, fp32, head-major
@@ -268,23 +292,16 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     K @ q^T (a tall-skinny product) beats q @ K^T by ~2x on one core; per-sequence SDPA is
     slower still for B > 1 and for long contexts (kernels/bench_attention.py).
     """
-    if not seqs:
+    if plan is None:
         return
-    num_seqs = len(seqs)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_seqs = plan.rows.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     group = q.shape[1] // num_kv_heads
-    lens = torch.tensor([seq_lens[b] for b in seqs])
-    num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[seqs, :num_blocks].long()
-    needed = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
-    tables = torch.where(needed, tables, 0).reshape(-1)
-    keys = _gather_head_major(k_cache, tables, num_seqs)              # [n, Hkv, S, D]
-    values = _gather_head_major(v_cache, tables, num_seqs)
-    rows = torch.tensor([cu_seqlens_q[b] for b in seqs])
-    qb = q.index_select(0, rows).float().view(num_seqs, num_kv_heads, group, head_dim)
+    keys = _gather_head_major(k_cache, plan.tables, num_seqs)         # [n, Hkv, S, D]
+    values = _gather_head_major(v_cache, plan.tables, num_seqs)
+    qb = q.index_select(0, plan.rows).float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(keys, qb.transpose(2, 3)).mul_(scale)       # [n, Hkv, S, G]
-    padding = torch.arange(keys.shape[2])[None, :] >= lens[:, None]   # [n, S]
-    scores.masked_fill_(padding[:, None, :, None], float("-inf"))
+    scores.masked_fill_(plan.padding[:, None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=2)
     o = torch.matmul(probs.transpose(2, 3), values)                   # [n, Hkv, G, D]
-    out.index_copy_(0, rows, o.reshape(num_seqs, -1, head_dim).to(out.dtype))
+    out.index_copy_(0, plan.rows, o.reshape(num_seqs, -1, head_dim).to(out.dtype))

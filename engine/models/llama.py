@@ -18,7 +18,7 @@ from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
 from engine.weights import QuantizedTensor, to_float
 from kernels.activation import silu_and_mul
-from kernels.attention import paged_attention
+from kernels.attention import paged_attention, plan_paged_attention
 from kernels.kv_cache_write import write_kv_cache
 from kernels.linear import PackedLinear, linear, pack_linear
 from kernels.rms_norm import rms_norm
@@ -111,6 +111,7 @@ class LlamaForCausalLM:
         hidden = self.embed_tokens[batch.input_ids]
         residual = None
         layers = self.prefill_layers if t >= PREFILL_MIN_TOKENS else self.layers
+        plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
         for i, layer in enumerate(layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = linear(x, layer.qkv)
@@ -124,7 +125,7 @@ class LlamaForCausalLM:
             if batch.on_layer_done is not None:
                 batch.on_layer_done(i)
             attn = paged_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
-                                   batch.block_tables, self.scale)
+                                   batch.block_tables, self.scale, plan)
             hidden = linear(attn.reshape(t, cfg.q_size), layer.o_proj)
             x, residual = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps, residual)
             hidden = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
