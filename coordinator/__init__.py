@@ -13,6 +13,13 @@ registry). It never imports torch.
     metrics.py        Prometheus series and per-request timings
     convert.py        typed values <-> worker.proto messages
     service.py        Coordinator: all of the above as one object
+    prompts.py        requests -> prompt token ids (chat template, raw, context)
+    model_info.py     what tags/show/ps/ListModels say about the model
     ollama_request.py / ollama_response.py / http_api.py   the Ollama HTTP API
+    openai_api.py / openai_routes.py                        the OpenAI HTTP API
+    http_stream.py    body limit, streams that notice a client leaving
+    grpc_api.py       the client gRPC API (proto/tandem.proto) + health + reflection
+    client.py         a Python client for the gRPC API
+    rpc/              generated stubs of proto/tandem.proto
     server.py, __main__.py                                  the process
 """

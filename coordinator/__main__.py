@@ -26,6 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the Registry gRPC service listens on")
     p.add_argument("--registry-port", type=int, default=DEFAULTS.registry_port,
                    help="port of the Registry gRPC service (0 = any free port)")
+    p.add_argument("--grpc-host", default=DEFAULTS.grpc_host,
+                   help="address of the client gRPC API (tandem.v1.Tandem, health, reflection)")
+    p.add_argument("--grpc-port", type=int, default=DEFAULTS.grpc_port,
+                   help="port of the client gRPC API (0 = any free port, logged)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
+                   help="largest HTTP request body (413 above)")
+    p.add_argument("--max-messages", type=int, default=DEFAULTS.max_messages,
+                   help="most messages in one chat request")
+    p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
+                   help="most requests open at once, queued or running (429 above)")
     p.add_argument("--prefill-threshold", type=int, default=DEFAULTS.prefill_threshold,
                    help="prompts of at most this many tokens may prefill on the decode worker")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
@@ -52,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
         config = CoordinatorConfig(
             host=args.host, port=args.port, registry_host=args.registry_host,
-            registry_port=args.registry_port, prefill_threshold=args.prefill_threshold,
+            registry_port=args.registry_port, grpc_host=args.grpc_host,
+            grpc_port=args.grpc_port, max_body_bytes=args.max_body_bytes,
+            max_messages=args.max_messages, max_streams=args.max_streams,
+            prefill_threshold=args.prefill_threshold,
             chunk_size=args.chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
             queue_timeout_s=args.queue_timeout, heartbeat_interval_s=args.heartbeat_interval,

@@ -30,6 +30,10 @@ class Overloaded(TandemError):
         self.retry_after_s = retry_after_s
 
 
+class TooManyStreams(Overloaded):
+    """More requests open at once than config.max_streams (HTTP 429)."""
+
+
 class Admission:
     def __init__(self, limit: Callable[[], int], max_queue: int, queue_timeout_s: float,
                  retry_after_s: int = 1) -> None:

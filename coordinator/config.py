@@ -14,6 +14,8 @@ class CoordinatorConfig:
     port: int = 11434  # HTTP (Ollama's default port)
     registry_host: str = "127.0.0.1"  # Registry gRPC service, where workers register
     registry_port: int = 0  # 0 = any free port
+    grpc_host: str = "127.0.0.1"  # the client-facing gRPC API (proto/tandem.proto)
+    grpc_port: int = 0  # 0 = any free port (logged); `tandem serve` passes 50051
     # Conditional disaggregation: prompts of at most this many tokens may be prefilled on the
     # decode worker itself when it has spare token budget (placement.py).
     prefill_threshold: int = 64
@@ -32,14 +34,19 @@ class CoordinatorConfig:
     token_timeout_s: float = 300.0  # longest gap between two events of a Generate stream
     request_timeout_s: float = 3600.0  # whole Generate stream
     retry_after_s: int = 1  # Retry-After header of a 503
+    # Limits on what one client may ask (each refusal is a one-line error naming the limit).
+    max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
+    max_messages: int = 1024  # messages in one chat request
+    max_streams: int = 512  # requests open at once, queued or running, on every API (429 above)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_threshold", "registry_port"):
+        for name in ("prefill_threshold", "registry_port", "grpc_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
-        for name in ("chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s"):
+        for name in ("chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
+                     "max_body_bytes", "max_messages", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_queue < 0:

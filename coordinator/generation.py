@@ -31,6 +31,7 @@ class Generation:
         self.outcome = FlowOutcome()
         self.done_reason: str | None = None  # "stop" | "length" once finished normally
         self.error: str | None = None
+        self.output_ids: list[int] = []  # generated token ids (Ollama's `context` needs them)
         self._flow = flow
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -50,6 +51,7 @@ class Generation:
             async with aclosing(self._flow.stream(self.request, self.outcome)) as tokens:
                 async for token_ids in tokens:
                     piece, stopped = text.push(token_ids)
+                    self.output_ids.extend(token_ids)
                     self.timings.on_tokens(len(token_ids))
                     if piece:
                         yield piece

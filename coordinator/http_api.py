@@ -1,126 +1,115 @@
-"""The HTTP front door (FastAPI): Ollama's API for now; the OpenAI surface joins it later.
+"""The HTTP front door (FastAPI): Ollama's API here, OpenAI's in openai_routes.py.
 
-Routes stay thin: parse (ollama_request) -> tokenize and admit (Coordinator) -> shape
-(ollama_response). Errors before any output are a status with {"error": ...}; errors after
-the stream started are a last NDJSON line {"error": ...}. A client that disconnects has its
-request cancelled on every worker (NDJSONResponse and _until_disconnected below).
+Routes stay thin: parse (ollama_request) -> tokenize (prompts) -> check and admit
+(Coordinator) -> shape (ollama_response). Errors before any output are a status with
+{"error": ...} (OpenAI's nested shape under /v1/); errors after the stream started are a last
+NDJSON line {"error": ...}. A client that disconnects has its request cancelled on every worker
+(http_stream.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from coordinator.admission import Overloaded
+from coordinator import model_info
+from coordinator.admission import Overloaded, TooManyStreams
 from coordinator.generation import Generation
+from coordinator.http_stream import ClientGone, WatchedStream, read_json_body, until_disconnected
 from coordinator.metrics import RequestTimings
-from coordinator.ollama_request import RequestError, parse_chat, parse_json_body
+from coordinator.ollama_request import RequestError, parse_chat, parse_generate, parse_show
 from coordinator.ollama_response import (
-    chat_chunk, chat_final, chat_load, error_body, ndjson,
+    chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
+    ndjson,
 )
+from coordinator.openai_api import error_body as openai_error
+from coordinator.openai_routes import add_openai_routes
+from coordinator.prompts import chat_prompt_ids, generate_prompt_ids
 from coordinator.request_flow import NoWorkers, WorkerError
 from coordinator.service import Coordinator
 from engine.errors import ModelNotFoundError, TandemError
 
 log = logging.getLogger(__name__)
 
-NDJSON = "application/x-ndjson"
 
-
-class NDJSONResponse(StreamingResponse):
-    """A stream that watches for the client leaving while it waits for the next token, whatever
-    ASGI spec version the server announces, and always runs `on_close` afterwards."""
-
-    media_type = NDJSON
-
-    def __init__(self, content: AsyncIterator[bytes],
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it if the client disconnects first (non-streamed answers)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
+def tandem_version() -> str:
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return version("tandem")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def _error(request: Request, status: int, message: str,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = (openai_error(status, message) if request.url.path.startswith("/v1/")
+            else error_body(message))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
+    retry = {"Retry-After": str(coordinator.config.retry_after_s)}
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return _error(request, exc.status, str(exc))
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        status = 429 if isinstance(exc, TooManyStreams) else 503
+        return _error(request, status, str(exc), {"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(NoWorkers)
+    async def _no_workers(request: Request, exc: NoWorkers) -> JSONResponse:
+        return _error(request, 503, str(exc), retry)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return _error(request, 404, str(exc))
+
+    @app.exception_handler(TandemError)
+    async def _user_error(request: Request, exc: TandemError) -> JSONResponse:
+        return _error(request, 400, str(exc))
+
+    @app.exception_handler(WorkerError)
+    async def _worker_error(request: Request, exc: WorkerError) -> JSONResponse:
+        return _error(request, 500, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def check_model(coordinator: Coordinator, name: str) -> None:
+    if not coordinator.model.answers_to(name):
+        raise ModelNotFoundError(f"model '{name}' not found")
+
+
+async def collect(request: Request, generation: Generation) -> str | None:
+    """The whole answer, or None if the client left first (the request is then cancelled)."""
+    async def run() -> str:
+        return "".join([piece async for piece in generation.pieces()])
+
+    try:
+        return await until_disconnected(request, run())
+    except ClientGone:
+        return None
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise _ClientGone()
-    return task.result()
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message), status_code=status, headers=headers)
+        await generation.close()
 
 
 def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     model = coordinator.model
-
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc.status, str(exc))
-
-    @app.exception_handler(Overloaded)
-    async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
-        return _error(503, str(exc), {"Retry-After": str(exc.retry_after_s)})
-
-    @app.exception_handler(NoWorkers)
-    async def _no_workers(_: Request, exc: NoWorkers) -> JSONResponse:
-        return _error(503, str(exc), {"Retry-After": str(coordinator.config.retry_after_s)})
-
-    @app.exception_handler(ModelNotFoundError)
-    async def _not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return _error(404, str(exc))
-
-    @app.exception_handler(TandemError)
-    async def _user_error(_: Request, exc: TandemError) -> JSONResponse:
-        return _error(400, str(exc))
-
-    @app.exception_handler(WorkerError)
-    async def _worker_error(_: Request, exc: WorkerError) -> JSONResponse:
-        return _error(500, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _fault(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+    info = model_info.describe(model)
+    limits = coordinator.config
+    _add_error_handlers(app, coordinator)
 
     @app.get("/")
     @app.head("/")
@@ -136,36 +125,65 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     async def workers() -> JSONResponse:
         return JSONResponse(coordinator.workers_report())
 
+    @app.get("/api/version")
+    async def api_version() -> JSONResponse:
+        return JSONResponse({"version": tandem_version()})
+
+    @app.get("/api/tags")
+    async def tags() -> JSONResponse:
+        return JSONResponse({"models": [model_info.tags_entry(info)]})
+
+    @app.get("/api/ps")
+    async def ps() -> JSONResponse:
+        # The model counts as loaded while a worker that serves it is alive.
+        loaded = bool(coordinator.registry.live_counts())
+        return JSONResponse({"models": [model_info.ps_entry(info)] if loaded else []})
+
+    @app.post("/api/show")
+    async def show(request: Request) -> JSONResponse:
+        check_model(coordinator, parse_show(await read_json_body(request, limits.max_body_bytes)))
+        return JSONResponse(model_info.show_body(model, info))
+
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         timings = RequestTimings()
-        chat_req = parse_chat(parse_json_body(await request.body()))
-        if not model.answers_to(chat_req.model):
-            raise ModelNotFoundError(f"model '{chat_req.model}' not found")
-        if not chat_req.messages:
-            return JSONResponse(chat_load(model.name))
-        tokenizer = model.tokenizer
-        prompt = tokenizer.apply_chat_template(chat_req.messages, add_generation_prompt=True,
-                                               tools=chat_req.tools)
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
-        timings.prompt_tokens = len(prompt_ids)
-        flow_req = coordinator.prepare(prompt_ids, chat_req.params)
-        generation = await coordinator.begin(flow_req, timings)
-        if chat_req.stream:
-            return NDJSONResponse(_stream_chat(model.name, generation), generation.close)
-        try:
-            content = await _until_disconnected(request, _collect(generation))
-            return JSONResponse(chat_final(model.name, generation, content))
-        except _ClientGone:
+        req = parse_chat(await read_json_body(request, limits.max_body_bytes),
+                         limits.max_messages)
+        check_model(coordinator, req.model)
+        if not req.messages:
+            return JSONResponse(chat_load(model.name, req.unload))
+        prompt_ids = chat_prompt_ids(model, req.messages, req.tools)
+        generation = await coordinator.submit(prompt_ids, req.params, timings)
+        if req.stream:
+            return WatchedStream(_stream_chat(model.name, generation), generation.close)
+        content = await collect(request, generation)
+        if content is None:
             return Response(status_code=499)
-        finally:
-            await generation.close()
+        return JSONResponse(chat_final(model.name, generation, content))
 
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        timings = RequestTimings()
+        req = parse_generate(await read_json_body(request, limits.max_body_bytes))
+        check_model(coordinator, req.model)
+        if not req.prompt and not req.context:
+            return JSONResponse(generate_load(model.name, req.unload))
+        prompt_ids = generate_prompt_ids(model, req.prompt, req.system, req.raw, req.context)
+        generation = await coordinator.submit(prompt_ids, req.params, timings)
+
+        def context() -> list[int] | None:
+            return None if req.raw else prompt_ids + generation.output_ids
+
+        if req.stream:
+            return WatchedStream(_stream_generate(model.name, generation, context),
+                                 generation.close)
+        text = await collect(request, generation)
+        if text is None:
+            return Response(status_code=499)
+        return JSONResponse(generate_final(model.name, generation, text, context()))
+
+    add_openai_routes(app, coordinator, collect, check_model)
     return app
-
-
-async def _collect(generation: Generation) -> str:
-    return "".join([piece async for piece in generation.pieces()])
 
 
 async def _stream_chat(name: str, generation: Generation) -> AsyncIterator[bytes]:
@@ -176,3 +194,13 @@ async def _stream_chat(name: str, generation: Generation) -> AsyncIterator[bytes
         yield ndjson(error_body(str(exc)))
         return
     yield ndjson(chat_final(name, generation))
+
+
+async def _stream_generate(name: str, generation: Generation, context) -> AsyncIterator[bytes]:
+    try:
+        async for piece in generation.pieces():
+            yield ndjson(generate_chunk(name, piece))
+    except WorkerError as exc:
+        yield ndjson(error_body(str(exc)))
+        return
+    yield ndjson(generate_final(name, generation, context=context()))

@@ -33,6 +33,19 @@ class ChatRequest:
     stream: bool
     params: SamplingParams
     tools: list[dict] | None
+    unload: bool = False  # keep_alive 0: with no messages, Ollama answers done_reason "unload"
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    model: str
+    prompt: str
+    system: str | None  # replaces the template's default system message
+    raw: bool  # the prompt is sent as is, without the chat template
+    context: list[int]  # token ids of an earlier exchange (deprecated by Ollama, still sent)
+    stream: bool
+    params: SamplingParams
+    unload: bool = False
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -78,19 +91,76 @@ def _message(index: int, message: Any) -> dict:
     return {k: v for k, v in message.items() if k != "images"}
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    model = _model(body)
-    messages = body.get("messages")
-    if messages is None:
-        messages = []
+def check_messages(messages: Any, max_messages: int) -> list[dict]:
+    """Validated messages (shared with the OpenAI surface)."""
     if not isinstance(messages, list):
         raise RequestError("messages must be a list")
+    if len(messages) > max_messages:
+        raise RequestError(f"too many messages: {len(messages)} (limit {max_messages})")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _unsupported(body: dict[str, Any], model: str) -> None:
+    """Request features the served models cannot honour: refused, never silently dropped."""
+    if body.get("format") not in (None, ""):
+        raise RequestError("format (structured output) is not supported yet")
+    if body.get("think") not in (None, False):
+        raise RequestError(f'"{model}" does not support thinking')
+    if body.get("images"):
+        raise RequestError("images are not supported: the served model has no vision input")
+
+
+def _unload(body: dict[str, Any]) -> bool:
+    keep_alive = body.get("keep_alive")
+    return keep_alive in (0, "0", "0s", "0m")
+
+
+def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
+    model = _model(body)
+    messages = check_messages(body.get("messages") or [], max_messages)
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError("tools must be a list of objects")
-    if body.get("format") not in (None, ""):
-        raise RequestError("format (structured output) is not supported yet")
+    _unsupported(body, model)
     params = SamplingParams.from_options(body.get("options"), warn=log.warning)
-    return ChatRequest(model=model, messages=[_message(i, m) for i, m in enumerate(messages)],
-                       stream=_stream(body), params=params, tools=tools or None)
+    return ChatRequest(model=model, messages=messages,
+                       stream=_stream(body), params=params, tools=tools or None,
+                       unload=_unload(body))
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {json.dumps(value)[:60]}")
+    return value or None
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateRequest:
+    model = _model(body)
+    prompt = _optional_str(body, "prompt") or ""
+    system = _optional_str(body, "system")
+    _unsupported(body, model)
+    if _optional_str(body, "suffix"):
+        raise RequestError(f'"{model}" does not support insert')
+    if _optional_str(body, "template"):
+        raise RequestError("template overrides are not supported: tandem renders the model's "
+                           "own chat template (send raw: true with a preformatted prompt)")
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise RequestError(f"raw must be true or false, got {json.dumps(raw)}")
+    context = body.get("context") or []
+    if not (isinstance(context, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in context)):
+        raise RequestError("context must be a list of token ids")
+    params = SamplingParams.from_options(body.get("options"), warn=log.warning)
+    return GenerateRequest(model=model, prompt=prompt, system=system, raw=raw, context=context,
+                           stream=_stream(body), params=params, unload=_unload(body))
+
+
+def parse_show(body: dict[str, Any]) -> str:
+    """/api/show names its model in `model` (older clients send `name`)."""
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required")
+    return model

@@ -64,12 +64,40 @@ def chat_final(model: str, g: Generation, content: str = "") -> dict[str, Any]:
     g.timings.finish()
     return {"model": model, "created_at": created_at(),
             "message": {"role": "assistant", "content": content}, "done": True,
-            "done_reason": g.done_reason or "stop", **figures(g.timings),
+            "done_reason": _with_done_reason(g.done_reason), **figures(g.timings),
             "tandem": serving_figures(g)}
 
 
-def chat_load(model: str) -> dict[str, Any]:
-    """Empty `messages`: Ollama loads the model and answers at once."""
+def chat_load(model: str, unload: bool = False) -> dict[str, Any]:
+    """Empty `messages`: Ollama loads (or, with keep_alive 0, unloads) and answers at once.
+    tandem's workers keep the model resident, so there is nothing to wait for."""
     return {"model": model, "created_at": created_at(),
             "message": {"role": "assistant", "content": ""}, "done": True,
-            "done_reason": "load"}
+            "done_reason": "unload" if unload else "load"}
+
+
+def _with_done_reason(reason: str | None) -> str:
+    return reason or "stop"
+
+
+def generate_chunk(model: str, text: str) -> dict[str, Any]:
+    return {"model": model, "created_at": created_at(), "response": text, "done": False}
+
+
+def generate_final(model: str, g: Generation, text: str = "",
+                   context: list[int] | None = None) -> dict[str, Any]:
+    """`context` (prompt + output token ids) lets a client continue; None in raw mode."""
+    g.timings.finish()
+    body: dict[str, Any] = {"model": model, "created_at": created_at(), "response": text,
+                            "done": True, "done_reason": _with_done_reason(g.done_reason)}
+    if context is not None:
+        body["context"] = context
+    body.update(figures(g.timings))
+    body["tandem"] = serving_figures(g)
+    return body
+
+
+def generate_load(model: str, unload: bool = False) -> dict[str, Any]:
+    """Empty `prompt`: Ollama loads (or, with keep_alive 0, unloads) and answers at once."""
+    return {"model": model, "created_at": created_at(), "response": "", "done": True,
+            "done_reason": "unload" if unload else "load"}

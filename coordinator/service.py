@@ -11,7 +11,7 @@ import uuid
 
 import grpc
 
-from coordinator.admission import Admission, Overloaded
+from coordinator.admission import Admission, Overloaded, TooManyStreams
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
@@ -19,7 +19,7 @@ from coordinator.model import ServedModel
 from coordinator.placement import concurrency_limit
 from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, InvalidOptionError
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,10 @@ class Coordinator:
         self.flow = RequestFlow(self.registry, config)
         self.metrics = Metrics()
         self.registry_port: int | None = None
+        self.grpc_port: int | None = None  # the client-facing gRPC API
+        self.open_requests = 0  # queued or running, on every API (config.max_streams)
         self._server: grpc.aio.Server | None = None
+        self._client_server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
 
     def _capacity(self) -> int:
@@ -50,8 +53,16 @@ class Coordinator:
             self.registry, self.config.registry_host, self.config.registry_port)
         self._sweeper = asyncio.create_task(self.registry.run_sweeper())
         log.info("registry listening on %s:%d", self.config.registry_host, self.registry_port)
+        from coordinator.grpc_api import start_client_api  # noqa: PLC0415 (grpc_api imports us)
+
+        self._client_server, self.grpc_port = await start_client_api(
+            self, self.config.grpc_host, self.config.grpc_port)
+        log.info("gRPC client API (tandem.v1.Tandem, health, reflection) on %s:%d",
+                 self.config.grpc_host, self.grpc_port)
 
     async def stop(self) -> None:
+        if self._client_server is not None:
+            await self._client_server.stop(grace=1.0)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -63,7 +74,23 @@ class Coordinator:
     # ---- requests -------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams) -> FlowRequest:
-        context = params.context_limit(self.model.context_len)
+        """Check a request against the model's limits; raises a TandemError naming the limit.
+
+        A prompt longer than the context window is an error, never silently truncated."""
+        limit = self.model.context_len
+        if params.num_ctx is not None and params.num_ctx > limit:
+            raise InvalidOptionError(f"option 'num_ctx' is {params.num_ctx}, above the model's "
+                                     f"context length of {limit} tokens")
+        context = params.context_limit(limit)
+        if params.num_predict > context:
+            raise InvalidOptionError(f"option 'num_predict' is {params.num_predict}, more than "
+                                     f"the {context}-token context window")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidOptionError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if not prompt_ids:
+            raise InvalidOptionError("the prompt is empty")
         max_tokens = params.max_tokens_for(len(prompt_ids), self.model.context_len)
         if max_tokens <= 0:
             raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens, which leaves no "
@@ -72,19 +99,36 @@ class Coordinator:
                            max_tokens=max_tokens,
                            stop_token_ids=self.model.tokenizer.stop_token_ids)
 
+    async def submit(self, prompt_ids: list[int], params: SamplingParams,
+                     timings: RequestTimings) -> Generation:
+        """prepare + begin, for every client API; `timings` started when the request arrived."""
+        timings.prompt_tokens = len(prompt_ids)
+        return await self.begin(self.prepare(prompt_ids, params), timings)
+
     async def begin(self, request: FlowRequest, timings: RequestTimings) -> Generation:
         """Admit the request (waiting in the queue if need be). Raises NoWorkers or Overloaded."""
         if not self.registry.live(DECODE_ROLES):
             self.metrics.count_refusal("overloaded")
             raise NoWorkers("no live decode worker is registered; retry once workers are up")
+        if self.open_requests >= self.config.max_streams:
+            self.metrics.count_refusal("overloaded")
+            raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
+                                 f"(limit {self.config.max_streams})", self.config.retry_after_s)
+        self.open_requests += 1
         try:
             await self.admission.acquire()
-        except Overloaded:
-            self.metrics.count_refusal("overloaded")
+        except BaseException as exc:  # Overloaded, or the client left while queued
+            self.open_requests -= 1
+            if isinstance(exc, Overloaded):
+                self.metrics.count_refusal("overloaded")
             raise
         timings.admitted = time.monotonic()
         return Generation(request, timings, self.flow, self.model.tokenizer, self.metrics,
-                          self.admission.release)
+                          self._release)
+
+    def _release(self) -> None:
+        self.open_requests -= 1
+        self.admission.release()
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.registry.all(), self.admission.queue_depth,
@@ -92,5 +136,6 @@ class Coordinator:
 
     def workers_report(self) -> dict:
         return {"model": self.model.name, "model_fingerprint": self.model.fingerprint,
+                "grpc_port": self.grpc_port,
                 "live": self.registry.live_counts(),
                 "workers": [w.describe() for w in self.registry.all()]}

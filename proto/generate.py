@@ -22,6 +22,7 @@ ROOT = PROTO_DIR.parent
 STUBS: dict[str, str] = {
     "kvtransfer.proto": "kvtransfer/pb",
     "worker.proto": "engine/rpc",
+    "tandem.proto": "coordinator/rpc",
 }
 
 _ABSOLUTE_IMPORT = re.compile(r"^import (\w+_pb2(?:_grpc)?) as (\w+)$", re.MULTILINE)

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible surface, as pure functions: request bodies -> typed requests, and
+tandem's results -> OpenAI's response, chunk and error shapes. Routes live in http_api.py.
+
+Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI layer does:
+`max_tokens` / `max_completion_tokens` -> num_predict, `temperature` (OpenAI's default 1.0),
+`top_p` (default 1.0), `frequency_penalty`, `presence_penalty`, `seed`, `stop`. `top_k` is
+off (0) because OpenAI has none. Fields tandem cannot honour (`n` > 1, `logprobs`,
+`response_format` other than text, `tools` with `tool_choice` "required") are 400 errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.ollama_request import RequestError, check_messages
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
+                  "frequency_penalty": "frequency_penalty",
+                  "presence_penalty": "presence_penalty", "stop": "stop"}
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                      "logit_bias", "suffix", "echo", "best_of", "stream_options", "tool_choice"})
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    model: str
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    params: SamplingParams
+    messages: list[dict] | None = None  # chat completions
+    prompt: str | list[int] | None = None  # completions
+    tools: list[dict] | None = None
+
+
+def _text_content(index: int, content: Any) -> Any:
+    """OpenAI allows content as a list of parts; tandem's models take text parts only."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"messages[{index}].content: only text parts are supported, "
+                               f"got {kind!r}")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _message(index: int, m: Any) -> Any:
+    if not isinstance(m, dict):
+        return m  # check_messages names the problem
+    m = {**m, "content": _text_content(index, m.get("content"))}
+    if m.get("role") == "developer":
+        m["role"] = "system"
+    for call in m.get("tool_calls") or []:  # OpenAI sends arguments as a JSON string
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                raise RequestError("tool_calls arguments must be a JSON object") from None
+    return m
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    for field, option in _OPTION_FIELDS.items():
+        if body.get(field) is not None:
+            options[option] = body[field]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        options["num_predict"] = max_tokens
+    return SamplingParams.from_options(options)
+
+
+def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise RequestError(f"n must be 1, got {n!r}: tandem returns one choice per request")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise RequestError("logprobs are not supported")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise RequestError("response_format (structured output) is not supported yet")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {json.dumps(stream)}")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError("stream_options must be an object")
+    for key in body:
+        if key not in _IGNORED and key not in _KNOWN:
+            log.warning("unknown field %r ignored", key)
+    return model, stream, bool(stream_options.get("include_usage"))
+
+
+_KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "logprobs", "top_logprobs",
+                    "response_format", "max_tokens", "max_completion_tokens", "tools",
+                    *_OPTION_FIELDS})
+
+
+def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
+    model, stream, usage = _common(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("messages must be a non-empty list")
+    messages = check_messages([_message(i, m) for i, m in enumerate(raw)], max_messages)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of objects")
+    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=_params(body),
+                         messages=messages, tools=tools or None)
+
+
+def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
+    model, stream, usage = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ok_ids = isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not ok_ids:
+        raise RequestError("prompt must be a non-empty string or a list of token ids "
+                           "(batches of several prompts are not supported)")
+    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=_params(body),
+                         prompt=prompt)
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(done_reason: str | None) -> str:
+    return "length" if done_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_completion(rid: str, model: str, content: str, reason: str | None,
+                    usage_: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": "fp_tandem",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "logprobs": None, "finish_reason": finish_reason(reason)}],
+            "usage": usage_}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any],
+               reason: str | None = None, done: bool = False) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "system_fingerprint": "fp_tandem",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason(reason) if done else None}]}
+
+
+def completion(rid: str, model: str, text: str, reason: str | None,
+               usage_: dict[str, Any] | None, done: bool = True,
+               chunk: bool = False) -> dict[str, Any]:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": "fp_tandem",
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason(reason) if done else None}]}
+    if not chunk:
+        body["usage"] = usage_
+    return body
+
+
+def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage_}
+
+
+def models_list(name: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_entry(name, created)]}
+
+
+def model_entry(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tandem"}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+                      "param": None, "code": None}}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                       separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
