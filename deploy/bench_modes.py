@@ -5,7 +5,8 @@
 
 Three topologies of the same model on this host, each started with deploy.local, loaded the
 same way, stopped:
-  disaggregated        1 prefill + 1 decode worker, KV over zmq, chunked prefill (256)
+  disaggregated        1 prefill + 1 decode worker, KV over zmq, chunked prefill (256);
+                       prompts of <= 128 tokens are prefilled on the decode worker
   colocated-chunked    1 worker doing both, token budget 256 per pass (split-fuse)
   colocated-unchunked  1 worker doing both, budget 4096: a long prompt is one pass
 Load: --chat-clients closed-loop clients, each streaming short chat turns (num_predict 48),
@@ -116,7 +117,7 @@ def run_load(url: str, model: str, duration: float, clients: int, long_every: fl
 
 def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) -> dict:
     topology = Topology(model=model, model_path=model_path, log_dir=log_root / name, port=free_port(),
-                        prefill_threshold=32, worker_args=("--kv-cache-gb", "0.5"), **MODES[name])
+                        prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"), **MODES[name])
     topology.log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)
     with LocalCluster(specs, ready, start_timeout_s=300) as cluster:

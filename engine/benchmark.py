@@ -1,18 +1,24 @@
 """Single-process engine benchmark: prefill and decode speed of one model, per weight format,
 in one run so the figures compare.
 
-    python -m engine.benchmark [MODEL] [--formats fp32,bf16] [--prompt-len 512] [--decode-steps 32]
+    python -m engine.benchmark [MODEL] [--formats fp32,bf16,int8,int4,w8a8] [--prompt-len 512]
+                               [--decode-steps 32] [--kernels]
 
 Prints, per format: prefill tokens/s for one prompt of --prompt-len tokens in a single pass,
 and decode tokens/s at batch 1 and batch 8 (every sequence one token per step, context
 --prompt-len), with the weight bytes each decode step must read and the bandwidth that implies.
-Runs with one torch thread unless --threads says otherwise.
+Runs with one torch thread unless --threads says otherwise. --kernels first runs the kernel
+micro-benchmarks (kernels.bench_linear, kernels.bench_attention: per op and shape, time and
+GB/s or GFLOP/s next to this machine's measured copy bandwidth and GEMM peaks), so one command
+prints kernels and end-to-end decode speed per format together.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -78,7 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kernels", action="store_true", help="run the kernel micro-benchmarks first")
     args = parser.parse_args(argv)
+    if args.kernels:
+        for module in ("kernels.bench_linear", "kernels.bench_attention"):
+            subprocess.run([sys.executable, "-m", module, "--quick"], check=True)
+            print()
     configure_process(args.threads)
     path = ModelStore(default_home()).resolve(args.model)
     loaded = load_model(path)
