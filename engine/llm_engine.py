@@ -20,7 +20,7 @@ from engine.errors import ContextLengthError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, make_generator, position_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -195,9 +195,15 @@ class LLMEngine:
             logits,
             [r.sampling_params for r in requests],
             [r.token_ids for r in requests],
-            [self._generators[r.request_id] for r in requests],
+            [self._generator_for(r) for r in requests],
         )
         return {r.request_id: int(t) for r, t in zip(requests, tokens.tolist())}
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:  # unseeded: one random stream per request
+            return self._generators[request.request_id]
+        return position_generator(seed, request.num_tokens)
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Convenience for one request alone: yields its tokens as they are sampled."""

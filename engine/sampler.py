@@ -15,6 +15,7 @@ same tokens whatever else shares its batch or where it sits in it. All arithmeti
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Sequence
@@ -32,6 +33,17 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     gen = torch.Generator(device=device)
     gen.manual_seed(seed % (1 << 64))  # manual_seed takes [0, 2**64)
     return gen
+
+
+def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator for the token drawn at `position` of a seeded request.
+
+    Seeding each draw from (seed, position) instead of advancing one generator per request
+    makes a seeded request's tokens independent of where each draw happens: the same on one
+    engine or split across a prefill worker (first token) and a decode worker (the rest),
+    after a preemption, and whatever else shares the batch."""
+    mixed = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return make_generator(int.from_bytes(mixed, "little"), device)
 
 
 class Sampler:

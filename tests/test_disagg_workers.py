@@ -238,3 +238,16 @@ async def test_full_decode_pool_refuses_the_reservation(pair_factory):
     events, event = await pair.reserve("big", prompts([100], seed=7)[0], 10)
     assert isinstance(event, Tokens) and event.finish_reason == "error" and "no free KV blocks" in event.error
     assert pair.pools_full()
+
+
+@run_async
+async def test_seeded_sampling_is_the_same_disaggregated(pair_factory, reference):
+    """Each seeded draw depends on (seed, position) only, so the prefill worker's first token
+    and the decode worker's next ones equal the single-process engine's."""
+    pair = pair_factory()
+    seeded = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=4242)
+    prompt = prompts([37], seed=8)[0]
+    alone = list(reference.generate(prompt, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=4242,
+                                                            num_predict=16)))
+    tokens, _ = await pair.run("seeded", prompt, 16, seeded)
+    assert tokens == alone
