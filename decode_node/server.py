@@ -4,7 +4,6 @@ stop string, coordinator gives up) aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 

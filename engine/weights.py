@@ -9,10 +9,8 @@ needs floats.
 
 from __future__ import annotations
 
-import torch
-
-from kernels.quantized_tensor import QuantizedTensor
 from kernels.linear import to_float
+from kernels.quantized_tensor import QuantizedTensor
 
 __all__ = ["QuantizedTensor", "to_float"]
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import KVReceiver, KVTransferError, ReceiveEvent, TransferStatus
+from .base import KVTransferError, TransferStatus
 from .layout import KVCacheBuffer, KVLayout
 from .message import KVHeader, tensor_bytes
-from .receiving import ReceiveTable
+from .receiving import ReceiveTable, TableReceiver
 from .sending import TrackedSender
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
@@ -52,26 +52,13 @@ class FakeFault:
         return self.request_id in (None, request_id) and self.layer in (None, layer)
 
 
-class FakeReceiver(KVReceiver):
+class FakeReceiver(TableReceiver):
     def __init__(self, cache: KVCacheBuffer, layout: KVLayout) -> None:
         self.cache, self.layout = cache, layout
         self.table = ReceiveTable(cache, layout)
         self._endpoint = f"fake://{next(_IDS)}"
         with _REGISTRY_LOCK:
             _RECEIVERS[self._endpoint] = self
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def expect(self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self.table.expect(request_id, block_ids, num_layers, deadline_s)
-
-    def poll(self) -> list[ReceiveEvent]:
-        return self.table.poll()
-
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
 
     def close(self) -> None:
         with _REGISTRY_LOCK:

@@ -19,12 +19,12 @@ from concurrent import futures
 import grpc
 import torch
 
-from .base import KVReceiver, KVTransferError, ReceiveEvent
+from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import Ack, HandshakeReply, KVHeader, layout_to_pb, tensor_bytes
 from .pb import kvtransfer_pb2 as pb
 from .pb import kvtransfer_pb2_grpc as pb_grpc
-from .receiving import ReceiveTable
+from .receiving import ReceiveTable, TableReceiver
 from .sending import TrackedSender
 
 CHUNK_BYTES = 1 << 20
@@ -61,7 +61,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         return table.ingest(header, b"".join(parts)).to_pb()
 
 
-class GrpcReceiver(KVReceiver):
+class GrpcReceiver(TableReceiver):
     def __init__(
         self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "127.0.0.1:0", max_workers: int = 4
     ) -> None:
@@ -77,19 +77,6 @@ class GrpcReceiver(KVReceiver):
         self._endpoint = f"{host}:{port}"
         self._server.start()
         self._closed = False
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def expect(self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self.table.expect(request_id, block_ids, num_layers, deadline_s)
-
-    def poll(self) -> list[ReceiveEvent]:
-        return self.table.poll()
-
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
 
     def close(self) -> None:
         if not self._closed:

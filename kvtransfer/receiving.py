@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import ReceiveEvent, ReceiveKind
+from .base import KVReceiver, ReceiveEvent, ReceiveKind
 from .layout import KVCacheBuffer, KVLayout
 from .message import Ack, KVHeader, MessageError, checksum, payload_tensor
 
@@ -219,3 +219,25 @@ class ReceiveTable:
         self._closed.move_to_end(rid)
         while len(self._closed) > CLOSED_MEMORY:
             self._closed.popitem(last=False)
+
+
+class TableReceiver(KVReceiver):
+    """A receiver whose bookkeeping is a ReceiveTable (`self.table`) and whose address is
+    `self._endpoint`: the engine-facing half of the contract, shared by every backend; each
+    backend adds only its transport (and close())."""
+
+    table: ReceiveTable
+    _endpoint: str
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def expect(self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        self.table.expect(request_id, block_ids, num_layers, deadline_s)
+
+    def poll(self) -> list[ReceiveEvent]:
+        return self.table.poll()
+
+    def cancel(self, request_id: str) -> None:
+        self.table.cancel(request_id)

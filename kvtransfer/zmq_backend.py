@@ -27,12 +27,12 @@ from collections.abc import Sequence
 import torch
 import zmq
 
-from .base import KVReceiver, KVTransferError, ReceiveEvent, TransferStatus
+from .base import KVTransferError, TransferStatus
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
     Ack, HandshakeReply, KVHeader, MessageError, encode_handshake_request, tensor_bytes,
 )
-from .receiving import ReceiveTable
+from .receiving import ReceiveTable, TableReceiver
 from .sending import TrackedSender
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def default_ipc_endpoint(prefix: str) -> str:
     return f"ipc://{path}"
 
 
-class ZmqReceiver(KVReceiver):
+class ZmqReceiver(TableReceiver):
     def __init__(
         self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*"
     ) -> None:
@@ -76,19 +76,6 @@ class ZmqReceiver(KVReceiver):
 
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(self.layout, self.cache.num_blocks)
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def expect(self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self.table.expect(request_id, block_ids, num_layers, deadline_s)
-
-    def poll(self) -> list[ReceiveEvent]:
-        return self.table.poll()
-
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
 
     def close(self) -> None:
         if self._closed:
