@@ -154,6 +154,13 @@ class WorkerRegistry:
             return (f"model fingerprint {info.model_fingerprint!r} does not match the "
                     f"coordinator's {self.model_fingerprint!r}: the worker serves a different "
                     "model or a different file of it")
+        # Refuse at registration, not at the first request: a worker whose KV layout differs
+        # from the live workers' on the same backend could never pair with them.
+        layouts = {r.kv_layout_fingerprint for r in self._workers.values()
+                   if r.alive and r.worker_id != info.worker_id and r.kv_backend == info.kv_backend}
+        if layouts and info.kv_layout_fingerprint not in layouts:
+            return (f"KV layout fingerprint {info.kv_layout_fingerprint!r} differs from the live "
+                    f"workers' ({', '.join(sorted(layouts))}): prefill and decode could not pair")
         return ""
 
     # ---- liveness -------------------------------------------------------------------------------

@@ -49,9 +49,9 @@ async def main_async(args) -> None:
                                           **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port))
     engine = build_engine(args, path, kv_cache=cache.tensor, num_blocks=num_blocks)
     loop = asyncio.get_running_loop()
-    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend)
-    worker.start()
     endpoint = receiver.endpoint.replace("0.0.0.0", advertise)
+    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend, kv_endpoint=endpoint)
+    worker.start()
 
     def status():
         return worker_status(worker_id, args.role, engine)

@@ -60,10 +60,14 @@ class Tokens:
 
 class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, receiver=None,
-                 kv_backend: str = "", kv_deadline_s: float = 60.0, quarantine_s: float = 0.05) -> None:
+                 kv_backend: str = "", kv_deadline_s: float = 60.0, quarantine_s: float = 0.05,
+                 kv_endpoint: str = "") -> None:
         super().__init__(engine, loop, name="decode-engine")
         self.receiver = receiver
         self.kv_backend = kv_backend
+        # Where prefill workers reach the receiver: its bound endpoint with a wildcard host
+        # replaced by the advertised one (empty: the receiver's own endpoint).
+        self.kv_endpoint = kv_endpoint
         self.kv_deadline_s = kv_deadline_s
         self.quarantine_s = quarantine_s
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
@@ -121,7 +125,8 @@ class DecodeWorker(EngineLoop):
             return
         self.receiver.expect(job.request_id, blocks, engine.config.model.num_layers, self.kv_deadline_s)
         self._remote.add(job.request_id)
-        self._emit(job.request_id, Reserved(blocks, self.receiver.endpoint, self.kv_backend))
+        self._emit(job.request_id, Reserved(blocks, self.kv_endpoint or self.receiver.endpoint,
+                                            self.kv_backend))
 
     def _start(self, request_id: str, first_token: int | None, error: str) -> None:
         if request_id not in self.engine.scheduler.requests:

@@ -14,6 +14,10 @@ tail of its log. Stopping sends SIGTERM to the workers, then the coordinator, wa
 terminal's Ctrl-C reaches only this launcher, which forwards it in that order.
 
 Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
+
+`tandem launch` (deploy/launch.py) reuses LocalCluster for other hosts: its specs wrap each
+command in ssh or a command prefix, and a spec's `signal_argv` reaches a process that ssh
+started on the far side.
 """
 
 from __future__ import annotations
@@ -85,12 +89,16 @@ class ProcessSpec:
     name: str  # "coordinator", "prefill-0", "decode-1", "colocated-0"
     argv: list[str]
     log_path: Path
+    # How to signal the process when `argv` only reaches it through another program (ssh):
+    # a command whose "{signal}" placeholders become TERM or KILL. Empty: signal the child.
+    signal_argv: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Readiness:
     url: str  # the coordinator's HTTP base URL
     expected: dict[str, int]  # live workers by role
+    worker_ids: tuple[str, ...] = ()  # these workers must be live too (named launches)
 
 
 def free_port() -> int:
@@ -170,6 +178,12 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start every process and wait until the topology is ready (LaunchError if not)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start every process without waiting; `wait_ready` waits (the launcher records the
+        processes in between, so that `tandem launch --down` can find them)."""
         for spec in self.specs:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(spec.log_path, "ab")
@@ -177,6 +191,10 @@ class LocalCluster:
                                        stdin=subprocess.DEVNULL, env=self.env,
                                        start_new_session=True)
             self.children.append(_Child(spec, process, log))
+
+    def wait_ready(self) -> None:
+        """Wait until the coordinator reports the expected workers; on failure or interrupt,
+        stop every process and raise LaunchError."""
         try:
             self._wait_ready()
         except BaseException:
@@ -191,10 +209,14 @@ class LocalCluster:
             if self.stop_requested.is_set():
                 raise LaunchError("start-up interrupted")
             live = self._live_workers()
-            if isinstance(live, dict):
-                if all(live.get(role, 0) >= n for role, n in self.ready.expected.items()):
+            if isinstance(live, tuple):
+                counts, ids = live
+                missing = [w for w in self.ready.worker_ids if w not in ids]
+                if not missing and all(counts.get(role, 0) >= n
+                                       for role, n in self.ready.expected.items()):
                     return
-                last = f"live workers {live}, expected {self.ready.expected}"
+                last = f"live workers {counts}, expected {self.ready.expected}" + (
+                    f", not yet registered: {', '.join(missing)}" if missing else "")
             else:
                 last = live
             if time.monotonic() > deadline:
@@ -202,11 +224,13 @@ class LocalCluster:
                                   f"({last}); logs are in {self.specs[0].log_path.parent}")
             self.stop_requested.wait(0.25)
 
-    def _live_workers(self) -> dict[str, int] | str:
+    def _live_workers(self) -> tuple[dict[str, int], set[str]] | str:
+        """(live counts by role, ids of live workers), or why the coordinator did not say."""
         try:
             with urllib.request.urlopen(f"{self.ready.url}/internal/workers", timeout=2) as r:
-                return json.loads(r.read())["live"]
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+                report = json.loads(r.read())
+            return report["live"], {w["worker_id"] for w in report["workers"] if w["alive"]}
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
             return f"coordinator not answering: {exc}"
 
     def _check_children(self, when: str) -> None:
@@ -230,16 +254,30 @@ class LocalCluster:
         for group in (self.children[1:], self.children[:1]):
             for child in group:
                 if child.process.poll() is None:
-                    _signal(child.process, signal.SIGTERM)
+                    self._signal(child, signal.SIGTERM)
             deadline = time.monotonic() + self.grace_s
             for child in group:
                 try:
                     child.process.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    self._signal(child, signal.SIGKILL)
                     _signal(child.process, signal.SIGKILL)
                     child.process.wait(self.grace_s)
         for child in self.children:
             child.log.close()
+
+    def _signal(self, child: _Child, sig: int) -> None:
+        if not child.spec.signal_argv:
+            _signal(child.process, sig)
+            return
+        name = signal.Signals(sig).name.removeprefix("SIG")
+        argv = [a.replace("{signal}", name) for a in child.spec.signal_argv]
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=self.grace_s, env=self.env)
+        except (OSError, subprocess.TimeoutExpired):
+            # The remote side is out of reach; ending the local end (ssh) is all that is left.
+            _signal(child.process, sig)
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:
@@ -254,23 +292,39 @@ def serve(topology: Topology, *, start_timeout_s: float = 300.0,
     """Run a topology until Ctrl-C or SIGTERM; 0 on a requested stop, 1 if a process failed."""
     specs, ready = plan(topology)
     cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)
+
+    def on_ready() -> None:
+        out(f"tandem is serving {topology.model} at {ready.url}  (Ollama API: "
+            f"{ready.url}/api/chat, metrics: {ready.url}/metrics); Ctrl-C stops it")
+        for spec in specs[1:]:
+            out(f"  {spec.name}: {' '.join(spec.argv[2:])}")
+
+    out(f"starting {', '.join(s.name for s in specs)}; logs in {topology.log_dir}")
+    return run_until_stopped(cluster, on_ready, out)
+
+
+def run_until_stopped(cluster: LocalCluster, on_ready: Callable[[], None],
+                      out: Callable[[str], None] = print,
+                      on_spawn: Callable[[], None] | None = None) -> int:
+    """Start `cluster`, call on_ready, serve until SIGINT/SIGTERM (0) or until a process exits
+    (1); 130 when interrupted during start-up. Every process is stopped on the way out.
+    on_spawn runs once every process has been started, before waiting for readiness."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, lambda *_: cluster.stop_requested.set())
     try:
         with cluster:
-            out(f"starting {', '.join(s.name for s in specs)}; logs in {topology.log_dir}")
             try:
-                cluster.start()
+                cluster.spawn()
+                if on_spawn is not None:
+                    on_spawn()
+                cluster.wait_ready()
             except LaunchError:
                 if cluster.stop_requested.is_set():
                     out("interrupted during start-up; stopped every process")
                     return 130
                 raise
-            out(f"tandem is serving {topology.model} at {ready.url}  (Ollama API: "
-                f"{ready.url}/api/chat, metrics: {ready.url}/metrics); Ctrl-C stops it")
-            for spec in specs[1:]:
-                out(f"  {spec.name}: {' '.join(spec.argv[2:])}")
+            on_ready()
             failure = cluster.wait()
             if failure:
                 out(f"stopping: {failure}")

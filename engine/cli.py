@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+from deploy.cli import add_launch_parser
 from engine.errors import TandemError
 from engine.model_store import ModelStore, default_home
 
@@ -334,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for every worker to register")
     p.set_defaults(func=cmd_serve)
+
+    add_launch_parser(sub)
     return parser
 
 

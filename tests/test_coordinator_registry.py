@@ -52,6 +52,22 @@ def test_registration_refuses_bad_role_and_missing_fields():
     assert not refused.accepted and "worker_id" in refused.reason
 
 
+def test_registration_refuses_a_kv_layout_that_cannot_pair():
+    async def scenario():  # accepted workers get grpc.aio channels: they need a running loop
+        registry = WorkerRegistry(CoordinatorConfig(), "fp")
+
+        def info(worker_id, role, layout):
+            return pb.WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{len(worker_id)}",
+                                 model_fingerprint="fp", kv_backend="zmq", kv_layout_fingerprint=layout)
+        return (registry.register(info("p0", "prefill", "layout-a")),
+                registry.register(info("d0", "decode", "layout-b")),
+                registry.register(info("d1", "decode", "layout-a")))
+
+    first, other, same = asyncio.run(scenario())
+    assert first.accepted and same.accepted
+    assert not other.accepted and "layout-b" in other.reason and "layout-a" in other.reason
+
+
 def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_revives(
         model, tokens):
     async def scenario():

@@ -1,0 +1,58 @@
+"""How a command reaches a host: directly (this machine), through a command prefix that execs
+its arguments elsewhere (`ip netns exec NS`, `nsenter ...`), or over SSH.
+
+    role_command(host, argv, run_dir, name) -> (argv to run here, signal_argv)
+
+For local and prefix hosts the process we start *is* the role (env and the prefix both exec),
+so it is signalled directly and signal_argv is empty. Over SSH the process here is the ssh
+client; the remote shell writes its PID to `run_dir/name.pid` before it execs the role, and
+signal_argv is `ssh HOST kill -{signal} $(cat that file)`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from deploy.topology import Host
+
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15")
+
+
+def python_of(host: Host) -> str:
+    if host.python:
+        return host.python
+    return "python3" if host.kind == "ssh" else sys.executable
+
+
+def _env_argv(host: Host, extra_env: dict[str, str]) -> list[str]:
+    pairs = {**extra_env, **dict(host.env)}
+    argv = ["env"]
+    if host.workdir:
+        argv += ["-C", host.workdir]
+    return argv + [f"{k}={v}" for k, v in pairs.items()]
+
+
+def ssh_argv(host: Host, remote_command: str) -> list[str]:
+    return ["ssh", *SSH_OPTIONS, *host.ssh_options, host.ssh or host.address, remote_command]
+
+
+def host_command(host: Host, argv: list[str], extra_env: dict[str, str] | None = None
+                 ) -> list[str]:
+    """The command that runs `argv` (interpreter first) on `host`, in the host's environment."""
+    full = _env_argv(host, extra_env or {}) + argv
+    if host.kind == "ssh":
+        return ssh_argv(host, shlex.join(full))
+    return [*host.exec_prefix, *full]
+
+
+def role_command(host: Host, argv: list[str], run_dir: str, name: str,
+                 extra_env: dict[str, str] | None = None) -> tuple[list[str], tuple[str, ...]]:
+    """(command to start the role, command that signals it: see the module docstring)."""
+    if host.kind != "ssh":
+        return host_command(host, argv, extra_env), ()
+    pid_file = f"{run_dir}/{name}.pid"
+    remote = (f"mkdir -p {shlex.quote(run_dir)} && echo $$ > {shlex.quote(pid_file)} && exec "
+              + shlex.join(_env_argv(host, extra_env or {}) + argv))
+    signal = f"kill -{{signal}} \"$(cat {shlex.quote(pid_file)})\""
+    return ssh_argv(host, remote), tuple(ssh_argv(host, signal))

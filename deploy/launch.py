@@ -1,0 +1,292 @@
+"""`tandem launch TOPOLOGY.toml`: start every role of a multi-host topology on its host.
+
+    topology = load_topology(path)        # file errors: TopologyError, nothing started
+    pull_everywhere(topology)             # optional (--pull): `tandem pull` on every host
+    preflight(topology)                   # each host: reachable? model there and identical?
+                                          #   ports free? (TopologyError, nothing started)
+    launch(topology, state_dir)           # coordinator, then workers; wait until every named
+                                          #   worker is live; print endpoints; serve until
+                                          #   Ctrl-C/SIGTERM or `tandem launch --down`
+    down(topology, state_dir)             # from another shell: stop what launch started
+
+Processes are started from this machine: locally, through a host's command prefix, or over
+SSH (deploy/hosts.py), with their output in `state_dir/<role>.log` here. The launch records
+itself and its processes in `state_dir/launch.json`; `down` asks the launcher to stop (it stops
+workers first, then the coordinator), and stops the recorded processes itself when the
+launcher is gone. Workers register with the coordinator, so a worker started later anywhere
+with `--coordinator <registry address>` takes traffic without restarting anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from deploy.hosts import host_command, python_of, role_command
+from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.topology import ClusterTopology, Host, Role, TopologyError
+
+PROBE_TIMEOUT_S = 60.0
+PULL_TIMEOUT_S = 1800.0
+STATE_FILE = "launch.json"
+
+
+# ---- before anything starts ---------------------------------------------------------------------
+
+def preflight(t: ClusterTopology) -> dict[str, dict]:
+    """Probe every host at once; TopologyError listing every problem found. Returns each host's
+    probe answer by host name."""
+    listen: dict[str, list[str]] = {h.name: [] for h in t.hosts}
+    for role in (t.coordinator, *t.workers):
+        listen[role.host.name] += [f"{role.host.bind}:{port}" for _, port in role.ports()]
+    with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
+        answers = dict(zip([h.name for h in t.hosts],
+                           pool.map(lambda h: _probe(h, t.model, listen[h.name]), t.hosts)))
+    problems = [a for a in answers.values() if isinstance(a, str)]
+    fingerprints: dict[str, list[str]] = {}
+    for host in t.hosts:
+        answer = answers[host.name]
+        if isinstance(answer, str):
+            continue
+        model = answer["model"]
+        if "error" in model:
+            problems.append(f"{host.describe()}: model {t.model!r} is not available there: "
+                            f"{model['error']} (run `tandem pull {t.model}` on that host)")
+        else:
+            fingerprints.setdefault(model["fingerprint"], []).append(
+                f"{host.name} ({model['path']})")
+        problems += [f"{host.describe()}: {why}" for why in answer["listen"]]
+    if len(fingerprints) > 1:
+        listed = "; ".join(f"{fp} on {', '.join(hosts)}" for fp, hosts in fingerprints.items())
+        problems.append(f"mismatched model: {t.model!r} is not the same model on every host "
+                        f"({listed}); workers of another model would be refused at "
+                        "registration. Pull the same model on every host.")
+    if problems:
+        raise TopologyError(f"{t.source}: cannot launch, nothing was started:\n  - "
+                            + "\n  - ".join(problems))
+    return answers
+
+
+def pull_everywhere(t: ClusterTopology, out: Callable[[str], None] = print) -> None:
+    """`tandem pull MODEL` on every host at once, each into its own cache (a no-op where the
+    model is already there and verified); TopologyError naming the hosts where it failed."""
+    def pull(host: Host) -> str | None:
+        command = host_command(host, [python_of(host), "-m", "engine.cli", "pull", t.model])
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                  timeout=PULL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{host.describe()}: cannot pull {t.model!r}: {exc}"
+        if done.returncode != 0:
+            detail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+            return f"{host.describe()}: `tandem pull {t.model}` failed: {detail}"
+        out(f"{host.name}: {done.stdout.strip()}")
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
+        problems = [p for p in pool.map(pull, t.hosts) if p]
+    if problems:
+        raise TopologyError(f"{t.source}: cannot launch, nothing was started:\n  - "
+                            + "\n  - ".join(problems))
+
+
+def _probe(host: Host, model: str, listen: list[str]) -> dict | str:
+    argv = [python_of(host), "-m", "deploy.probe", "--model", model]
+    for item in listen:
+        argv += ["--listen", item]
+    command = host_command(host, argv)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return f"{host.describe()} is unreachable: {command[0]!r} is not installed here"
+    except subprocess.TimeoutExpired:
+        return f"{host.describe()} is unreachable: no answer within {PROBE_TIMEOUT_S:g} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            pass
+    detail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+    if host.kind == "ssh" and done.returncode == 255:
+        return f"{host.describe()} is unreachable: {detail}"
+    return (f"{host.describe()} is unreachable: `{' '.join(command[:4])} ...` exited with code "
+            f"{done.returncode}: {detail} (is tandem installed there, and is its python "
+            f"{python_of(host)!r}?)")
+
+
+# ---- what runs where ----------------------------------------------------------------------------
+
+def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str
+                ) -> tuple[list[ProcessSpec], Readiness]:
+    remote_run_dir = f"/tmp/tandem-launch-{run_id}"
+    extra_env = {"PYTHONUNBUFFERED": "1"}
+    specs = []
+    for role in (t.coordinator, *t.workers):
+        argv = [python_of(role.host), "-m", *_role_argv(t, role)]
+        command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env)
+        specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv))
+    return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
+
+
+def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
+    host = role.host
+    if role.role == "coordinator":
+        argv = ["coordinator", "--model", t.model, "--host", host.bind, "--port", str(role.port),
+                "--registry-host", host.bind, "--registry-port", str(role.registry_port),
+                "--chunk-size", str(t.chunk_size)]
+        if role.grpc_port:
+            argv += ["--grpc-host", host.bind, "--grpc-port", str(role.grpc_port)]
+        if t.prefill_threshold is not None:
+            argv += ["--prefill-threshold", str(t.prefill_threshold)]
+        return argv + list(t.coordinator_args) + list(role.args)
+    module = "prefill_node" if role.role == "prefill" else "decode_node"
+    argv = [module, "--model", t.model, "--host", host.bind, "--advertise-host", host.address,
+            "--port", str(role.port), "--coordinator", t.registry_address,
+            "--kv-backend", t.kv_backend, "--worker-id", role.name,
+            "--max-batched-tokens", str(t.chunk_size)]
+    if module == "decode_node":
+        argv += ["--role", role.role]
+        if role.kv_port:
+            argv += ["--kv-port", str(role.kv_port)]
+    return argv + list(t.worker_args) + list(role.args)
+
+
+# ---- run and stop -------------------------------------------------------------------------------
+
+def launch(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = print,
+           check: bool = True, grace_s: float = 10.0) -> int:
+    """Start, serve until stopped, stop. 0 on a requested stop, 1 if a process failed."""
+    state_path = state_dir / STATE_FILE
+    if _launcher_alive(_read_state(state_path)):
+        raise TopologyError(f"{t.source} is already launched (state in {state_path}); stop it "
+                            f"with `tandem launch --down {t.source}`")
+    if check:
+        preflight(t)
+    run_id = f"{os.getpid()}-{int(time.time())}"
+    specs, ready = plan_launch(t, state_dir, run_id)
+    cluster = LocalCluster(specs, ready, start_timeout_s=t.start_timeout_s, grace_s=grace_s)
+
+    def record() -> None:
+        processes = [{"name": c.spec.name, "pid": c.process.pid,
+                      "start": _start_time(c.process.pid), "signal_argv": c.spec.signal_argv}
+                     for c in cluster.children]
+        state = {"topology": str(t.source), "launcher_pid": os.getpid(),
+                 "launcher_start": _start_time(os.getpid()), "processes": processes}
+        state_path.write_text(json.dumps(state, indent=1))
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    out(f"starting {', '.join(s.name for s in specs)}; logs in {state_dir}")
+    try:
+        return run_until_stopped(cluster, lambda: _print_endpoints(t, out), out, on_spawn=record)
+    finally:
+        state_path.unlink(missing_ok=True)
+
+
+def _print_endpoints(t: ClusterTopology, out: Callable[[str], None]) -> None:
+    try:
+        with urllib.request.urlopen(f"{t.url}/internal/workers", timeout=10) as r:
+            workers = {w["worker_id"]: w for w in json.loads(r.read())["workers"]}
+    except (OSError, ValueError, KeyError):
+        workers = {}  # a process that just died is reported by the serving loop
+    out(f"tandem is serving {t.model} at {t.url}  (Ollama API: {t.url}/api/chat, "
+        f"metrics: {t.url}/metrics); workers register at {t.registry_address}")
+    for role in t.workers:
+        w = workers.get(role.name, {})
+        address = w.get("address") or f"{role.host.address}:{role.port}"
+        kv = f", kv {w['kv_endpoint']}" if w.get("kv_endpoint") else ""
+        out(f"  {role.name} ({role.role}) on {role.host.name}: grpc {address}{kv}")
+    out(f"stop with Ctrl-C or `tandem launch --down {t.source}`")
+
+
+def down(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = print,
+         timeout_s: float = 60.0, grace_s: float = 10.0) -> int:
+    """Stop what `launch` started from this topology; 0 when nothing is left running."""
+    state_path = state_dir / STATE_FILE
+    state = _read_state(state_path)
+    if state is None:
+        out(f"nothing to stop: no launch of {t.source} is recorded in {state_dir}")
+        return 0
+    pid = state["launcher_pid"]
+    if _launcher_alive(state):
+        out(f"asking the launcher (pid {pid}) to stop every process")
+        os.kill(pid, signal.SIGTERM)
+        if _wait_gone(pid, state["launcher_start"], timeout_s):
+            out("stopped")
+            return 0
+        out(f"the launcher did not stop within {timeout_s:g} s; stopping its processes")
+    # The launcher is gone (killed, crashed): stop the recorded processes, workers first.
+    processes = state["processes"]
+    for group in (processes[1:], processes[:1]):
+        for p in group:
+            _signal_recorded(p, signal.SIGTERM, grace_s)
+        deadline = time.monotonic() + grace_s
+        for p in group:
+            if not _wait_gone(p["pid"], p["start"], deadline - time.monotonic()):
+                _signal_recorded(p, signal.SIGKILL, grace_s)
+    state_path.unlink(missing_ok=True)
+    out("stopped")
+    return 0
+
+
+def _signal_recorded(p: dict, sig: int, grace_s: float) -> None:
+    """Signal a recorded process: over ssh where it has a signal command (the local ssh client
+    then ends with it), else directly, if that PID is still the process we started."""
+    if p["signal_argv"]:
+        name = signal.Signals(sig).name.removeprefix("SIG")
+        try:
+            subprocess.run([a.replace("{signal}", name) for a in p["signal_argv"]],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=grace_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # the host is out of reach; nothing more can be done from here
+    elif p["start"] is not None and _start_time(p["pid"]) == p["start"]:
+        try:
+            os.kill(p["pid"], sig)
+        except ProcessLookupError:
+            pass
+
+
+def _read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), which tells a reused PID apart;
+    None once it has exited (a zombie has exited too)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _launcher_alive(state: dict | None) -> bool:
+    return state is not None and _start_time(state["launcher_pid"]) == state["launcher_start"]
+
+
+def _wait_gone(pid: int, start: str | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while start is not None and _start_time(pid) == start:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def default_state_dir(home: Path, topology_path: Path) -> Path:
+    """Where a topology's logs and launch record go unless the file names a log_dir."""
+    resolved = str(topology_path.resolve())
+    digest = hashlib.sha1(resolved.encode()).hexdigest()[:8]
+    return home / "launch" / f"{topology_path.stem}-{digest}"

@@ -1,0 +1,65 @@
+"""`python -m deploy.probe --model M [--listen ADDR:PORT ...]`: run on each host before a launch.
+
+Prints one JSON object: whether the model resolves in this host's own store (and its
+fingerprint, which must be the same on every host), and which of the given addresses cannot be
+listened on (port in use, or an address this host does not have). Exits 0 whenever it could
+answer; the launcher judges the answer. Torch-free, so it answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import socket
+import sys
+
+
+def check_model(name: str) -> dict:
+    from engine.errors import TandemError
+    from engine.loaders import load_config
+    from engine.model_identity import model_fingerprint
+    from engine.model_store import ModelStore, default_home
+
+    try:
+        path = ModelStore(default_home()).resolve(name)
+        config = load_config(path)
+        return {"path": str(path), "fingerprint": model_fingerprint(path, config)}
+    except (TandemError, OSError, ValueError) as exc:
+        return {"error": str(exc)}
+
+
+def check_listen(address: str, port: int) -> str | None:
+    """Why nothing could listen on address:port here, or None."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        try:
+            s.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} is in use on {address}"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"address {address} does not belong to this host"
+            return f"cannot listen on {address}:{port}: {exc.strerror}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deploy.probe")
+    p.add_argument("--model", required=True)
+    p.add_argument("--listen", action="append", default=[], metavar="ADDR:PORT")
+    args = p.parse_args(argv)
+    busy = []
+    for item in args.listen:
+        address, _, port = item.rpartition(":")
+        problem = check_listen(address.strip("[]"), int(port))
+        if problem:
+            busy.append(problem)
+    print(json.dumps({"hostname": socket.gethostname(), "model": check_model(args.model),
+                      "listen": busy}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
