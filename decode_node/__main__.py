@@ -50,11 +50,12 @@ async def main_async(args) -> None:
     engine = build_engine(args, path, kv_cache=cache.tensor, num_blocks=num_blocks)
     loop = asyncio.get_running_loop()
     endpoint = receiver.endpoint.replace("0.0.0.0", advertise)
-    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend, kv_endpoint=endpoint)
+    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend, kv_endpoint=endpoint,
+                          kv_deadline_s=args.kv_deadline)
     worker.start()
 
     def status():
-        return worker_status(worker_id, args.role, engine)
+        return worker_status(worker_id, args.role, worker)
 
     identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
                             fingerprint, layout.fingerprint)
@@ -66,7 +67,7 @@ async def main_async(args) -> None:
 
     await run_node(args, "tandem.worker.DecodeWorker",
                    lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, status), server),
-                   identity, status, on_stop=stop)
+                   identity, status, worker, on_stop=stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
                         frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
                         request.remote_prefill)
-        events = self.worker.open(job)
+        try:
+            events = self.worker.open(job)
+        except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
         try:
             while not finished:

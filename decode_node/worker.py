@@ -5,7 +5,8 @@ A request's life cycle on this node:
   remote prefill (disaggregated):
     open()            -> engine thread: make_request, reserve_remote (fresh blocks for the
                          whole prompt), receiver.expect(blocks)  -> event Reserved
-                         state WAITING_FOR_REMOTE_KV
+                         state WAITING_FOR_REMOTE_KV. With the pool full, the reservation
+                         waits in arrival order until blocks free up (reserve_timeout_s).
     KV arrives        -> receiver.poll() COMPLETE                 (a FAILED ends the request)
     start_decode(tok) -> the prefill worker's first token
     both known        -> admit_prefilled: RUNNING in the continuous batch; the first token is
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from engine.engine_loop import EngineLoop
 from engine.errors import TandemError
 from engine.llm_engine import LLMEngine, StepOutput
-from engine.request import RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
@@ -60,16 +62,21 @@ class Tokens:
 
 class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, receiver=None,
-                 kv_backend: str = "", kv_deadline_s: float = 60.0, quarantine_s: float = 0.05,
-                 kv_endpoint: str = "") -> None:
+                 kv_backend: str = "", kv_deadline_s: float = 330.0, quarantine_s: float = 0.05,
+                 kv_endpoint: str = "", reserve_timeout_s: float = 25.0) -> None:
         super().__init__(engine, loop, name="decode-engine")
         self.receiver = receiver
         self.kv_backend = kv_backend
         # Where prefill workers reach the receiver: its bound endpoint with a wildcard host
         # replaced by the advertised one (empty: the receiver's own endpoint).
         self.kv_endpoint = kv_endpoint
+        # From reservation until all KV has landed; longer than the coordinator's prefill
+        # deadline, so a slow but live prefill is never cut off here first.
         self.kv_deadline_s = kv_deadline_s
         self.quarantine_s = quarantine_s
+        # Waiting for free blocks; shorter than the coordinator's wait for the reservation.
+        self.reserve_timeout_s = reserve_timeout_s
+        self._parked: deque[tuple[float, Request]] = deque()  # engine thread only
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
         # engine thread only:
         self._remote: set[str] = set()  # reserved, KV not yet complete
@@ -80,6 +87,7 @@ class DecodeWorker(EngineLoop):
     # -- asyncio side --------------------------------------------------------------------
 
     def open(self, job: DecodeJob) -> asyncio.Queue:
+        self.check_alive()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[job.request_id] = q
         self.call(lambda: self._admit(job))
@@ -121,12 +129,36 @@ class DecodeWorker(EngineLoop):
             self._emit(job.request_id, Tokens([], True, "error", str(exc)))
             return
         if blocks is None:
-            self._emit(job.request_id, Tokens([], True, "error", "decode worker has no free KV blocks"))
+            # The pool is full: the reservation waits (in arrival order) for blocks to free up,
+            # up to reserve_timeout_s, instead of failing the request at once.
+            self._parked.append((time.monotonic() + self.reserve_timeout_s, request))
             return
-        self.receiver.expect(job.request_id, blocks, engine.config.model.num_layers, self.kv_deadline_s)
-        self._remote.add(job.request_id)
-        self._emit(job.request_id, Reserved(blocks, self.kv_endpoint or self.receiver.endpoint,
-                                            self.kv_backend))
+        self._reserved(request, blocks)
+
+    def _reserved(self, request: Request, blocks: list[int]) -> None:
+        # The table may hold one block more than the prompt (room for the first decoded
+        # token); the prefill worker fills, and the receiver expects, the prompt's blocks only.
+        bs = self.engine.config.cache.block_size
+        blocks = blocks[:-(-request.num_prompt_tokens // bs)]
+        request_id = request.request_id
+        self.receiver.expect(request_id, blocks, self.engine.config.model.num_layers, self.kv_deadline_s)
+        self._remote.add(request_id)
+        self._emit(request_id, Reserved(blocks, self.kv_endpoint or self.receiver.endpoint, self.kv_backend))
+
+    def _retry_parked(self) -> None:
+        now = time.monotonic()
+        while self._parked:
+            deadline, request = self._parked[0]
+            blocks = self.engine.reserve_remote(request)
+            if blocks is not None:
+                self._parked.popleft()
+                self._reserved(request, blocks)
+            elif now >= deadline:
+                self._parked.popleft()
+                self._emit(request.request_id, Tokens([], True, "error", (
+                    f"decode worker had no free KV blocks for {self.reserve_timeout_s:.0f} s")))
+            else:
+                return
 
     def _start(self, request_id: str, first_token: int | None, error: str) -> None:
         if request_id not in self.engine.scheduler.requests:
@@ -151,12 +183,14 @@ class DecodeWorker(EngineLoop):
                 rid = event.request_id
                 if rid not in self._remote:
                     continue
-                self._remote.discard(rid)
                 if event.kind.value == "complete":
+                    self._remote.discard(rid)
                     self._kv_ready.add(rid)
                     self._try_admit(rid)
-                else:
+                else:  # still counted as landing, so _end quarantines its blocks
                     self._fail(rid, f"KV transfer failed: {event.reason}")
+        if self._parked:
+            self._retry_parked()
         now = time.monotonic()
         while self._quarantine and self._quarantine[0][0] <= now:
             self.engine.block_manager.free(self._quarantine.pop(0)[1])
@@ -177,6 +211,7 @@ class DecodeWorker(EngineLoop):
         self._emit(request_id, Tokens([], True, "error", reason))
 
     def _abort(self, request_id: str) -> None:
+        self._parked = deque((d, r) for d, r in self._parked if r.request_id != request_id)
         self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:

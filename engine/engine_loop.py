@@ -7,8 +7,14 @@ Threading contract:
 - The engine thread hands results back with `post(fn, *args)`, which schedules `fn` on the
   asyncio loop given at construction; nothing on the engine thread touches asyncio objects.
 - Each iteration: run queued calls, `poll()` (subclasses: transfers), one `engine.step()` if
-  any request has work, `on_outputs(...)`. With nothing to do it sleeps on the call queue for
-  at most `idle_wait_s`, so polling continues while transfers are in flight.
+  any request has work, `on_outputs(...)`. With nothing to do, or when the last step could
+  schedule nothing (the pool is full until transfers finish), it sleeps on the call queue for
+  at most `idle_wait_s`: polling continues, and the GIL is left to the transfer threads.
+- `snapshot` is a LoadSnapshot of plain ints, replaced (never mutated) by the engine thread
+  after every iteration; other threads read it for heartbeats instead of touching the
+  scheduler's queues, which the engine thread mutates.
+- If the loop dies, `alive` turns False, open requests are failed (`on_fatal`) and new ones
+  are refused at once (`check_alive`); the process is expected to exit (node_server watches).
 """
 
 from __future__ import annotations
@@ -17,11 +23,28 @@ import asyncio
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.llm_engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed, waiting or mid-prefill
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "LoadSnapshot":
+        sched, bm = engine.scheduler, engine.block_manager
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_output_tokens == 0)
+        return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued)
 
 
 class EngineLoop:
@@ -34,6 +57,8 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        self.snapshot = LoadSnapshot.of(engine)
+        self.fatal: BaseException | None = None
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -50,7 +75,11 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
+
+    def check_alive(self) -> None:
+        if not self.alive:
+            raise RuntimeError(f"engine loop is not running: {self.fatal or 'stopped'}")
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -82,15 +111,20 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        stalled = False  # the last step had work but could schedule none of it
         try:
             while not self._stopping.is_set():
-                self._drain(block=not self.engine.has_work())
+                self._drain(block=stalled or not self.engine.has_work())
                 self.poll()
+                stalled = False
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     self.steps += 1
+                    stalled = not self.engine.last_step_ran and not outputs
                     if outputs:
                         self.on_outputs(outputs)
+                self.snapshot = LoadSnapshot.of(self.engine)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             log.exception("engine loop died")
+            self.fatal = exc
             self.on_fatal(exc)

@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, InvalidOptionError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
@@ -56,6 +56,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending: list[StepOutput] = []
         self.load_duration_s = 0.0
+        self.last_step_ran = False  # whether the last step() ran a forward pass
 
     @classmethod
     def from_path(cls, path: str | Path, *, weight_format: str = "fp32",
@@ -92,7 +93,10 @@ class LLMEngine:
 
     @property
     def context_length(self) -> int:
-        return self.config.context_length
+        """The model's context, capped by what the KV pool can hold for one request: a
+        request that could never fit would otherwise wait (or preempt itself) forever."""
+        cache = self.config.cache
+        return min(self.config.context_length, cache.num_blocks * cache.block_size)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -121,6 +125,10 @@ class LLMEngine:
         context = min(params.num_ctx or self.context_length, self.context_length)
         if not prompt_token_ids:
             raise ContextLengthError("the prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidOptionError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(prompt_token_ids) >= context:
             raise ContextLengthError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
@@ -170,6 +178,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        self.last_step_ran = not plan.is_empty
         if plan.is_empty:
             return outputs
         chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],

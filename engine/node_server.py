@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import DECODE_FORMATS, PREFILL_FORMATS, SchedulerConfig
+from engine.engine_loop import EngineLoop
+from engine.errors import TandemError
 from engine.llm_engine import LLMEngine
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
@@ -36,6 +38,8 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
     p.add_argument("--kv-backend", default="zmq", choices=["zmq", "shm", "grpc"])
     p.add_argument("--kv-port", type=int, default=0, help="decode: port of the KV receiver (0 = any)")
+    p.add_argument("--kv-deadline", type=float, default=330.0,
+                   help="decode: seconds from reservation until all of a request's KV must have arrived")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--role", default=roles[0], choices=roles)
     p.add_argument("--max-batched-tokens", type=int, default=512)
@@ -69,16 +73,22 @@ def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks
         load_tokenizer=False)
 
 
-def worker_status(worker_id: str, role: str, engine: LLMEngine) -> pb.WorkerStatus:
-    sched = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_output_tokens == 0)
+def worker_status(worker_id: str, role: str, loop: EngineLoop) -> pb.WorkerStatus:
+    """From the engine thread's last published snapshot: the scheduler's own queues belong to
+    the engine thread and must not be iterated from here."""
+    snap = loop.snapshot
+    config = loop.engine.config
     return pb.WorkerStatus(
-        worker_id=worker_id, role=role, num_blocks=engine.block_manager.num_blocks,
-        num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
-        num_waiting=len(sched.waiting), queued_prefill_tokens=queued,
-        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
-        block_size=engine.block_manager.block_size)
+        worker_id=worker_id, role=role, num_blocks=snap.num_blocks, num_free_blocks=snap.num_free_blocks,
+        num_running=snap.num_running, num_waiting=snap.num_waiting,
+        queued_prefill_tokens=snap.queued_prefill_tokens,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        block_size=config.cache.block_size)
+
+
+class NodeFailure(TandemError):
+    """The worker cannot go on (refused by the coordinator, engine thread dead); the process
+    exits with this message after releasing what it holds."""
 
 
 @dataclass
@@ -117,7 +127,7 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                     reply = await stub.Register(info, timeout=5)
                     if not reply.accepted:
                         log.error("coordinator refused registration: %s", reply.reason)
-                        raise SystemExit(f"registration refused: {reply.reason}")
+                        raise NodeFailure(f"registration refused: {reply.reason}")
                     interval = reply.heartbeat_interval_s or interval
                     registered = True
                     log.info("registered with %s as %s", coordinator, identity.worker_id)
@@ -134,9 +144,21 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                 pass
 
 
+async def watch_engine(engine_loop: EngineLoop, stop: asyncio.Event, period_s: float = 0.5) -> None:
+    """Ends the process when the engine thread has died: a worker that can no longer compute
+    must stop heartbeating and serving, so the coordinator routes around it at once."""
+    while not stop.is_set():
+        if not engine_loop.alive:
+            raise NodeFailure(f"engine loop died: {engine_loop.fatal}")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=period_s)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def run_node(args: argparse.Namespace, service_name: str,
                    add_servicer: Callable[[grpc.aio.Server], None], identity: NodeIdentity,
-                   status: Callable[[], pb.WorkerStatus],
+                   status: Callable[[], pb.WorkerStatus], engine_loop: EngineLoop,
                    on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_servicer(server)
@@ -152,15 +174,12 @@ async def run_node(args: argparse.Namespace, service_name: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    tasks = []
+    tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
     if args.coordinator:
         tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop)))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    for task in done:
-        if task is not waiter and task.exception() is not None:
-            stop.set()
-            raise task.exception()
+    failures = [t.exception() for t in done if t is not waiter and t.exception() is not None]
     stop.set()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -171,6 +190,8 @@ async def run_node(args: argparse.Namespace, service_name: str,
             await result
     for task in tasks:
         task.cancel()
+    if failures:  # after the cleanup above: a shared-memory KV cache must not outlive us
+        raise failures[0]
 
 
 def setup_logging(level: str) -> None:

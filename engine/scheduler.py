@@ -78,8 +78,9 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        # +1: room for the first decoded token's KV, so admission never preempts at once.
         alloc = self.block_manager.allocate(request.request_id, request.prompt_token_ids,
-                                            request.num_prompt_tokens, use_prefix_cache=False)
+                                            request.num_prompt_tokens + 1, use_prefix_cache=False)
         if alloc is None:
             return None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV

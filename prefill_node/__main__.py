@@ -32,7 +32,7 @@ async def main_async(args) -> None:
     senders = SenderPool(layout)
 
     def status():
-        return worker_status(worker_id, "prefill", engine)
+        return worker_status(worker_id, "prefill", worker)
 
     identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
                             args.kv_backend, fingerprint, layout.fingerprint)
@@ -44,7 +44,7 @@ async def main_async(args) -> None:
     await run_node(args, "tandem.worker.PrefillWorker",
                    lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(
                        PrefillServicer(worker, senders, status), server),
-                   identity, status, on_stop=stop)
+                   identity, status, worker, on_stop=stop)
 
 
 def main(argv: list[str] | None = None) -> int:

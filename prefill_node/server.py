@@ -36,8 +36,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             outcome = await self.worker.prefill(job, sender)
         except (TandemError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except RuntimeError as exc:  # the engine loop died: the coordinator retries elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.PrefillResult(first_token=outcome.first_token, num_cached_tokens=outcome.num_cached_tokens,
                                 prefill_seconds=outcome.seconds)
 

@@ -72,6 +72,7 @@ class PrefillWorker(EngineLoop):
     # -- asyncio side --------------------------------------------------------------------
 
     async def prefill(self, job: PrefillJob, sender) -> PrefillOutcome:
+        self.check_alive()
         future = self.loop.create_future()
         self._futures[job.request_id] = future
         self._started[job.request_id] = time.monotonic()
@@ -159,8 +160,12 @@ class PrefillWorker(EngineLoop):
         # A request already draining has returned its token; its blocks go when the acks do.
         if request_id in self._draining:
             return
-        self._transfers.pop(request_id, None)
+        transfer = self._transfers.pop(request_id, None)
         self.engine.abort_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if transfer is not None and transfer.blocks_sent:
+            # Layers already handed to the sender: poll until it settles, so its bookkeeping
+            # for this id ends. The blocks are already free (payloads are copies).
+            self._draining[request_id] = transfer
 
     def on_fatal(self, exc: BaseException) -> None:
         def fail_all() -> None:

@@ -48,7 +48,7 @@ class Pair:
     """A prefill and a decode worker sharing this test's event loop."""
 
     def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
-                 kv_deadline_s=30.0, ack_timeout_s=30.0) -> None:
+                 kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0) -> None:
         self.prefill_engine = LLMEngine.from_path(
             model_dir, num_blocks=256, block_size=BLOCK, load_tokenizer=False,
             scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget))
@@ -60,7 +60,8 @@ class Pair:
         self.decode_engine = LLMEngine.from_path(model_dir, num_blocks=decode_blocks, block_size=BLOCK,
                                                  load_tokenizer=False, kv_cache=self.cache.tensor)
         self.prefill = PrefillWorker(self.prefill_engine, loop)
-        self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s)
+        self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s,
+                                   reserve_timeout_s=reserve_timeout_s)
         self.sender = FakeSender(faults=faults, ack_timeout_s=ack_timeout_s)
         self.sender.connect(self.receiver.endpoint, self.layout)
         self.prefill.start()
@@ -233,11 +234,30 @@ async def test_kv_that_never_arrives_fails_at_the_deadline(pair_factory):
 
 
 @run_async
-async def test_full_decode_pool_refuses_the_reservation(pair_factory):
-    pair = pair_factory(decode_blocks=4)  # 64 slots
+async def test_prompt_larger_than_the_decode_pool_is_refused_at_once(pair_factory):
+    pair = pair_factory(decode_blocks=4)  # 64 slots: the context this worker can hold
     events, event = await pair.reserve("big", prompts([100], seed=7)[0], 10)
-    assert isinstance(event, Tokens) and event.finish_reason == "error" and "no free KV blocks" in event.error
+    assert isinstance(event, Tokens) and event.finish_reason == "error" and "context window of 64" in event.error
     assert pair.pools_full()
+
+
+@run_async
+async def test_reservation_waits_for_blocks_then_proceeds_or_times_out(pair_factory, reference):
+    pair = pair_factory(decode_blocks=8, reserve_timeout_s=0.5)  # 128 slots
+    first, second = prompts([100, 100], seed=9)
+    events_a, reserved_a = await pair.reserve("a", first, 4)
+    assert isinstance(reserved_a, Reserved)
+    events_b = pair.decode.open(DecodeJob("b", second, GREEDY, frozenset(), 4, True))
+    await asyncio.sleep(0.1)
+    assert events_b.empty()  # parked: the pool cannot hold both prompts
+    pair.decode.close_stream("a")  # a's blocks come back (after the quarantine) ...
+    reserved_b = await asyncio.wait_for(events_b.get(), 5)
+    assert isinstance(reserved_b, Reserved)  # ... and b's reservation goes through
+    events_c = pair.decode.open(DecodeJob("c", first, GREEDY, frozenset(), 4, True))
+    timed_out = await asyncio.wait_for(events_c.get(), 5)
+    assert timed_out.finish_reason == "error" and "no free KV blocks for" in timed_out.error
+    pair.decode.close_stream("b")
+    assert await pair.wait_pools_full()
 
 
 @run_async
@@ -251,3 +271,18 @@ async def test_seeded_sampling_is_the_same_disaggregated(pair_factory, reference
                                                             num_predict=16)))
     tokens, _ = await pair.run("seeded", prompt, 16, seeded)
     assert tokens == alone
+
+
+@run_async
+async def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(pair_factory):
+    pair = pair_factory()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel fault")
+    pair.decode_engine.runner.execute = broken  # the fault lives in the model, not in a hook
+    events = pair.decode.open(DecodeJob("x", prompts([20], seed=10)[0], GREEDY, frozenset(), 5, False))
+    final = await asyncio.wait_for(events.get(), 10)
+    assert final.finished and final.finish_reason == "error" and "simulated kernel fault" in final.error
+    assert not pair.decode.alive
+    with pytest.raises(RuntimeError, match="not running"):
+        pair.decode.open(DecodeJob("y", [5, 6], GREEDY, frozenset(), 5, False))

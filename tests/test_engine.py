@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, InvalidOptionError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -127,7 +127,13 @@ def test_context_window_limits(pair):
     _, model = pair
     engine = make_engine(model)
     with pytest.raises(ContextLengthError, match="does not fit"):
-        engine.add_request(list(range(1, 600)), GREEDY)
+        engine.add_request([1 + i % 150 for i in range(600)], GREEDY)
+    # The pool (64 blocks of 4) caps the context below the model's 512 positions.
+    assert engine.context_length == 256
+    with pytest.raises(ContextLengthError, match="context window of 256"):
+        engine.add_request([1 + i % 150 for i in range(300)], GREEDY)
+    with pytest.raises(InvalidOptionError, match="token id 160 is outside the vocabulary"):
+        engine.add_request([5, 160], GREEDY)
     with pytest.raises(ContextLengthError, match="context window of 32"):
         engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0, num_ctx=32))
     # A prompt that leaves room for 4 tokens is cut at the context edge.
