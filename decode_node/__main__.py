@@ -7,15 +7,20 @@ import os
 import sys
 
 import torch
-import uvloop
 
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
-from engine.errors import TandemError
-from engine.node_server import (NodeIdentity, build_engine, new_worker_id, node_arg_parser,
-                                resolve_model, run_node, setup_logging, worker_status)
 from engine.model_identity import model_fingerprint
 from engine.model_runner import kv_cache_bytes_per_block
+from engine.node_server import (
+    NodeIdentity,
+    build_engine,
+    new_worker_id,
+    node_main,
+    resolve_model,
+    run_node,
+    worker_status,
+)
 from engine.rpc import worker_pb2_grpc as pb_grpc
 
 
@@ -71,14 +76,7 @@ async def main_async(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = node_arg_parser("decode_node", ("decode", "colocated")).parse_args(argv)
-    setup_logging(args.log_level)
-    try:
-        uvloop.run(main_async(args))
-    except TandemError as exc:
-        sys.stderr.write(f"Error: {exc}\n")
-        return 1
-    return 0
+    return node_main("decode_node", ("decode", "colocated"), main_async, argv)
 
 
 if __name__ == "__main__":

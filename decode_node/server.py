@@ -4,14 +4,13 @@ stop string, coordinator gives up) aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
-
 import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
+from engine.errors import TandemError
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from engine.wire import sampling_from_proto
-from engine.errors import TandemError
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):

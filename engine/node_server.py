@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +193,21 @@ async def run_node(args: argparse.Namespace, service_name: str,
         task.cancel()
     if failures:  # after the cleanup above: a shared-memory KV cache must not outlive us
         raise failures[0]
+
+
+def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | None = None) -> int:
+    """A worker process's entry point: parse, log, run on uvloop, report a TandemError as one
+    line and exit status 1."""
+    import uvloop
+
+    args = node_arg_parser(prog, roles).parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        uvloop.run(main_async(args))
+    except TandemError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    return 0
 
 
 def setup_logging(level: str) -> None:

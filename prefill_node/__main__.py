@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import uvloop
-
 import kvtransfer
-from engine.errors import TandemError
 from engine.model_identity import model_fingerprint
-from engine.node_server import (NodeIdentity, build_engine, new_worker_id, node_arg_parser,
-                                resolve_model, run_node, setup_logging, worker_status)
+from engine.node_server import (
+    NodeIdentity,
+    build_engine,
+    new_worker_id,
+    node_main,
+    resolve_model,
+    run_node,
+    worker_status,
+)
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from prefill_node.senders import SenderPool
 from prefill_node.server import PrefillServicer
@@ -48,14 +52,7 @@ async def main_async(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = node_arg_parser("prefill_node", ("prefill",)).parse_args(argv)
-    setup_logging(args.log_level)
-    try:
-        uvloop.run(main_async(args))
-    except TandemError as exc:
-        sys.stderr.write(f"Error: {exc}\n")
-        return 1
-    return 0
+    return node_main("prefill_node", ("prefill",), main_async, argv)
 
 
 if __name__ == "__main__":

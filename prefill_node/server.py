@@ -4,7 +4,6 @@ call aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
-
 import grpc
 
 from engine.errors import TandemError
