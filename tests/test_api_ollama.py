@@ -166,10 +166,13 @@ def test_unknown_option_is_ignored_and_logged(api):
 
 
 def test_client_disconnect_mid_stream_frees_every_kv_block(api):
-    before = api.cancelled_requests()
+    # Seed 5: this model's answer runs the full 400 tokens without a stop token (checked
+    # first), so the request is certainly still running when the client leaves.
     request = {"model": MODEL, "messages": MESSAGES,
-               "options": {"temperature": 0.9, "seed": 3, "num_predict": 400,
-                           "stop": []}}
+               "options": {"temperature": 0.9, "seed": 5, "num_predict": 400, "stop": []}}
+    whole = httpx.post(api.url + "/api/chat", json={**request, "stream": False}, timeout=60).json()
+    assert whole["done_reason"] == "length" and whole["eval_count"] == 400, whole
+    before = api.cancelled_requests()
     with httpx.stream("POST", api.url + "/api/chat", json=request, timeout=60) as r:
         lines = r.iter_lines()
         first = json.loads(next(lines))
