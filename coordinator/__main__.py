@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-threshold", type=int, default=DEFAULTS.prefill_threshold,
                    help="prompts of at most this many tokens may prefill on the decode worker")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
-                   help="per-pass token budget assumed for workers that do not report one")
+                   help="largest prefill chunk per pass on a prefill worker (sent with each request); "
+                        "also the budget assumed for workers that do not report one")
+    p.add_argument("--local-chunk-size", type=int, default=DEFAULTS.local_chunk_size,
+                   help="largest prefill chunk per pass for a prompt prefilled on a decode worker")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue)
     p.add_argument("--max-running-per-worker", type=int, default=DEFAULTS.max_running_per_worker)
     p.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port=args.grpc_port, max_body_bytes=args.max_body_bytes,
             max_messages=args.max_messages, max_streams=args.max_streams,
             prefill_threshold=args.prefill_threshold,
-            chunk_size=args.chunk_size, max_queue=args.max_queue,
+            chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
             queue_timeout_s=args.queue_timeout, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,

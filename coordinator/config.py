@@ -22,6 +22,10 @@ class CoordinatorConfig:
     # Per-forward-pass token budget assumed for a worker that does not report its own
     # max_num_batched_tokens; the launcher passes the same value to the workers.
     chunk_size: int = 512
+    # The chunk plan, sent with each request: prefill chunks on a prefill worker are at most
+    # chunk_size tokens; a prompt prefilled on a decode worker goes in chunks of at most
+    # local_chunk_size, so each step of that worker's decode batch grows by little (ITL).
+    local_chunk_size: int = 64
     max_queue: int = 64  # requests waiting for a slot; more are refused with 503
     max_running_per_worker: int = 32  # concurrent requests per decode/colocated worker
     queue_timeout_s: float = 30.0  # longest wait for a slot before a 503
@@ -45,7 +49,7 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
-        for name in ("chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
+        for name in ("chunk_size", "local_chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
                      "max_body_bytes", "max_messages", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

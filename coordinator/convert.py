@@ -37,7 +37,7 @@ def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
 
 def generate_request(request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop_token_ids: frozenset[int], max_tokens: int,
-                     remote_prefill: bool) -> pb.GenerateRequest:
+                     remote_prefill: bool, max_chunk_tokens: int = 0) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -45,15 +45,17 @@ def generate_request(request_id: str, prompt_ids: list[int], params: SamplingPar
         stop_token_ids=sorted(stop_token_ids),
         max_tokens=max_tokens,
         remote_prefill=remote_prefill,
+        max_chunk_tokens=max_chunk_tokens,
     )
 
 
 def prefill_request(request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    reserved: pb.Reserved) -> pb.PrefillRequest:
+                    reserved: pb.Reserved, max_chunk_tokens: int = 0) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling_to_proto(params),
         destination=pb.KVDestination(endpoint=reserved.kv_endpoint, backend=reserved.kv_backend,
                                      block_ids=list(reserved.block_ids)),
+        max_chunk_tokens=max_chunk_tokens,
     )

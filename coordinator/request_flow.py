@@ -98,7 +98,8 @@ class RequestFlow:
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
             convert.generate_request(req.request_id, req.prompt_ids, req.params,
-                                     req.stop_token_ids, req.max_tokens, remote),
+                                     req.stop_token_ids, req.max_tokens, remote,
+                                     0 if remote else self.config.local_chunk_size),
             timeout=self.config.request_timeout_s)
         try:
             if remote:
@@ -164,7 +165,8 @@ class RequestFlow:
         n = len(req.prompt_ids)
         self.registry.assign(worker_id, prefill_tokens=n)
         call = record.prefill_stub.Prefill(
-            convert.prefill_request(req.request_id, req.prompt_ids, req.params, reserved),
+            convert.prefill_request(req.request_id, req.prompt_ids, req.params, reserved,
+                                    self.config.chunk_size),
             timeout=self.config.prefill_timeout_s)
         try:
             return await call

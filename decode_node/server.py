@@ -27,7 +27,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
         job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
                         frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
-                        request.remote_prefill)
+                        request.remote_prefill, request.max_chunk_tokens)
         try:
             events = self.worker.open(job)
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us

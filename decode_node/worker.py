@@ -42,6 +42,7 @@ class DecodeJob:
     stop_token_ids: frozenset[int]
     max_tokens: int
     remote_prefill: bool
+    max_chunk_tokens: int = 0  # the coordinator's chunk plan for a local prefill; 0 = ours
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         try:
             request = engine.make_request(job.prompt_token_ids, job.params, job.request_id,
-                                          job.stop_token_ids, job.max_tokens)
+                                          job.stop_token_ids, job.max_tokens, job.max_chunk_tokens)
             if not job.remote_prefill:
                 engine.submit(request)
                 return

@@ -101,11 +101,12 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None,
                     stop_token_ids: frozenset[int] | None = None,
-                    max_tokens: int | None = None) -> Request:
+                    max_tokens: int | None = None, max_chunk_tokens: int = 0) -> Request:
         """Queues a request. Raises ContextLengthError when the prompt leaves no room for a
         single generated token in the context window (num_ctx when given, capped by the
         model's)."""
-        return self.submit(self.make_request(prompt_token_ids, params, request_id, stop_token_ids, max_tokens))
+        return self.submit(self.make_request(prompt_token_ids, params, request_id, stop_token_ids,
+                                             max_tokens, max_chunk_tokens))
 
     def submit(self, request: Request) -> Request:
         """Queues a request built by make_request."""
@@ -119,7 +120,7 @@ class LLMEngine:
 
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                      request_id: str | None = None, stop_token_ids: frozenset[int] | None = None,
-                     max_tokens: int | None = None) -> Request:
+                     max_tokens: int | None = None, max_chunk_tokens: int = 0) -> Request:
         """A validated request, not yet queued. max_tokens (when given) further caps what the
         context and num_predict allow."""
         context = min(params.num_ctx or self.context_length, self.context_length)
@@ -142,6 +143,7 @@ class LLMEngine:
             sampling_params=params,
             max_tokens=allowed if max_tokens is None else min(allowed, max_tokens),
             stop_token_ids=frozenset(stop_token_ids),
+            max_chunk_tokens=max(0, max_chunk_tokens),
         )
 
     def reserve_remote(self, request: Request) -> list[int] | None:

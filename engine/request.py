@@ -53,6 +53,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first allocation)
     token_ids: list[int] = field(init=False)
     first_token_time: float | None = None
+    max_chunk_tokens: int = 0  # largest prefill chunk per pass for this request; 0 = no own cap
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -139,9 +139,13 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------
 
-    def _chunk_limit(self, budget: int) -> int:
-        cap = self.config.long_prefill_token_threshold
-        return min(budget, cap) if cap else budget
+    def _chunk_limit(self, budget: int, request: Request) -> int:
+        """The most tokens `request` may compute in this pass: what is left of the budget,
+        capped by the worker's chunk limit and the request's own (the coordinator's plan)."""
+        for cap in (self.config.long_prefill_token_threshold, request.max_chunk_tokens):
+            if cap:
+                budget = min(budget, cap)
+        return budget
 
     @staticmethod
     def _chunk(request: Request, n: int) -> ScheduledChunk:
@@ -165,7 +169,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            n = min(request.num_tokens - request.num_computed_tokens, self._chunk_limit(budget))
+            n = min(request.num_tokens - request.num_computed_tokens, self._chunk_limit(budget, request))
             while bm.allocate(request.request_id, request.token_ids,
                               request.num_computed_tokens + n) is None:
                 victim = self.running[-1]
@@ -194,7 +198,7 @@ class Scheduler:
                 request.num_computed_tokens = probe.num_cached_tokens
                 if request.status is RequestStatus.WAITING:
                     request.num_cached_tokens = probe.num_cached_tokens
-            n = min(request.num_tokens - request.num_computed_tokens, self._chunk_limit(budget))
+            n = min(request.num_tokens - request.num_computed_tokens, self._chunk_limit(budget, request))
             if bm.allocate(request.request_id, request.token_ids, request.num_computed_tokens + n) is None:
                 bm.free(request.request_id)
                 request.num_computed_tokens = 0

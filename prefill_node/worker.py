@@ -42,6 +42,7 @@ class PrefillJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     dst_block_ids: list[int]
+    max_chunk_tokens: int = 0  # the coordinator's chunk plan; 0 = this worker's limit
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ class PrefillWorker(EngineLoop):
             return
         try:
             self.engine.add_request(job.prompt_token_ids, job.params, job.request_id,
-                                    stop_token_ids=frozenset(), max_tokens=1)
+                                    stop_token_ids=frozenset(), max_tokens=1,
+                                    max_chunk_tokens=job.max_chunk_tokens)
         except (TandemError, ValueError) as exc:
             self.post(self._resolve, job.request_id, exc)
             return

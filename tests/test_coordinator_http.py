@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+from coordinator.config import CoordinatorConfig
+
 from tests.coordinator_fakes import (
     DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
 )
@@ -78,6 +80,8 @@ def test_disaggregated_three_step_flow_streams_ndjson(model, tokens):
     assert set(gen.stop_token_ids) == set(model.tokenizer.stop_token_ids)
     (pre,) = prefill.requests
     assert pre.request_id == gen.request_id
+    # The chunk plan travels with the request: prefill-worker chunks of chunk_size.
+    assert pre.max_chunk_tokens == CoordinatorConfig().chunk_size and gen.max_chunk_tokens == 0
     assert list(pre.destination.block_ids) == [7, 8, 9]
     assert pre.destination.endpoint == f"tcp://{decode.address}-kv"
     assert pre.destination.backend == "zmq"
@@ -124,6 +128,8 @@ def test_colocated_worker_always_prefills_locally(model, tokens):
     assert prefill.requests == []
     assert worker.requests[0].remote_prefill is False
     assert worker.requests[0].max_tokens == 50
+    # Prefilled inside the decode batch: in the small chunks that keep its steps short.
+    assert worker.requests[0].max_chunk_tokens == CoordinatorConfig().local_chunk_size
 
 
 def test_overload_answers_503_with_retry_after(model, tokens):

@@ -183,3 +183,15 @@ def test_duplicate_request_id_is_rejected():
     sched.add_request(r)
     with pytest.raises(ValueError, match="duplicate"):
         sched.add_request(r)
+
+
+def test_a_request_carries_its_own_chunk_cap():
+    """The coordinator's chunk plan: a request may ask for smaller chunks than the worker's."""
+    sched, _ = make_scheduler(budget=32, chunk_cap=16)
+    planned = make_request(20, first_token=400)
+    planned.max_chunk_tokens = 6
+    plain = make_request(20, first_token=500)
+    sched.add_request(planned)
+    sched.add_request(plain)
+    out, _ = step(sched)
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [(planned.request_id, 6), (plain.request_id, 16)]

@@ -35,20 +35,22 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., num_ctx: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill", "max_chunk_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     remote_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
+    max_chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("block_ids", "kv_endpoint", "kv_backend")
@@ -107,16 +109,18 @@ class KVDestination(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "max_chunk_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    max_chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens", "prefill_seconds")
