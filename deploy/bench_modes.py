@@ -6,7 +6,8 @@
 Three topologies of the same model on this host, each started with deploy.local, loaded the
 same way, stopped:
   disaggregated        1 prefill + 1 decode worker, KV over zmq, chunked prefill (256);
-                       prompts of <= 128 tokens are prefilled on the decode worker
+                       prompts of <= 128 tokens are prefilled on the decode worker, in
+                       chunks of 64 (the coordinator's default local chunk)
   colocated-chunked    1 worker doing both, token budget 256 per pass (split-fuse)
   colocated-unchunked  1 worker doing both, budget 4096: a long prompt is one pass
 Load: --chat-clients closed-loop clients, each streaming short chat turns (num_predict 48),
@@ -37,10 +38,13 @@ from deploy.local import LocalCluster, Topology, free_port, plan
 WORDS = ("the of and to in is was for on that with as by it at from his an were are which this "
          "be or has had not but what all when can there been one its who new more about").split()
 
+# chunk_size: every worker's per-pass token budget. The coordinator's chunk plan sends local
+# prefills (all of a colocated worker's) in chunks of --local-chunk-size: set per mode so the
+# colocated baselines chunk at 256 and not at all.
 MODES = {
     "disaggregated": dict(prefill=1, decode=1, chunk_size=256),
-    "colocated-chunked": dict(colocated=True, chunk_size=256),
-    "colocated-unchunked": dict(colocated=True, chunk_size=4096),
+    "colocated-chunked": dict(colocated=True, chunk_size=256, coordinator_args=("--local-chunk-size", "256")),
+    "colocated-unchunked": dict(colocated=True, chunk_size=4096, coordinator_args=("--local-chunk-size", "4096")),
 }
 
 
