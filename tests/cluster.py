@@ -31,6 +31,7 @@ class Cluster:
             workers = [w for w in self.workers() if w["alive"]]
             if all(w["num_free_blocks"] == w["num_blocks"] for w in workers) or time.monotonic() > deadline:
                 return workers
+            time.sleep(0.1)
 
     def chat(self, messages: list[dict], timeout: float = 120, **body) -> dict:
         data = json.dumps({"model": body.pop("model", "tiny"), "messages": messages, "stream": False, **body})

@@ -4,6 +4,7 @@ health, reflection) of a running tandem."""
 from __future__ import annotations
 
 import grpc
+import httpx
 import openai
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -102,10 +103,16 @@ def test_grpc_errors_are_status_codes(api, kwargs, code, message):
 
 
 def test_grpc_cancel_frees_kv_blocks(api):
+    # Inputs whose answer runs the full 400 tokens without a stop token (checked first), so the
+    # request is certainly still running when the call is cancelled.
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    options = {"temperature": 0.9, "seed": 5, "num_predict": 400, "stop": []}
+    whole = httpx.post(api.url + "/api/chat", json={"model": MODEL, "messages": messages,
+                                                   "options": options, "stream": False}, timeout=60).json()
+    assert whole["done_reason"] == "length" and whole["eval_count"] == 400, whole
     before = api.cancelled_requests()
     with TandemClient(api.grpc_target, timeout_s=60) as client:
-        stream = client.generate(MODEL, "Tell a long story.",
-                                 options={"temperature": 0.9, "seed": 5, "num_predict": 400})
+        stream = client.chat(MODEL, messages, options=options)
         first = next(stream)
         assert not first.done
         stream.close()  # leaves the iteration early: cancels the call

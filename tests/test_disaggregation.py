@@ -96,10 +96,11 @@ def kill(cluster, name: str) -> None:
 
 
 def serving_decode_worker(cluster, timeout_s: float = 10.0) -> str:
-    """The decode worker that reports a running request (heartbeats carry it; poll)."""
+    """The decode worker the coordinator routed the open request to."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = [w["worker_id"] for w in cluster.workers() if w["role"] == "decode" and w["num_running"] > 0]
+        busy = [w["worker_id"] for w in cluster.workers()
+                if w["role"] == "decode" and w["assigned_requests"] > 0]
         if busy:
             return busy[0]
         time.sleep(0.1)

@@ -183,8 +183,8 @@ def test_fake_refused_payload_fails_only_its_request(fake_pair, kind, reason):
 
 
 def test_fake_drop_fails_both_sides_by_deadline(fake_pair):
-    sender, receiver, _ = fake_pair(faults=[FakeFault("drop", layer=2)], ack_timeout_s=0.2)
-    receiver.expect("r", [0], 3, deadline_s=0.2)
+    sender, receiver, _ = fake_pair(faults=[FakeFault("drop", layer=2)], ack_timeout_s=1.5)
+    receiver.expect("r", [0], 3, deadline_s=1.0)  # passed by the time the sender gives up
     for layer in range(3):
         sender.send("r", layer, [0], payload(LAYOUT, 1, layer))
     assert sender.poll("r").state is kt.TransferState.IN_FLIGHT
@@ -196,7 +196,7 @@ def test_fake_drop_fails_both_sides_by_deadline(fake_pair):
 
 
 def test_fake_delay_delivers_late(fake_pair):
-    sender, receiver, cache = fake_pair(faults=[FakeFault("delay", delay_s=0.1)])
+    sender, receiver, cache = fake_pair(faults=[FakeFault("delay", delay_s=1.0)])
     receiver.expect("r", [4], 1, 5)
     p = payload(LAYOUT, 1, 0)
     sender.send("r", 0, [4], p)
