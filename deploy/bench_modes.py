@@ -133,6 +133,7 @@ def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) ->
     long = [s for s in samples if s.kind == "long"]
     itl = [x for s in short for x in s.itls]
     return {"mode": name, "requests": len(samples), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "itl_max": max(itl, default=float("nan")),
             "ttft_short_p50": pct([s.ttft for s in short], 50), "ttft_short_p99": pct([s.ttft for s in short], 99),
             "ttft_long_p50": pct([s.ttft for s in long], 50), "ttft_long_p99": pct([s.ttft for s in long], 99),
             "tok_s": sum(s.tokens for s in samples) / elapsed}
@@ -158,10 +159,11 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(bench_mode(name, args.model, model_path, args, Path(tmp)))
     print(f"\nload: {args.chat_clients} streaming chat clients (48 tokens each) + a ~{args.long_words}-word "
           f"prompt every {args.long_every:.1f} s, {args.duration:.0f} s per mode; times in ms")
-    print(f"{'mode':22} {'reqs':>5} {'ITL p50':>8} {'ITL p99':>8} {'TTFT short p50':>15} {'p99':>7} "
+    print(f"{'mode':22} {'reqs':>5} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'TTFT short p50':>15} {'p99':>7} "
           f"{'TTFT long p50':>14} {'p99':>7} {'tok/s':>7}")
     for r in rows:
         print(f"{r['mode']:22} {r['requests']:5d} {1e3 * r['itl_p50']:8.1f} {1e3 * r['itl_p99']:8.1f} "
+              f"{1e3 * r['itl_max']:8.1f} "
               f"{1e3 * r['ttft_short_p50']:15.1f} {1e3 * r['ttft_short_p99']:7.1f} "
               f"{1e3 * r['ttft_long_p50']:14.1f} {1e3 * r['ttft_long_p99']:7.1f} {r['tok_s']:7.1f}")
     if not args.skip_transfer:
