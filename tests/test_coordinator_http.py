@@ -153,6 +153,23 @@ def test_overload_answers_503_with_retry_after(model, tokens):
     assert 'tandem_requests_total{outcome="stop"} 1.0' in metrics
 
 
+def test_too_many_open_streams_is_429(model, tokens):
+    async def scenario():
+        async with coordinator_harness(model, max_streams=1) as h:
+            decode = await h.add_worker("d1", "decode", Script(tokens=tokens, token_delay_s=0.2))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                first = asyncio.create_task(chat_lines(client, h.url))
+                await wait_until(lambda: decode.requests, "the first request to run")
+                second = await client.post(f"{h.url}/api/chat", json={"model": "tiny", "messages": MESSAGES})
+                first_lines = await first
+            return second, first_lines
+
+    second, first_lines = run(scenario())
+    assert second.status_code == 429 and "Retry-After" in second.headers
+    assert "1" in second.json()["error"]  # names the limit
+    assert first_lines[-1]["done"] is True  # the open stream was not disturbed
+
+
 def test_no_live_worker_is_503(model):
     async def scenario():
         async with coordinator_harness(model) as h:
