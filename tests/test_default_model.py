@@ -17,7 +17,7 @@ from engine.model_runner import SequenceChunk
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
-transformers = pytest.importorskip("transformers", reason="transformers is the test oracle (test extra)")
+import transformers  # noqa: E402 - the test oracle (test extra), never a product dependency
 
 
 @pytest.fixture(scope="module")
