@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import HAS_TRITON, tl, triton, use_triton
-from kernels.linear import PackedLinear, to_float
+from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
 GROUP_SIZE = 32
@@ -155,10 +155,7 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    y = x.float() @ dequantize(packed).t()
-    if packed.bias is not None:
-        y = y + packed.bias
-    return y.to(x.dtype)
+    return linear_reference(x, dequantize(packed), packed.bias)
 
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
