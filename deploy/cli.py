@@ -1,66 +1,353 @@
-"""`tandem launch TOPOLOGY.toml` and `tandem launch --down TOPOLOGY.toml`.
+"""`tandem`: the command line. The environment (TANDEM_HOME) is read here and nowhere deeper.
 
-engine/cli.py mounts this subcommand with `add_launch_parser(sub)`; `python -m deploy.cli`
-runs it alone (e.g. on a host where only the deploy tools are wanted). The environment
-(TANDEM_HOME, for the default state folder) is read here.
+    tandem pull smollm2                 fetch the default model into the cache
+    tandem list                         the server's models, or the cache's without a server
+    tandem ps                           models a running server has loaded
+    tandem show MODEL                   a model's details (from the server, else the cache)
+    tandem run MODEL [PROMPT] [opts]    generate (interactive chat without a prompt): through
+                                        the running server, or in this process without one
+    tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
+                                        coordinator + workers on this host (Ollama API)
+    tandem bench [opts]                 load generator against a tandem/Ollama/OpenAI server
+
+The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
+import time
 
+from deploy.cli import add_launch_parser
 from engine.errors import TandemError
+from engine.model_store import ModelStore, default_home
+
+DEFAULT_MODEL = "smollm2"
+# The fastest formats that keep answers right on the default model (README: quality table).
+DEFAULT_PREFILL_QUANT = "fp32"
+DEFAULT_DECODE_QUANT = "int4"
 
 
-def add_launch_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "launch", help="start a multi-host topology (TOML) and serve until Ctrl-C",
-        description="Start the coordinator and workers of TOPOLOGY on their hosts (SSH for "
-                    "remote hosts, local processes for this one), wait until every worker is "
-                    "registered, print the endpoints and serve until Ctrl-C, SIGTERM or "
-                    "`tandem launch --down TOPOLOGY`. Examples: deploy/*.toml.")
-    p.add_argument("topology", help="topology file (TOML)")
-    p.add_argument("--down", action="store_true",
-                   help="stop the processes a running `tandem launch TOPOLOGY` started")
-    p.add_argument("--pull", action="store_true",
-                   help="first run `tandem pull MODEL` on every host, into each host's own cache")
-    p.add_argument("--check", action="store_true",
-                   help="only check the file and every host (reachable, model present and "
-                        "identical, ports free), then exit")
-    p.add_argument("--state-dir",
-                   help="logs and launch record (default: the file's log_dir, else "
-                        "$TANDEM_HOME/launch/<name>-<hash>)")
-    p.set_defaults(func=cmd_launch)
-    return p
+def _progress(done: int, total: int) -> None:
+    pct = 100.0 * done / total if total else 0.0
+    sys.stderr.write(f"\rpulling: {done / 1e6:7.1f} / {total / 1e6:.1f} MB ({pct:5.1f}%)")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
-def cmd_launch(args: argparse.Namespace) -> int:
-    from deploy.launch import default_state_dir, down, launch, preflight, pull_everywhere
-    from deploy.topology import load_topology
-    from engine.model_store import default_home
+def _store() -> ModelStore:
+    return ModelStore(default_home())
 
-    topology = load_topology(args.topology)
-    if args.state_dir:
-        state_dir = Path(args.state_dir)
-    else:
-        state_dir = topology.log_dir or default_state_dir(default_home(), Path(args.topology))
-    if args.down:
-        return down(topology, state_dir)
-    if args.pull:
-        pull_everywhere(topology)
-    if args.check:
-        preflight(topology)
-        print(f"{args.topology}: every host is reachable, has the model and free ports")
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    path = _store().pull(args.model, progress=_progress)
+    print(f"{args.model}: {path}")
+    return 0
+
+
+def _server(args: argparse.Namespace):
+    from engine.remote import Server, base_url
+
+    return Server(base_url(args.host or os.environ.get("OLLAMA_HOST")))
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    server = _server(args)
+    if server.running():
+        _table([[m["name"], m["digest"][:16], f"{m['size'] / 1e6:.1f} MB", m["modified_at"][:19]]
+                for m in server.tags()], ["NAME", "ID", "SIZE", "MODIFIED"])
         return 0
-    return launch(topology, state_dir)
+    entries = _store().list()
+    print(f"{'NAME':32} {'SIZE':>10}  {'DIGEST':14} MODIFIED")
+    for e in entries:
+        print(f"{e.name:32} {e.size / 1e6:8.1f}MB  {e.sha256[:12]:14} {e.modified_at:%Y-%m-%d %H:%M}")
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    server = _server(args)
+    if not server.running():
+        raise TandemError(f"no tandem server is running at {server.url} (start one with "
+                          "`tandem serve`)")
+    _table([[m["name"], m["digest"][:16], f"{m['size'] / 1e6:.1f} MB",
+             f"{m.get('context_length', '')}", "Forever"] for m in server.ps()],
+           ["NAME", "ID", "SIZE", "CONTEXT", "UNTIL"])
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    server = _server(args)
+    if server.running():
+        shown = server.show(args.model)
+        details, info = shown["details"], shown.get("model_info") or {}
+        arch = info.get("general.architecture", details.get("family", ""))
+        rows = [("architecture", arch), ("parameters", details.get("parameter_size", "")),
+                ("context length", info.get(f"{arch}.context_length", "")),
+                ("embedding length", info.get(f"{arch}.embedding_length", "")),
+                ("quantization", details.get("quantization_level", "")),
+                ("format", details.get("format", ""))]
+        capabilities = shown.get("capabilities") or []
+    else:
+        from engine.loaders import load_config
+
+        path = _store().resolve(args.model)
+        config = load_config(path)
+        rows = [("architecture", config.architecture), ("path", str(path)),
+                ("context length", config.max_position),
+                ("embedding length", config.hidden_size), ("layers", config.num_layers)]
+        capabilities = ["completion"]
+    print("  Model")
+    for key, value in rows:
+        print(f"    {key:<20}{value}")
+    print("\n  Capabilities")
+    for capability in capabilities:
+        print(f"    {capability}")
+    return 0
+
+
+def _resolve_or_pull(name: str):
+    store = _store()
+    try:
+        return store.resolve(name)
+    except TandemError:
+        if name not in store.known_names():
+            raise
+        return store.pull(name, progress=_progress)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    options = {k: v for k, v in {
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed,
+        "num_predict": args.num_predict, "num_ctx": args.num_ctx, "stop": args.stop,
+    }.items() if v is not None}
+    return SamplingParams.from_options(options)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    _sampling_params(args)  # the same checks, before anything is sent
+    return {k: v for k, v in {
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed,
+        "num_predict": args.num_predict, "num_ctx": args.num_ctx, "stop": args.stop,
+    }.items() if v is not None}
+
+
+def _remote_answerer(args: argparse.Namespace, server, history: list[dict]):
+    options = _options(args)
+
+    def answer(prompt: str) -> str:
+        history.append({"role": "user", "content": prompt})
+        pieces, final = [], {}
+        for obj in server.chat(args.model, history, options):
+            piece = obj.get("message", {}).get("content", "")
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            final = obj
+        sys.stdout.write("\n")
+        if args.verbose:
+            ns = 1e9
+            ev, evd = final.get("eval_count", 0), final.get("eval_duration", 0)
+            sys.stderr.write(
+                f"prompt eval: {final.get('prompt_eval_count', 0)} tokens "
+                f"({(final.get('tandem') or {}).get('cached_tokens', 0)} cached) in "
+                f"{final.get('prompt_eval_duration', 0) / ns:.3f}s; eval: {ev} tokens in "
+                f"{evd / ns:.3f}s ({(ev - 1) / (evd / ns) if evd else 0:.1f} tokens/s); "
+                f"total {final.get('total_duration', 0) / ns:.3f}s; "
+                f"done: {final.get('done_reason')}\n")
+        reply = "".join(pieces)
+        history.append({"role": "assistant", "content": reply})
+        return reply
+
+    return answer
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    server = None if args.local else _server(args)
+    if server is not None and server.running():
+        answer = _remote_answerer(args, server, history)
+    else:
+        answer = _local_answerer(args, history)
+    return _converse(args, answer, history)
+
+
+def _local_answerer(args: argparse.Namespace, history: list[dict]):
+    from engine.generation import TextStream, chat_prompt_ids
+    from engine.llm_engine import LLMEngine
+    from engine.runtime import configure_process
+
+    configure_process(args.threads)
+    params = _sampling_params(args)
+    path = _resolve_or_pull(args.model)
+    engine = LLMEngine.from_path(path, weight_format=args.decode_quant, prefill_format=args.prefill_quant)
+
+    def answer(prompt: str) -> str:
+        history.append({"role": "user", "content": prompt})
+        stream = TextStream(engine, chat_prompt_ids(engine, history), params)
+        pieces = []
+        for piece in stream:
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if args.verbose:
+            s = stream.stats
+            sys.stderr.write(
+                f"prompt eval: {s.prompt_tokens} tokens ({s.cached_tokens} cached) in {s.prompt_eval_s:.3f}s; "
+                f"eval: {s.output_tokens} tokens in {s.eval_s:.3f}s "
+                f"({(s.output_tokens - 1) / s.eval_s if s.eval_s > 0 else 0:.1f} tokens/s); "
+                f"done: {s.done_reason}\n")
+        reply = "".join(pieces)
+        history.append({"role": "assistant", "content": reply})
+        return reply
+
+    return answer
+
+
+def _converse(args: argparse.Namespace, answer, history: list[dict]) -> int:
+    if args.prompt:
+        answer(" ".join(args.prompt))
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write(">>> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        line = line.strip()
+        if line in ("/bye", "/exit"):
+            return 0
+        if line == "/clear":
+            del history[1 if args.system else 0:]
+            continue
+        if line:
+            answer(line)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deploy.local import Topology, serve
+
+    path = _resolve_or_pull(args.model)
+    log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
+        "serve-%Y%m%d-%H%M%S")
+    try:
+        topology = Topology(model=args.model, model_path=path, log_dir=log_dir, host=args.host,
+                            port=args.port, prefill=args.prefill, decode=args.decode,
+                            colocated=args.colocated, kv_backend=args.kv_backend,
+                            chunk_size=args.chunk_size, prefill_threshold=args.prefill_threshold,
+                            coordinator_args=("--grpc-port", str(args.grpc_port)))
+    except ValueError as exc:
+        raise TandemError(str(exc)) from None
+    return serve(topology, start_timeout_s=args.start_timeout)
+
+
+def add_quant_flags(p: argparse.ArgumentParser) -> None:
+    from engine.config import DECODE_FORMATS, PREFILL_FORMATS
+
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default=DEFAULT_PREFILL_QUANT,
+                   help=f"weight format of prefill passes (default {DEFAULT_PREFILL_QUANT})")
+    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
+                   help=f"weight format of decode steps (default {DEFAULT_DECODE_QUANT})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download a model into the cache")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", aliases=["ls"], help="list models (the server's, or cached)")
+    p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("ps", help="models a running server has loaded")
+    p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("show", help="a model's details")
+    p.add_argument("model")
+    p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("bench", help="serving benchmark (load generator)")
+    from engine.bench_serve import add_arguments  # torch-free
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("run", help="generate from a model (interactive without a prompt)")
+    p.add_argument("model", help="model name (e.g. smollm2), GGUF file or Hugging Face directory")
+    p.add_argument("prompt", nargs="*", help="prompt; omit for an interactive chat")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repeat-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--num-predict", type=int)
+    p.add_argument("--num-ctx", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_quant_flags(p)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")))
+    p.add_argument("--verbose", action="store_true", help="print timings after each answer")
+    p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.add_argument("--local", action="store_true",
+                   help="run the model in this process even if a server is running")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name (pulled if missing), GGUF file or Hugging Face directory")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address of the coordinator")
+    p.add_argument("--port", type=int, default=11434, help="HTTP port of the coordinator")
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="port of the gRPC client API (0 = any free port)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="one worker doing prefill and decode instead")
+    p.add_argument("--kv-backend", choices=("zmq", "shm", "grpc"), default="zmq",
+                   help="KV transfer between prefill and decode workers")
+    p.add_argument("--chunk-size", type=int, default=512, help="per-pass token budget")
+    p.add_argument("--prefill-threshold", type=int,
+                   help="prompts of at most this many tokens may prefill on the decode worker")
+    p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds to wait for every worker to register")
+    p.set_defaults(func=cmd_serve)
+
+    add_launch_parser(sub)
+    return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench_serve import run_from_args
+
+    return run_from_args(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.cli")
-    add_launch_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except TandemError as exc:

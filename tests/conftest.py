@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -35,10 +35,35 @@ def default_gguf() -> Path:
     return path
 
 
+# The llama.cpp oracle files in tests/data (README there says how they were made), with the
+# number of records each must hold: a test that loops over an emptied or truncated file fails
+# here instead of passing on nothing.
+ORACLE_FILES = {
+    "smollm2-greedy-llamacpp.jsonl": (13, {"messages", "prompt_ids", "output_ids", "output_text"}),
+    "smollm2-tokenizer-llamacpp.jsonl": (157, {"text", "ids"}),
+}
+
+
+def load_oracle(name: str) -> list[dict]:
+    import json
+
+    expected_rows, keys = ORACLE_FILES[name]
+    lines = (DATA / name).read_text(encoding="utf-8").splitlines()
+    assert lines and "_meta" in json.loads(lines[0]), f"{name}: the first line must be the _meta record"
+    rows = [json.loads(line) for line in lines[1:]]
+    assert len(rows) == expected_rows, f"{name}: {len(rows)} records, expected {expected_rows}"
+    for row in rows:
+        assert keys <= row.keys(), f"{name}: record without {keys - row.keys()}"
+    return rows
+
+
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """llama.cpp oracle data beside the repo (../shared/data), or TANDEM_SHARED_DATA."""
-    path = Path(os.environ.get("TANDEM_SHARED_DATA", SHARED_DATA))
-    if not path.exists():
-        pytest.fail(f"oracle data missing at {path}")
-    return path
+def greedy_oracle() -> list[dict]:
+    """llama.cpp's chat prompts' ids and 48 greedy output tokens on the default model."""
+    return load_oracle("smollm2-greedy-llamacpp.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_oracle() -> list[dict]:
+    """llama.cpp's token ids for a 157-line fuzz corpus."""
+    return load_oracle("smollm2-tokenizer-llamacpp.jsonl")

@@ -17,12 +17,6 @@ from engine.errors import ModelFormatError, ModelNotFoundError, UnsupportedModel
 from engine.tokenizer import Tokenizer
 
 
-def _jsonl(path: Path) -> list[dict]:
-    """Records of an oracle file, without its leading _meta record."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [row for row in rows if "_meta" not in row]
-
-
 @pytest.fixture(scope="module")
 def smollm(default_gguf) -> Tokenizer:
     return Tokenizer.from_gguf(default_gguf)
@@ -42,16 +36,15 @@ def test_streaming_modules_never_import_torch():
 
 
 @pytest.mark.model
-def test_fuzz_corpus_ids_equal_llamacpp(smollm, shared_data):
-    rows = _jsonl(shared_data / "smollm2-tokenizer-llamacpp.jsonl")
-    assert len(rows) > 100
+def test_fuzz_corpus_ids_equal_llamacpp(smollm, tokenizer_oracle):
+    rows = tokenizer_oracle
     mismatches = [r["text"] for r in rows if smollm.encode(r["text"], add_special_tokens=False) != r["ids"]]
     assert mismatches == []
 
 
 @pytest.mark.model
-def test_fuzz_corpus_round_trips(smollm, shared_data):
-    for row in _jsonl(shared_data / "smollm2-tokenizer-llamacpp.jsonl"):
+def test_fuzz_corpus_round_trips(smollm, tokenizer_oracle):
+    for row in tokenizer_oracle:
         assert smollm.decode(smollm.encode(row["text"], add_special_tokens=False)) == row["text"]
 
 
