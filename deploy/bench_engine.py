@@ -1,8 +1,8 @@
 """Single-process engine benchmark: prefill and decode speed of one model, per weight format,
 in one run so the figures compare.
 
-    python -m engine.benchmark [MODEL] [--formats fp32,bf16,int8,int4,w8a8] [--prompt-len 512]
-                               [--decode-steps 32] [--kernels]
+    python -m deploy.bench_engine [MODEL] [--formats fp32,bf16,int8,int4,w8a8] [--prompt-len 512]
+                                  [--decode-steps 32] [--kernels]
 
 Prints, per format: prefill tokens/s for one prompt of --prompt-len tokens in a single pass,
 and decode tokens/s at batch 1 and batch 8 (every sequence one token per step, context

@@ -9,6 +9,8 @@
     tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
                                         coordinator + workers on this host (Ollama API)
     tandem bench [opts]                 load generator against a tandem/Ollama/OpenAI server
+    tandem launch TOPOLOGY.toml         a multi-host topology (deploy/launch_cli.py)
+    tandem --version                    the installed package's version
 
 The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI).
 """
@@ -20,7 +22,7 @@ import os
 import sys
 import time
 
-from deploy.cli import add_launch_parser
+from deploy.launch_cli import add_launch_parser
 from engine.errors import TandemError
 from engine.model_store import ModelStore, default_home
 
@@ -49,7 +51,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace):
-    from engine.remote import Server, base_url
+    from deploy.remote import Server, base_url
 
     return Server(base_url(args.host or os.environ.get("OLLAMA_HOST")))
 
@@ -267,8 +269,29 @@ def add_quant_flags(p: argparse.ArgumentParser) -> None:
                    help=f"weight format of decode steps (default {DEFAULT_DECODE_QUANT})")
 
 
+class _VersionAction(argparse.Action):
+    """--version from the installed package's metadata, looked up only when asked; a source tree
+    that was never installed has no version to print, which is an error, not a guess."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print tandem's version and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("tandem")
+        except PackageNotFoundError:
+            parser.exit(1, "Error: tandem is not installed (no package metadata), so it has no "
+                           "version; pip install it\n")
+        print(f"tandem {found}")  # stdout, as argparse's own "version" action
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download a model into the cache")
@@ -289,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("bench", help="serving benchmark (load generator)")
-    from engine.bench_serve import add_arguments  # torch-free
+    from deploy.bench_serve import add_arguments  # torch-free
 
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
@@ -341,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench_serve import run_from_args
+    from deploy.bench_serve import run_from_args
 
     return run_from_args(args)
 

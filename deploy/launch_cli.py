@@ -1,6 +1,6 @@
 """`tandem launch TOPOLOGY.toml` and `tandem launch --down TOPOLOGY.toml`.
 
-engine/cli.py mounts this subcommand with `add_launch_parser(sub)`; `python -m deploy.cli`
+deploy/cli.py mounts this subcommand with `add_launch_parser(sub)`; `python -m deploy.launch_cli`
 runs it alone (e.g. on a host where only the deploy tools are wanted). The environment
 (TANDEM_HOME, for the default state folder) is read here.
 """
@@ -58,7 +58,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.cli")
+    parser = argparse.ArgumentParser(prog="python -m deploy.launch_cli")
     add_launch_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

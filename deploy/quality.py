@@ -1,6 +1,6 @@
 """Quality of each weight format against fp32 on one fixed text.
 
-    python -m engine.quality [MODEL] [--formats fp32,bf16,int8,int4,w8a8]
+    python -m deploy.quality [MODEL] [--formats fp32,bf16,int8,int4,w8a8]
 
 For each format: perplexity of the text, its change against fp32, and greedy top-1
 agreement (share of positions where the format's most likely next token equals fp32's).

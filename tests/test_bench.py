@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench_serve import Record, percentile, random_prompts, summarize
+from deploy.bench_serve import Record, percentile, random_prompts, summarize
 from tests.api_cluster import MODEL, api  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def test_random_prompts_are_reproducible_and_sized():
 
 def bench(api, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "--base-url", api.url,
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "--base-url", api.url,
                         "--model", MODEL, "--result-json", str(out), *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

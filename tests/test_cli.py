@@ -1,10 +1,11 @@
-"""`tandem run/list/ps/show` against a running tandem server, as a user types them."""
+"""`tandem run/list/ps/show` against a running tandem server, as a user types them; `--version`."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tandem(*args: str, stdin: str | None = None, host: str | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "engine.cli", *args]
+    argv = [sys.executable, "-m", "deploy.cli", *args]
     if host is not None:
         argv += ["--host", host]
     return subprocess.run(argv, cwd=ROOT, input=stdin, capture_output=True, text=True,
@@ -62,3 +63,9 @@ def test_errors_are_one_line(api):
     r = tandem("ps", host="127.0.0.1:1")
     assert r.returncode == 1 and "no tandem server is running" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_version_is_the_installed_package_version():
+    r = tandem("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"tandem {version('tandem')}\n"

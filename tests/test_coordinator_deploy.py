@@ -108,7 +108,7 @@ def test_tandem_serve_reports_bad_topologies_without_traceback(tmp_path):
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TANDEM_HOME": str(tmp_path / "h")}
 
     def serve(*args):
-        return subprocess.run([sys.executable, "-m", "engine.cli", "serve", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "deploy.cli", "serve", *args], env=env,
                               capture_output=True, text=True, timeout=60)
 
     zero = serve("--model", str(model_dir), "--decode", "0")
