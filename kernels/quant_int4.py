@@ -13,10 +13,15 @@ GGUF repack, integer to integer (the nibbles are copied, never rounded through f
     Q4_1 block: fp16 d, fp16 m, 16B  w = d * q + m     ->  scale = d, zero = m + 8 d  (fp32, exact)
     nibbles: element i < 16 of a block is the low nibble of byte i, element 16 + i the high one.
 
-Only scale and zero are rounded (to bf16); the result equals QuantizedTensor.dequantize() up to
-that rounding.
+In the "cpu" and "nibbles" layouts only scale and zero are rounded (to bf16); the result equals
+QuantizedTensor.dequantize() up to that rounding. The "blocks" layout of a Q4_1 GGUF is exact.
 
 Layouts (PackedLinear.layout), chosen by the device given to pack():
+    "blocks":  ggml Q4_1 blocks, uint8 [N, Kp / 32 * 20]: per group fp16 d, fp16 m, 16 nibble
+               bytes, w = q * d + m (so (scale, zero) = (d, m + 8 d)). A Q4_1 GGUF is used
+               byte for byte, Q4_0 with m = -8 d (exact); float weights are quantized with
+               fp16 d and m. Read by the native CPU kernel (kernels/csrc/int4_linear.cpp) with
+               fp32 activations; the CPU default wherever the native kernels build.
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
                aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
                with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels._triton import HAS_TRITON, tl, triton, use_triton
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
@@ -102,13 +108,59 @@ def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
 
 
 def default_layout(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" and _HAS_CPU_KERNEL else "nibbles"
+    if device.type != "cpu":
+        return "nibbles"
+    if native.available():
+        return "blocks"
+    return "cpu" if _HAS_CPU_KERNEL else "nibbles"
 
 
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
          layout: str | None = None) -> PackedLinear:
     out_features, in_features = weight.shape
+    layout = layout or default_layout(device)
+    if layout == "blocks":
+        return pack_blocks(q4_1_blocks(weight), in_features, bias)
     return pack_groups(to_int4_groups(weight), in_features, bias, device, layout)
+
+
+BLOCK_BYTES = 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+
+
+def q4_1_blocks(weight: torch.Tensor | QuantizedTensor) -> np.ndarray:
+    """uint8 [N, Kp / 32 * 20]: the weights as ggml Q4_1 blocks (module docstring)."""
+    if isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_1":
+        return np.ascontiguousarray(weight.data)
+    if isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_0":
+        rows, cols = weight.shape
+        src = np.ascontiguousarray(weight.data).reshape(rows, cols // GROUP_SIZE, 18)
+        d = src[..., 0:2].copy().view(np.float16)
+        m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)  # exact: a power of two
+        out = np.concatenate([src[..., 0:2], m.view(np.uint8), src[..., 2:]], axis=-1)
+        return out.reshape(rows, -1)
+    q, scales, zeros = to_int4_groups(weight)
+    d = scales.to(torch.float16)
+    m = (zeros - 8.0 * scales).to(torch.float16)
+    qg = q.reshape(q.shape[0], -1, GROUP_SIZE)
+    nibbles = qg[..., :16] | (qg[..., 16:] << 4)  # [N, G, 16]
+    out = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
+    return out.reshape(q.shape[0], -1).numpy()
+
+
+def pack_blocks(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -> PackedLinear:
+    n = blocks.shape[0]
+    return PackedLinear("int4", in_features, n, torch.from_numpy(np.ascontiguousarray(blocks)), bias,
+                        layout="blocks", group_size=GROUP_SIZE)
+
+
+def _blocks_dequantize(packed: PackedLinear) -> torch.Tensor:
+    n = packed.weight.shape[0]
+    b = packed.weight.reshape(n, -1, BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, G, 32]
+    return (q * d + m).reshape(n, -1)
 
 
 def pack_groups(groups: Int4Groups, in_features: int, bias: torch.Tensor | None,
@@ -147,6 +199,8 @@ def unpack_q(packed: PackedLinear) -> torch.Tensor:
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
+    if packed.layout == "blocks":
+        return _blocks_dequantize(packed)[:packed.out_features, :packed.in_features]
     q = unpack_q(packed).float()
     sz = packed.scales.float().transpose(0, 1)  # [N, G, 2]
     idx = torch.arange(q.shape[1], device=q.device) // packed.group_size
@@ -160,6 +214,8 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
+    if packed.layout == "blocks":
+        return int4_linear_native(x, packed)
     if packed.layout == "cpu":
         return int4_linear_cpu(x, packed)
     if use_triton(x):
@@ -167,6 +223,22 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
         return y.to(x.dtype)
     y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
+
+
+def int4_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp."""
+    kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
+    xf = x.float()
+    if xf.shape[1] != kp:
+        xf = F.pad(xf, (0, kp - xf.shape[1]))
+    xf = xf.contiguous()
+    m, n = xf.shape[0], packed.out_features
+    y = torch.empty(m, n)
+    bias = packed.bias
+    native.check(native.library().tandem_int4_linear(
+        xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), n,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int4 linear")
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def int4_linear_cpu(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:

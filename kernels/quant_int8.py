@@ -7,6 +7,9 @@ time. Activations stay 16-bit (weight-only); accumulation is fp32; the scale is 
 output in the epilogue, so the inner loop is a plain int8 -> float dot product.
 
 Layouts (PackedLinear.layout), chosen by the device given to pack():
+    "native": q int8 [N, Kp], scales fp32 [N], read by the native CPU kernel
+              (kernels/csrc/int8_linear.cpp) with fp32 activations; the CPU default wherever
+              the native kernels build. Kp = round_up(K, 16).
     "cpu":    q int8 [N, Kp], scales bf16 [N] for aten._weight_int8pack_mm(x bf16, q, scales).
               Measured (torch 2.13, AVX-512): that kernel returns garbage for K % 16 != 0 and
               crashes for some odd K, so K is zero-padded to Kp = round_up(K, 16) at pack time.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels._triton import HAS_TRITON, tl, triton, use_triton
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
@@ -46,15 +50,21 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
 
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
          layout: str | None = None) -> PackedLinear:
-    """layout: "cpu" or "triton"; default by device (module docstring)."""
+    """layout: "native", "cpu" or "triton"; default by device (module docstring)."""
     out_features, in_features = weight.shape
-    layout = layout or ("triton" if device.type == "cuda" else "cpu")
-    if layout not in ("cpu", "triton"):
+    layout = layout or default_layout(device)
+    if layout not in ("native", "cpu", "triton"):
         raise ValueError(f"unknown int8 layout {layout!r}")
-    q, scales = quantize_int8(to_float(weight), torch.float32 if layout == "triton" else torch.bfloat16)
+    q, scales = quantize_int8(to_float(weight), torch.bfloat16 if layout == "cpu" else torch.float32)
     q = F.pad(q, (0, _round_up(in_features, K_ALIGN) - in_features))
     return PackedLinear("int8", in_features, out_features, q.to(device).contiguous(), bias,
                         scales=scales.to(device).contiguous(), layout=layout)
+
+
+def default_layout(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "native" if native.available() else "cpu"
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
@@ -67,12 +77,31 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
+    if packed.layout == "native":
+        return int8_linear_native(x, packed)
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)
     if use_triton(x):
         return int8_linear_triton(x.to(torch.bfloat16), packed.weight, packed.scales, packed.bias).to(x.dtype)
     y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
+
+
+def int8_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int8_linear.cpp."""
+    q = packed.weight
+    kp = q.shape[1]
+    xf = x.float()
+    if xf.shape[1] != kp:
+        xf = F.pad(xf, (0, kp - xf.shape[1]))
+    xf = xf.contiguous()
+    m, n = xf.shape[0], packed.out_features
+    y = torch.empty(m, n)
+    bias = packed.bias
+    native.check(native.library().tandem_int8_linear(
+        xf.data_ptr(), m, kp, kp, q.data_ptr(), n, kp, packed.scales.data_ptr(),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int8 linear")
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

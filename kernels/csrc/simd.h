@@ -1,0 +1,135 @@
+// Vector helpers shared by the native CPU kernels, one definition per instruction-set level.
+//
+// Each kernel source is compiled three times (kernels/native.py): plain x86-64 ("default",
+// the compiler may still auto-vectorize with SSE2), -mavx2 -mfma -mf16c ("avx2") and
+// -mavx512f/bw/vl ("avx512"). The level a process uses follows aten's own dispatch level
+// (ATEN_CPU_CAPABILITY), so one host can run and test every level up to what it has.
+//
+// vf is one vector of VL floats. Every kernel is written against these helpers only.
+#pragma once
+
+// The only symbols a library exports (it is built with -fvisibility=hidden).
+#define TANDEM_API extern "C" __attribute__((visibility("default")))
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+
+// Round-to-nearest-even fp32 -> bf16, as torch's .to(torch.bfloat16) does (NaN kept quiet).
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24
+        float v = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
+}
+
+#if defined(__AVX512F__)
+#define TANDEM_VL 16
+typedef __m512 vf;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vload_bf16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 16 int8 -> 16 floats
+static inline vf vload_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// One 32-weight group of 4-bit values, ggml order (element i < 16: low nibble of byte i,
+// element 16 + i: its high nibble), dequantized as q * d + m into out[0..32/VL).
+static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
+    const vf vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), vd, vm);
+    out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), vd, vm);
+}
+
+#elif defined(__AVX2__)
+#define TANDEM_VL 8
+typedef __m256 vf;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vload_bf16(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vload_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const vf vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
+}
+
+#else
+// Portable level: a "vector" of 8 floats in a struct; loops the compiler may vectorize.
+#define TANDEM_VL 8
+typedef struct { float v[8]; } vf;
+static inline vf vzero() { vf r; for (int i = 0; i < 8; i++) r.v[i] = 0.f; return r; }
+static inline vf vset1(float a) { vf r; for (int i = 0; i < 8; i++) r.v[i] = a; return r; }
+static inline vf vload(const float* p) { vf r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline void vstore(float* p, vf a) { memcpy(p, a.v, sizeof a.v); }
+static inline vf vadd(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] += b.v[i]; return a; }
+static inline vf vmul(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] *= b.v[i]; return a; }
+static inline vf vfma(vf a, vf b, vf c) { for (int i = 0; i < 8; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+static inline float vsum(vf a) {
+    float s = 0.f;
+    for (int i = 0; i < 8; i++) s += a.v[i];
+    return s;
+}
+static inline vf vload_bf16(const uint16_t* p) { vf r; for (int i = 0; i < 8; i++) r.v[i] = bf16_to_float(p[i]); return r; }
+static inline vf vload_i8(const int8_t* p) { vf r; for (int i = 0; i < 8; i++) r.v[i] = (float)p[i]; return r; }
+static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
+    for (int i = 0; i < 16; i++) {
+        out[i / 8].v[i % 8] = (float)(qs[i] & 0x0f) * d + m;
+        out[2 + i / 8].v[i % 8] = (float)(qs[i] >> 4) * d + m;
+    }
+}
+#endif
+
+#define TANDEM_Q4_VECS (32 / TANDEM_VL)  // vectors per 32-weight group

@@ -1,0 +1,131 @@
+"""The native CPU kernels (kernels/csrc/*.cpp): built with the system C++ compiler on first use,
+cached, loaded with ctypes.
+
+Why not aten: on the CPUs tandem runs on, aten's weight-only int4 and int8 GEMV read weights at
+2-4 GB/s (bf16 activations, a layout built for larger M); these kernels take fp32 activations as
+the residual stream has them and read GGUF's own Q4_1 blocks at close to the copy bandwidth.
+
+Dispatch level: each source is compiled once per instruction-set level (csrc/simd.h):
+
+    level     compiler flags                                  used when aten's level is
+    default   (plain x86-64; the compiler may use SSE2)       DEFAULT (or a non-x86 CPU)
+    avx2      -mavx2 -mfma -mf16c                             AVX2
+    avx512    -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma    AVX512
+
+The level follows `torch.backends.cpu.get_cpu_capability()`, which honours
+ATEN_CPU_CAPABILITY=default|avx2|avx512, so one host runs (and tests) every level up to its own.
+
+Cache: $TANDEM_HOME/native (default ~/.cache/tandem/native), one shared library per hash of
+(sources, flags, compiler version). Several processes may build at once: each writes its own
+temporary file and renames it into place, so a reader never sees half a library.
+A machine without a C++ compiler gets `NativeUnavailable` with the reason; callers then fall
+back to the aten kernels (kernels/quant_int4.py, quant_int8.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp")
+LEVELS = ("default", "avx2", "avx512")
+LEVEL_FLAGS = {
+    "default": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+}
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fvisibility=hidden"]
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    # name: argument types (every function returns int: 0 = ok, else a shape error code)
+    "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+    "tandem_paged_decode": [_ptr, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _i64,
+                            _ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr, _i64],
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here (no compiler, not x86, build error)."""
+
+
+def dispatch_level() -> str:
+    """The level this process runs: aten's own (ATEN_CPU_CAPABILITY caps it)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "default"
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return cap if cap in LEVEL_FLAGS else "default"
+
+
+def _cache_root() -> Path:
+    home = os.environ.get("TANDEM_HOME") or str(Path.home() / ".cache" / "tandem")
+    return Path(home) / "native"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise NativeUnavailable("no C++ compiler found (install g++, e.g. `apt-get install g++`)")
+
+
+def _build(level: str) -> Path:
+    cxx = _compiler()
+    flags = COMMON_FLAGS + LEVEL_FLAGS[level] if platform.machine().lower() in ("x86_64", "amd64") \
+        else COMMON_FLAGS
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for name in (*SOURCES, "simd.h"):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join([cxx, *flags, version]).encode())
+    out = _cache_root() / f"tandem_{level}_{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-I", str(CSRC), *(str(CSRC / s) for s in SOURCES), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise NativeUnavailable(f"building the native kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def library(level: str | None = None) -> ctypes.CDLL:
+    """The loaded kernels for `level` (default: this process's dispatch level)."""
+    level = level or dispatch_level()
+    if level not in LEVEL_FLAGS:
+        raise ValueError(f"unknown native level {level!r}; expected one of {LEVELS}")
+    lib = ctypes.CDLL(str(_build(level)))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    try:
+        library()
+        return True
+    except NativeUnavailable:
+        return False
+
+
+def check(code: int, what: str) -> None:
+    if code != 0:
+        raise ValueError(f"native {what} refused its arguments (code {code})")
