@@ -68,7 +68,7 @@ def dispatch_level() -> str:
     return cap if cap in LEVEL_FLAGS else "default"
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     home = os.environ.get("TANDEM_HOME") or str(Path.home() / ".cache" / "tandem")
     return Path(home) / "native"
 
@@ -89,7 +89,7 @@ def _build(level: str) -> Path:
     for name in (*SOURCES, "simd.h"):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join([cxx, *flags, version]).encode())
-    out = _cache_root() / f"tandem_{level}_{digest.hexdigest()[:16]}.so"
+    out = cache_root() / f"tandem_{level}_{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -108,11 +108,37 @@ def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
 
 
 def default_layout(device: torch.device) -> str:
+    """CUDA: "nibbles" (Triton). CPU: the faster of the native "blocks" kernel and aten's
+    "cpu" kernel on this host, measured once (kernels/layout_choice.py): aten's int4 GEMV is
+    fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones."""
     if device.type != "cpu":
         return "nibbles"
-    if native.available():
-        return "blocks"
-    return "cpu" if _HAS_CPU_KERNEL else "nibbles"
+    candidates = [name for name, ok in (("blocks", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
+    if not candidates:
+        return "nibbles"
+    if len(candidates) == 1:
+        return candidates[0]
+    from kernels.layout_choice import fastest_layout
+
+    return fastest_layout("int4", candidates, _time_layout)
+
+
+def _time_layout(layout: str) -> float:
+    """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8)."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    packed = pack(torch.randn(1536, 576, generator=gen), None, torch.device("cpu"), layout)
+    xs = [torch.randn(m, 576, generator=gen) for m in (1, 8)]
+    for x in xs:
+        forward(x, packed)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for x in xs:
+            forward(x, packed)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
@@ -208,8 +234,36 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
     return w[:packed.out_features, :packed.in_features]
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] (K % 32 == 0) -> (xq int16-valued fp32 [M, K], dx [M, K/32], sums [M, K/32]):
+    per group of 32, dx = max|x| / 32767, xq = round(x / dx), and the group's exact sum."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)
+    amax = g.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(g * inv[..., None])
+    return xq.reshape(m, k), amax / 32767.0, g.sum(dim=-1)
+
+
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    return linear_reference(x, dequantize(packed), packed.bias)
+    if packed.layout != "blocks":
+        return linear_reference(x, dequantize(packed), packed.bias)
+    # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per group,
+    # y = sum_g d_g dx_g (q_g . xq_g) + m_g S_g, the m term on the exact group sums.
+    n = packed.weight.shape[0]
+    kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
+    b = packed.weight.reshape(n, -1, BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, G]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    q = torch.cat([b[..., 4:] & 0x0F, b[..., 4:] >> 4], dim=-1).float()  # [N, G, 32]
+    xq, dx, sums = quantize_activations(F.pad(x.float(), (0, kp - x.shape[1])))
+    xg = xq.reshape(x.shape[0], -1, GROUP_SIZE)  # [M, G, 32]
+    dots = torch.einsum("mgi,ngi->mng", xg.double(), q.double())  # exact integers
+    y = (dots * (d[None] * dx[:, None, :]).double()).sum(-1) + (sums.double() @ m.double().t())
+    y = y[:, :packed.out_features].float()
+    if packed.bias is not None:
+        y = y + packed.bias
+    return y.to(x.dtype)
 
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
@@ -225,8 +279,9 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
 
 
-def int4_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp."""
+def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None = None) -> torch.Tensor:
+    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp.
+    level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
     kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
     xf = x.float()
     if xf.shape[1] != kp:
@@ -235,7 +290,7 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
     bias = packed.bias
-    native.check(native.library().tandem_int4_linear(
+    native.check(native.library(level).tandem_int4_linear(
         xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), n,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int4 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)

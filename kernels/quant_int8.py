@@ -87,8 +87,9 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
 
 
-def int8_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int8_linear.cpp."""
+def int8_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None = None) -> torch.Tensor:
+    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int8_linear.cpp.
+    level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
     q = packed.weight
     kp = q.shape[1]
     xf = x.float()
@@ -98,7 +99,7 @@ def int8_linear_native(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
     bias = packed.bias
-    native.check(native.library().tandem_int8_linear(
+    native.check(native.library(level).tandem_int8_linear(
         xf.data_ptr(), m, kp, kp, q.data_ptr(), n, kp, packed.scales.data_ptr(),
         bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int8 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)

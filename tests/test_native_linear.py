@@ -1,0 +1,119 @@
+"""The native CPU linear kernels (kernels/csrc/int4_linear.cpp, int8_linear.cpp) against their
+torch references, at every instruction-set level this host can run (kernels/native.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import native, quant_int4, quant_int8
+from kernels.linear import packed_linear_reference
+from kernels.quantized_tensor import QuantizedTensor
+
+
+def host_levels() -> list[str]:
+    return list(native.LEVELS[: native.LEVELS.index(native.dispatch_level()) + 1])
+
+
+LEVELS = host_levels()
+# M: one row, every remainder of the 8-row tile, several tiles; (N, K): K not a multiple of 32
+# (padded), the model's shapes, a long K.
+ROWS = [1, 2, 3, 5, 7, 8, 9, 16, 33, 64]
+SHAPES = [(40, 64), (17, 80), (96, 576), (64, 1536)]
+
+
+def test_this_host_runs_at_least_the_portable_and_its_own_level():
+    assert LEVELS[0] == "default" and LEVELS[-1] == native.dispatch_level()
+    for level in LEVELS:
+        native.library(level)  # builds (or loads from the cache) without error
+
+
+def q4_1_tensor(rows: int, cols: int, seed: int) -> QuantizedTensor:
+    """Random but valid Q4_1 blocks: fp16 d > 0, fp16 m, random nibbles."""
+    rng = np.random.default_rng(seed)
+    g = cols // 32
+    d = rng.uniform(0.001, 0.02, (rows, g, 1)).astype(np.float16)
+    m = rng.uniform(-0.15, 0.0, (rows, g, 1)).astype(np.float16)
+    qs = rng.integers(0, 256, (rows, g, 16), dtype=np.uint8)
+    data = np.concatenate([d.view(np.uint8), m.view(np.uint8), qs], axis=-1).reshape(rows, -1)
+    return QuantizedTensor("Q4_1", data, (rows, cols))
+
+
+def test_q4_1_blocks_are_used_as_stored_and_dequantize_exactly():
+    qt = q4_1_tensor(24, 128, seed=0)
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
+    assert np.array_equal(packed.weight.numpy(), qt.data)
+    assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
+
+
+def test_q4_0_maps_to_q4_1_exactly():
+    rng = np.random.default_rng(1)
+    d = rng.uniform(0.001, 0.02, (8, 4, 1)).astype(np.float16)
+    qs = rng.integers(0, 256, (8, 4, 16), dtype=np.uint8)
+    qt = QuantizedTensor("Q4_0", np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(8, -1), (8, 128))
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
+    assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int4_native_equals_its_reference(level, n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    bias = torch.randn(n, generator=gen)
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout="blocks")
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen) * 3
+        y = quant_int4.int4_linear_native(x, packed, level)
+        ref = packed_linear_reference(x, packed)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_int4_native_on_gguf_blocks_is_close_to_the_float_weights(level):
+    """The activation rounding (int16 per group of 32) keeps y within 1e-4 of x @ W^T."""
+    qt = q4_1_tensor(48, 256, seed=2)
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    exact = x.double() @ qt.dequantize().double().t()
+    y = quant_int4.int4_linear_native(x, packed, level)
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_int4_native_zero_rows_and_zero_groups(level):
+    packed = quant_int4.pack(torch.randn(16, 64), None, torch.device("cpu"), layout="blocks")
+    x = torch.zeros(3, 64)
+    x[1, :32] = 1.0  # one all-zero group beside a non-zero one
+    torch.testing.assert_close(quant_int4.int4_linear_native(x, packed, level),
+                               packed_linear_reference(x, packed), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_native_equals_its_reference(level, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    bias = torch.randn(n, generator=gen)
+    packed = quant_int8.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout="native")
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        y = quant_int8.int8_linear_native(x, packed, level)
+        ref = packed_linear_reference(x, packed)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_native_refuses_a_bad_shape_with_a_clear_error():
+    lib = native.library()
+    y = torch.empty(1, 4)
+    x = torch.randn(1, 48)
+    w = torch.zeros(4, 48 // 32 * 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="int4 linear"):
+        native.check(lib.tandem_int4_linear(x.data_ptr(), 1, 48, 48, w.data_ptr(), 4, None, y.data_ptr(), 4),
+                     "int4 linear")
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.NativeUnavailable, match="no C\\+\\+ compiler"):
+        native._compiler()
