@@ -19,8 +19,12 @@ Implementations (one file each), chosen by `paged_attention` from the device:
 - CUDA + Triton: kernels/paged_attention.py's decode kernel when T == B (every sequence a
   decode, the common decode-node step), else kernels/flash_attention.py's kernel, which takes
   any mix of decodes and chunks in one launch. Neither reads a device value on the host.
-- CPU: sequences split on the host (.tolist() of the small index tensors) into decodes
-  (batched gather + matmul) and prefill chunks (SDPA); both write into one output.
+- CPU: sequences split on the host (.tolist() of the small index tensors) into decodes and
+  prefill chunks; both write into one output. Decodes: all of them in one call of the native
+  kernel (kernels/csrc/paged_decode.cpp via kernels/paged_attention.py), which reads K/V in
+  place from the paged cache (no gather copy; a GQA group shares each K/V row read), for fp32
+  q over an fp32 or bf16 cache; else (no native library, other dtypes or layouts) a batched
+  torch gather + matmul. Prefill chunks: SDPA (kernels/flash_attention.py).
 - `paged_attention_reference`: the definition, a plain loop in fp32, for tests only.
 """
 
@@ -39,7 +43,7 @@ from kernels.paged_attention import DecodePlan, paged_decode_cpu, paged_decode_t
 @dataclass(frozen=True)
 class AttentionPlan:
     """CPU-side index work for one pass, shared by all its layers: which sequences decode and
-    which run prefill chunks, and the decode gather indices."""
+    which run prefill chunks, and the decode index tensors (native kernel and torch fallback)."""
 
     starts: list[int]  # cu_seqlens_q as a list
     lens: list[int]  # seq_lens as a list

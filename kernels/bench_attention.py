@@ -5,12 +5,15 @@
 Prints per shape the time per call and the achieved GB/s (decode and KV write are memory
 bound: bytes = K/V read or written) or GFLOP/s (prefill: 4 * D flops per visible (query, key)
 pair per head), next to the machine's own limits measured in the same run (a large copy for
-bandwidth, a large matmul for FLOP/s). On the CPU it also measures the decode candidates the
-CPU path chose between (per-sequence SDPA vs the batched gather + matmul) and the reference;
-on a GPU it measures the Triton kernels instead.
+bandwidth, a large matmul for FLOP/s). On the CPU, decode is measured the way the model runs
+it (fp32 q over an fp32 or bf16 cache, the plan built once per pass): the native kernel
+(kernels/csrc/paged_decode.cpp, K/V read in place; the CPU path's default) at every native
+level this host runs, the torch fallback it replaced (batched gather + matmul), per-sequence
+SDPA and the reference; on a GPU it measures the Triton kernels instead.
 
 On the CPU, glibc's malloc hands every large temporary (a gathered K/V, some MB) back to the
-OS and page-faults it in again on the next call; that costs up to half of a decode step. The
+OS and page-faults it in again on the next call; that costs up to half of a torch-path decode
+step (the native decode allocates nothing that size). The
 serving process should keep freed memory, e.g. MALLOC_MMAP_THRESHOLD_=2147483647
 MALLOC_TRIM_THRESHOLD_=4294967295 in its environment (or jemalloc / tcmalloc); run this
 benchmark both ways to see the difference.
@@ -22,9 +25,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import paged_attention_cpu, paged_attention_reference
+from kernels import native
+from kernels.attention import paged_attention_cpu, paged_attention_reference, plan_paged_attention
 from kernels.flash_attention import gather_sequence_kv
 from kernels.kv_cache_write import write_kv_cache_cpu
+from kernels.paged_attention import native_decode_supported, paged_decode_native, paged_decode_torch
 
 # (name, Hq, Hkv, D): the default model's attention, and a LLaMA-3-8B layer.
 SHAPES = [("smollm2-135m", 9, 3, 64), ("llama3-8b", 32, 8, 128)]
@@ -99,9 +104,22 @@ def report(label: str, seconds: float, amount: float, unit: str, limit: float) -
           f"  ({100 * amount / seconds / 1e9 / limit:5.1f}% of limit)")
 
 
+def native_levels() -> list[str]:
+    """The native levels this host runs and can build (dispatch level first)."""
+    levels = []
+    for level in reversed(native.LEVELS[:native.LEVELS.index(native.dispatch_level()) + 1]):
+        try:
+            native.library(level)
+            levels.append(level)
+        except native.NativeUnavailable as e:
+            print(f"  (native level {level} unavailable: {str(e).splitlines()[0]})")
+    return levels
+
+
 def bench_decode(device, dtype, quick, gbs):
-    print(f"\ndecode (q_len 1), {dtype}, block_size {BLOCK_SIZE}: GB/s of K/V read")
+    print(f"\ndecode (q_len 1), {dtype} cache, block_size {BLOCK_SIZE}: GB/s of K/V read")
     contexts = [128, 1024] if quick else [128, 512, 1024, 4096]
+    levels = native_levels() if device.type == "cpu" else []
     for name, hq, hkv, d in SHAPES:
         for batch in (1, 8):
             for context in contexts:
@@ -114,8 +132,18 @@ def bench_decode(device, dtype, quick, gbs):
                     report(f"{tag} triton", timeit(lambda: paged_decode_triton(*args, scale)),
                            nbytes, "GB/s", gbs)
                     continue
-                report(f"{tag} cpu (batched gather+matmul)",
-                       timeit(lambda: paged_attention_cpu(*args, scale)), nbytes, "GB/s", gbs)
+                # As the model runs it: fp32 q (its residual stream) whatever the cache dtype,
+                # the plan built once per pass and shared by all layers.
+                q, k_cache, v_cache = args[0].float(), args[1], args[2]
+                plan = plan_paged_attention(*args[3:], BLOCK_SIZE).decode
+                out = torch.empty_like(q)
+                if native_decode_supported(q, k_cache, v_cache, out):
+                    for level in levels:
+                        fn = lambda: paged_decode_native(q, k_cache, v_cache, plan, scale,  # noqa: E731
+                                                         out, level)
+                        report(f"{tag} native {level}", timeit(fn), nbytes, "GB/s", gbs)
+                fn = lambda: paged_decode_torch(q, k_cache, v_cache, plan, scale, out)  # noqa: E731
+                report(f"{tag} torch (batched gather+matmul)", timeit(fn), nbytes, "GB/s", gbs)
                 report(f"{tag} per-seq sdpa",
                        timeit(lambda: decode_per_sequence_sdpa(*args, scale)), nbytes, "GB/s", gbs)
                 if context <= 1024 and not quick:

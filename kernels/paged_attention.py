@@ -19,9 +19,16 @@ A sequence with q_len > 1 is still computed exactly (its tokens are processed on
 other, each with its own causal limit), only without the K/V reuse that the prefill kernel
 gives; so routing a batch here by shape (T == B) can never change a result.
 
-CPU path: all decodes of the batch at once: one block-granular gather of K/V into a padded
-[B, S_max, Hkv, D], a length mask and two batched matmuls in fp32 (measured against per-sequence
-SDPA in kernels/bench_attention.py).
+CPU path: all decodes of the batch in one call of the native kernel kernels/csrc/paged_decode.cpp
+(kernels/native.py builds it per instruction-set level). It reads K/V in place from the paged
+cache (fp32 or bf16, upcast in registers), so there is no gather copy: the older path copied
+every sequence's whole context into a contiguous fp32 buffer per layer, which made a batch-8
+step cost ~4x a batch-1 step. The G = Hq / Hkv query heads of one kv head are computed together,
+so each K/V row is read once per group; softmax in fp32. It needs fp32 q (the model's residual
+stream is fp32) and contiguous cache blocks (native_decode_supported). Where the native library
+does not build, or the tensors do not suit it, the torch fallback runs: one block-granular
+gather of K/V into a padded [B, S_max, Hkv, D] fp32 buffer, a length mask and two batched
+matmuls (paged_decode_torch). Both are measured in kernels/bench_attention.py.
 """
 
 import functools
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from kernels._triton import HAS_TRITON, triton, tl
 from kernels.flash_attention import _LOG2E, _dot_precision, check_paged_attention_args
 
@@ -244,6 +252,88 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # CPU path
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Index tensors of a batch's decode rows. They are the same for every layer of a pass,
+    so the model builds them once per forward (plan_decode) instead of once per layer.
+
+    The native kernel reads rows32, lens32 and table32; the torch fallback the other three."""
+
+    rows: torch.Tensor  # [n] int64 query row of each decode sequence
+    tables: torch.Tensor  # [n * nblk] int64 block ids to gather; past a sequence's need -> 0
+    padding: torch.Tensor  # [n, nblk * BS] True at positions >= the sequence's length
+    rows32: torch.Tensor  # [n] int32, rows
+    lens32: torch.Tensor  # [n] int32 context length of each decode sequence
+    table32: torch.Tensor  # [n, nblk] int32, contiguous: their block-table rows (-> 0 past need)
+    max_row: int  # bounds the native call checks (it reads memory unchecked): largest row,
+    max_block: int  # largest block id in table32,
+    max_len: int  # longest context
+
+
+def plan_decode(cu_seqlens_q: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                block_size: int, seqs: list[int]) -> DecodePlan | None:
+    if not seqs:
+        return None
+    lens = torch.tensor([seq_lens[b] for b in seqs])
+    num_blocks = -(-int(lens.max()) // block_size)
+    needed = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
+    table32 = torch.where(needed, block_tables[seqs, :num_blocks], 0).to(torch.int32).contiguous()
+    padding = torch.arange(num_blocks * block_size)[None, :] >= lens[:, None]
+    rows = torch.tensor([cu_seqlens_q[b] for b in seqs])
+    return DecodePlan(rows, table32.reshape(-1).long(), padding, rows.to(torch.int32),
+                      lens.to(torch.int32), table32, int(rows.max()), int(table32.max()),
+                      int(lens.max()))
+
+
+def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out: torch.Tensor) -> bool:
+    """Whether kernels/csrc/paged_decode.cpp takes these tensors as they are: fp32 q and out,
+    an fp32 or bf16 cache, all on the CPU; head rows of q and out contiguous ([., Hq, D] with
+    strides [any, D, 1]); each cache block contiguous ([NB, BS, Hkv, D] with strides
+    [block stride, Hkv * D, D, 1], as kv_cache[i, 0] of the model's [L, 2, NB, BS, Hkv, D]
+    cache is), K and V with one block stride; a GQA group of at most 64 heads."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    inner = (num_kv_heads * head_dim, head_dim, 1)
+    return (q.dtype == out.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and {t.device.type for t in (q, out, k_cache, v_cache)} == {"cpu"}
+            and q.stride()[1:] == out.stride()[1:] == (head_dim, 1)
+            and k_cache.stride()[1:] == v_cache.stride()[1:] == inner
+            and k_cache.stride(0) == v_cache.stride(0)
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64)
+
+
+def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: DecodePlan | None, scale: float, out: torch.Tensor,
+                        level: str | None = None) -> None:
+    """Decode rows as planned, by kernels/csrc/paged_decode.cpp (one call for the batch),
+    written straight into rows plan.rows of `out`. K/V are read in place from the paged cache
+    (no gather copy); the G query heads of one kv head are computed together, so each K/V row
+    is read once per group. level: the native build to use (default: the dispatch level).
+    Raises ValueError where native_decode_supported is False or the plan points outside
+    q, out or the cache (the kernel itself reads what it is told to)."""
+    if plan is None:
+        return
+    if not native_decode_supported(q, k_cache, v_cache, out):
+        raise ValueError("paged_decode_native: unsupported tensors (dtypes "
+                         f"{q.dtype}/{k_cache.dtype}/{out.dtype}, strides q {q.stride()}, "
+                         f"k_cache {k_cache.stride()}, v_cache {v_cache.stride()}, "
+                         f"out {out.stride()})")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if (plan.max_row >= min(q.shape[0], out.shape[0]) or plan.max_block >= num_blocks
+            or plan.max_len > plan.table32.shape[1] * block_size):
+        raise ValueError(f"paged_decode_native: plan out of range (row {plan.max_row} of "
+                         f"{q.shape[0]}, block {plan.max_block} of {num_blocks}, length "
+                         f"{plan.max_len} > {plan.table32.shape[1]} blocks of {block_size})")
+    native.check(native.library(level).tandem_paged_decode(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), k_cache.stride(0), block_size, num_kv_heads,
+        q.shape[1], head_dim, plan.rows32.data_ptr(), plan.lens32.data_ptr(),
+        plan.table32.data_ptr(), plan.table32.stride(0), plan.rows32.shape[0], scale,
+        out.data_ptr(), out.stride(0)), "paged decode")
+
+
 def _gather_head_major(cache: torch.Tensor, tables: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """Blocks `tables` ([n * nblk]) of cache as fp32 [n, Hkv, nblk * BS, D], contiguous.
 
@@ -255,34 +345,10 @@ def _gather_head_major(cache: torch.Tensor, tables: torch.Tensor, num_seqs: int)
     return out.copy_(seq_major.transpose(1, 2))
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """Index tensors of a batch's decode rows. They are the same for every layer of a pass,
-    so the model builds them once per forward (plan_decode) instead of once per layer."""
-
-    rows: torch.Tensor  # [n] query row of each decode sequence
-    tables: torch.Tensor  # [n * nblk] block ids to gather; entries past a sequence's need -> 0
-    padding: torch.Tensor  # [n, nblk * BS] True at positions >= the sequence's length
-
-
-def plan_decode(cu_seqlens_q: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-                block_size: int, seqs: list[int]) -> DecodePlan | None:
-    if not seqs:
-        return None
-    lens = torch.tensor([seq_lens[b] for b in seqs])
-    num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[seqs, :num_blocks].long()
-    needed = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
-    tables = torch.where(needed, tables, 0).reshape(-1)
-    padding = torch.arange(num_blocks * block_size)[None, :] >= lens[:, None]
-    rows = torch.tensor([cu_seqlens_q[b] for b in seqs])
-    return DecodePlan(rows, tables, padding)
-
-
-def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: DecodePlan | None, scale: float, out: torch.Tensor) -> None:
-    """Decode (q_len == 1) rows of the batch, as planned, written into `out` ([T, Hq, D]).
-    All sequences at once:
+def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: DecodePlan | None, scale: float, out: torch.Tensor) -> None:
+    """The fallback where the native kernels are unavailable (or the tensors do not suit
+    them): all sequences at once in torch:
 
         tables  [n, nblk]                table rows; entries past a sequence's need -> block 0
         K, V    [n, Hkv, nblk * BS, D]   whole blocks gathered, fp32, head-major
@@ -290,7 +356,8 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out     [n, Hkv, G, D] = softmax(scores over S)^T @ V
 
     K @ q^T (a tall-skinny product) beats q @ K^T by ~2x on one core; per-sequence SDPA is
-    slower still for B > 1 and for long contexts (kernels/bench_attention.py).
+    slower still for B > 1 and for long contexts. The gather copies every sequence's whole
+    context per layer, which the native kernel avoids (kernels/bench_attention.py).
     """
     if plan is None:
         return
@@ -305,3 +372,20 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     probs = torch.softmax(scores, dim=2)
     o = torch.matmul(probs.transpose(2, 3), values)                   # [n, Hkv, G, D]
     out.index_copy_(0, plan.rows, o.reshape(num_seqs, -1, head_dim).to(out.dtype))
+
+
+def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: DecodePlan | None, scale: float, out: torch.Tensor, *,
+                     use_native: bool = True, level: str | None = None) -> None:
+    """Decode (q_len == 1) rows of the batch, as planned, written into `out` ([T, Hq, D]):
+    the native kernel (paged_decode_native) where the native library loads and the tensors
+    suit it (native_decode_supported: fp32 q, fp32 or bf16 cache, contiguous blocks), else
+    the torch gather path (paged_decode_torch). use_native=False forces the torch path;
+    level picks the native build (default: the dispatch level)."""
+    if plan is None:
+        return
+    if (use_native and native_decode_supported(q, k_cache, v_cache, out)
+            and (level is not None or native.available())):
+        paged_decode_native(q, k_cache, v_cache, plan, scale, out, level)
+    else:
+        paged_decode_torch(q, k_cache, v_cache, plan, scale, out)

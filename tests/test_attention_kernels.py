@@ -1,5 +1,7 @@
 """Paged attention: the Triton kernels (under TRITON_INTERPRET=1, fp32 and fp16), the CPU fast
-paths (fp32, bf16) and the dispatcher, each against paged_attention_reference.
+paths (fp32, bf16; fp32 decodes run the native kernel, bf16 q the torch fallback) and the
+dispatcher, each against paged_attention_reference. The native decode kernel at every native
+level, and its torch fallback, are tested in detail in tests/test_native_attention.py.
 
 Batches are ragged (q_len 1 .. tails that are no multiple of the tile), prefixes cross block
 boundaries, blocks are handed out in shuffled order, and table entries past a sequence's last
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import native
 from kernels.attention import (paged_attention, paged_attention_cpu, paged_attention_reference,
                                paged_attention_triton)
 
@@ -209,8 +212,13 @@ def test_cpu_dispatcher_matches_reference(dtype, atol, block_size, num_heads, nu
     check(out, args, 0.125, atol=atol)
 
 
+@pytest.mark.parametrize("native_on", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_decode_only_and_prefill_only_batches(head_dim):
+def test_cpu_decode_only_and_prefill_only_batches(head_dim, native_on, monkeypatch):
+    # Decodes: the native kernel, and the torch gather path where the library is unavailable
+    # (tests/test_native_attention.py covers both, per native level, in detail).
+    if not native_on:
+        monkeypatch.setattr(native, "available", lambda: False)
     for q_lens, seq_lens in (([1] * 5, [1, 15, 16, 17, 300]), ([50, 8, 8], [50, 8, 90])):
         args = make_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=head_dim)
         check(paged_attention_cpu(*args, head_dim ** -0.5), args, head_dim ** -0.5, atol=1e-5)
