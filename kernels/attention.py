@@ -104,7 +104,9 @@ def paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
     the arguments are checked and one is built; a caller passing a plan built for these index
     tensors (the model, once per pass) skips both."""
     if plan is None:
-        check_paged_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables)
+        # fp32 queries over a 16-bit cache are the model's bf16-KV case; the CPU paths upcast.
+        check_paged_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                   allow_fp32_queries=True)
         plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
     out = torch.empty_like(q)
     paged_decode_cpu(q, k_cache, v_cache, plan.decode, scale, out)

@@ -132,7 +132,7 @@ if HAS_TRITON:
 
 def check_paged_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                               block_tables: torch.Tensor) -> None:
+                               block_tables: torch.Tensor, allow_fp32_queries: bool = False) -> None:
     """Raise ValueError unless the arguments follow the paged-attention contract (shapes,
     dtypes, devices, unit inner strides). Values (lengths, block ids) are not read: that
     would cost a host sync on the GPU."""
@@ -147,7 +147,8 @@ def check_paged_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"head_dim of q ({head_dim}) and cache ({k_cache.shape[3]}) differ")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"Hq ({num_heads}) must be a multiple of Hkv ({num_kv_heads})")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    mixed_ok = allow_fp32_queries and q.dtype == torch.float32 and k_cache.dtype in (torch.bfloat16, torch.float16)
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not mixed_ok):
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -281,8 +282,10 @@ def flash_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_len == 0:
             continue
         qb = torch.stack([q[cu_seqlens_q[b]:cu_seqlens_q[b] + q_len] for b in members])
-        keys = gather_sequence_kv(k_cache, block_tables, members, seq_len)
-        values = gather_sequence_kv(v_cache, block_tables, members, seq_len)
+        # A bf16 (or fp16) cache under fp32 queries: SDPA wants one dtype, so the gathered
+        # context is upcast (the cache itself stays in its dtype).
+        keys = gather_sequence_kv(k_cache, block_tables, members, seq_len).to(qb.dtype)
+        values = gather_sequence_kv(v_cache, block_tables, members, seq_len).to(qb.dtype)
         mask = None
         if q_len != seq_len:
             q_pos = torch.arange(seq_len - q_len, seq_len)

@@ -227,3 +227,15 @@ def test_cpu_decode_only_and_prefill_only_batches(head_dim, native_on, monkeypat
 if __name__ == "__main__":              # the child of test_large_block_ids_use_int64_offsets
     torch.set_num_threads(1)
     large_index_case(sys.argv[1])
+
+
+def test_cpu_mixed_batch_over_a_bf16_cache_with_fp32_queries():
+    """The model's bf16 KV cache: fp32 queries, bf16 K/V; decodes and prefill chunks in one
+    batch equal the reference on the same cache values upcast."""
+    q, k_cache, v_cache, cu, lens, tables = make_batch(PREFILL_Q, PREFILL_S, num_heads=6,
+                                                       num_kv_heads=2, dtype=torch.float32)
+    k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    out = paged_attention(q, k16, v16, cu, lens, tables, 0.125)
+    ref = paged_attention_reference(q, k16.float(), v16.float(), cu, lens, tables, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
