@@ -65,6 +65,9 @@ class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, receiver=None,
                  kv_backend: str = "", kv_deadline_s: float = 330.0, quarantine_s: float = 0.05,
                  kv_endpoint: str = "", reserve_timeout_s: float = 25.0) -> None:
+        if engine.config.role == "prefill":
+            raise ValueError("a decode worker needs an engine in the decode or colocated role, "
+                             "not one holding only the prefill format")
         super().__init__(engine, loop, name="decode-engine")
         self.receiver = receiver
         self.kv_backend = kv_backend

@@ -7,6 +7,8 @@
     tandem run MODEL [PROMPT] [opts]    generate (interactive chat without a prompt): through
                                         the running server, or in this process without one
     tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
+                 [--prefill-quant F] [--decode-quant F] [--threads N] [--num-blocks N]
+                 [--chunk-size N] [--local-chunk-size N] [--max-streams N]
                                         coordinator + workers on this host (Ollama API)
     tandem bench [opts]                 load generator against a tandem/Ollama/OpenAI server
     tandem launch TOPOLOGY.toml         a multi-host topology (deploy/launch_cli.py)
@@ -194,7 +196,8 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
     configure_process(args.threads)
     params = _sampling_params(args)
     path = _resolve_or_pull(args.model)
-    engine = LLMEngine.from_path(path, weight_format=args.decode_quant, prefill_format=args.prefill_quant)
+    engine = LLMEngine.from_path(path, role="colocated", weight_format=args.decode_quant,
+                                 prefill_format=args.prefill_quant)
 
     def answer(prompt: str) -> str:
         history.append({"role": "user", "content": prompt})
@@ -242,31 +245,44 @@ def _converse(args: argparse.Namespace, answer, history: list[dict]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     from deploy.local import Topology, serve
 
-    path = _resolve_or_pull(args.model)
     log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
         "serve-%Y%m%d-%H%M%S")
     try:
-        topology = Topology(model=args.model, model_path=path, log_dir=log_dir, host=args.host,
-                            port=args.port, prefill=args.prefill, decode=args.decode,
-                            colocated=args.colocated, kv_backend=args.kv_backend,
-                            chunk_size=args.chunk_size, prefill_threshold=args.prefill_threshold,
+        # Checked before the model is resolved (or pulled) and before anything starts.
+        topology = Topology(model=args.model, model_path=Path(args.model), log_dir=log_dir,
+                            host=args.host, port=args.port, prefill=args.prefill,
+                            decode=args.decode, colocated=args.colocated,
+                            kv_backend=args.kv_backend, chunk_size=args.chunk_size,
+                            prefill_threshold=args.prefill_threshold,
+                            prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
+                            threads=args.threads, num_blocks=args.num_blocks,
+                            local_chunk_size=args.local_chunk_size, max_streams=args.max_streams,
                             coordinator_args=("--grpc-port", str(args.grpc_port)))
     except ValueError as exc:
         raise TandemError(str(exc)) from None
+    topology = dataclasses.replace(topology, model_path=_resolve_or_pull(args.model))
     return serve(topology, start_timeout_s=args.start_timeout)
 
 
-def add_quant_flags(p: argparse.ArgumentParser) -> None:
+def add_quant_flags(p: argparse.ArgumentParser, serve: bool = False) -> None:
     from engine.config import DECODE_FORMATS, PREFILL_FORMATS
 
+    if serve:
+        prefill_help = "weight format of the prefill workers (and of a colocated worker's prompt-only passes)"
+        decode_help = ("weight format of the decode workers, every pass (and of a colocated "
+                       "worker's passes with decode tokens)")
+    else:  # `tandem run` in this process: one colocated engine holding both
+        prefill_help = "weight format of prompt-only passes"
+        decode_help = "weight format of every pass with a decode token"
     p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default=DEFAULT_PREFILL_QUANT,
-                   help=f"weight format of prefill passes (default {DEFAULT_PREFILL_QUANT})")
+                   help=f"{prefill_help} (default {DEFAULT_PREFILL_QUANT})")
     p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
-                   help=f"weight format of decode steps (default {DEFAULT_DECODE_QUANT})")
+                   help=f"{decode_help} (default {DEFAULT_DECODE_QUANT})")
 
 
 class _VersionAction(argparse.Action):
@@ -351,9 +367,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one worker doing prefill and decode instead")
     p.add_argument("--kv-backend", choices=("zmq", "shm", "grpc"), default="zmq",
                    help="KV transfer between prefill and decode workers")
-    p.add_argument("--chunk-size", type=int, default=512, help="per-pass token budget")
+    p.add_argument("--chunk-size", type=int, default=512,
+                   help="per-pass token budget of every worker, so also the largest prefill chunk "
+                        "on a prefill worker (default 512)")
+    p.add_argument("--local-chunk-size", type=int,
+                   help="largest prefill chunk per pass of a prompt prefilled on a decode worker, "
+                        "beside its decodes (coordinator default 64)")
     p.add_argument("--prefill-threshold", type=int,
                    help="prompts of at most this many tokens may prefill on the decode worker")
+    add_quant_flags(p, serve=True)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--num-blocks", type=int,
+                   help="KV pool size per worker, in blocks (default: 1 GB of KV per worker)")
+    p.add_argument("--max-streams", type=int,
+                   help="most requests open at once, queued or running (429 above; coordinator "
+                        "default 512)")
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for every worker to register")

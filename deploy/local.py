@@ -15,6 +15,13 @@ terminal's Ctrl-C reaches only this launcher, which forwards it in that order.
 
 Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
 
+Engine flags, each to the processes that use it (None leaves that process's own default):
+prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
+format), both to a colocated worker; threads and num_blocks to every worker; chunk_size (the
+per-pass token budget) to every worker and the coordinator; local_chunk_size and max_streams
+to the coordinator, which sends the chunk plan with each request. worker_args come after them
+on every worker's command line, so a flag there wins.
+
 `tandem launch` (deploy/launch.py) reuses LocalCluster for other hosts: its specs wrap each
 command in ssh or a command prefix, and a spec's `signal_argv` reaches a process that ssh
 started on the far side.
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config import DECODE_FORMATS, PREFILL_FORMATS
 from engine.errors import TandemError
 from engine.runtime import worker_env
 
@@ -60,8 +68,15 @@ class Topology:
     kv_backend: str = "zmq"
     chunk_size: int = 512  # per-pass token budget of every worker
     prefill_threshold: int | None = None  # None = the coordinator's default
+    # Engine flags (None = the process's own default); see the module docstring for who gets which.
+    prefill_quant: str | None = None  # weight format of prefill workers (and colocated prompt passes)
+    decode_quant: str | None = None  # weight format of decode workers (and colocated decode passes)
+    threads: int | None = None  # torch threads per worker process
+    num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
+    local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
+    max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
-    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --decode-quant)
+    worker_args: tuple[str, ...] = ()  # more flags for every worker, after the ones above
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -77,11 +92,46 @@ class Topology:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.prefill_quant is not None and self.prefill_quant not in PREFILL_FORMATS:
+            raise ValueError(f"prefill_quant must be one of {', '.join(PREFILL_FORMATS)} (prefill is "
+                             f"compute-bound: GEMM formats), got {self.prefill_quant!r}")
+        if self.decode_quant is not None and self.decode_quant not in DECODE_FORMATS:
+            raise ValueError(f"decode_quant must be one of {', '.join(DECODE_FORMATS)} (decode is "
+                             f"memory-bound: weight-only formats), got {self.decode_quant!r}")
+        for name in ("threads", "num_blocks", "local_chunk_size", "max_streams"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if self.local_chunk_size is not None and self.local_chunk_size > self.chunk_size:
+            raise ValueError(f"local_chunk_size ({self.local_chunk_size}) cannot exceed chunk_size "
+                             f"({self.chunk_size}), the per-pass token budget of the decode worker "
+                             f"it runs on")
 
     def expected_workers(self) -> dict[str, int]:
         if self.colocated:
             return {"colocated": 1}
         return {"prefill": self.prefill, "decode": self.decode}
+
+    def coordinator_flags(self) -> list[str]:
+        flags = ["--chunk-size", str(self.chunk_size)]
+        for flag, value in (("--prefill-threshold", self.prefill_threshold),
+                            ("--local-chunk-size", self.local_chunk_size),
+                            ("--max-streams", self.max_streams)):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+    def worker_flags(self, role: str) -> list[str]:
+        """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
+        flags = ["--max-batched-tokens", str(self.chunk_size)]
+        quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
+                  "decode": [("--decode-quant", self.decode_quant)],
+                  "colocated": [("--prefill-quant", self.prefill_quant),
+                                ("--decode-quant", self.decode_quant)]}[role]
+        for flag, value in quants + [("--threads", self.threads), ("--num-blocks", self.num_blocks)]:
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
 
 
 @dataclass(frozen=True)
@@ -113,9 +163,7 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
     coordinator = [sys.executable, "-m", "coordinator", "--model", t.model,
                    "--host", t.host, "--port", str(t.port),
                    "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
-                   "--chunk-size", str(t.chunk_size)]
-    if t.prefill_threshold is not None:
-        coordinator += ["--prefill-threshold", str(t.prefill_threshold)]
+                   *t.coordinator_flags()]
     specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
                          t.log_dir / "coordinator.log")]
     if t.colocated:
@@ -129,8 +177,7 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         argv = [sys.executable, "-m", module, "--model", str(t.model_path),
                 "--host", WORKER_HOST, "--port", str(port_picker()),
                 "--coordinator", f"{WORKER_HOST}:{registry_port}",
-                "--kv-backend", t.kv_backend, "--worker-id", name,
-                "--max-batched-tokens", str(t.chunk_size)]
+                "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role)]
         if module == "decode_node":
             argv += ["--role", role]
         argv += list(t.worker_args)
@@ -291,7 +338,9 @@ def serve(topology: Topology, *, start_timeout_s: float = 300.0,
           out: Callable[[str], None] = print) -> int:
     """Run a topology until Ctrl-C or SIGTERM; 0 on a requested stop, 1 if a process failed."""
     specs, ready = plan(topology)
-    cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)
+    # OpenMP reads its thread count when torch starts, before a worker's own --threads.
+    cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s,
+                           env=worker_env(topology.threads or 1))
 
     def on_ready() -> None:
         out(f"tandem is serving {topology.model} at {ready.url}  (Ollama API: "

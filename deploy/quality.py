@@ -48,7 +48,7 @@ engineering problem: the model must read billions of numbers for every word it p
 
 def evaluate(loaded, fmt: str, ids: list[int]) -> torch.Tensor:
     """Log-probabilities [len(ids) - 1, vocab] of each next token, every projection in fmt."""
-    model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, fmt, prefill_format=fmt)
+    model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, fmt)  # one copy: fmt
     bs = 16
     n_blocks = (len(ids) + bs - 1) // bs
     runner = ModelRunner(model, CacheConfig(block_size=bs, num_blocks=n_blocks))

@@ -106,6 +106,24 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "w8a8")
 # memory-bound (weight-only formats read fewer bytes per token).
 PREFILL_FORMATS = ("fp32", "bf16", "w8a8")
 DECODE_FORMATS = ("fp32", "bf16", "int8", "int4")
+# What an engine does. A prefill worker computes prompts and sends their KV; a decode worker
+# decodes (and prefills short prompts locally, split-fuse); a colocated engine does both in
+# one process (`tandem run`, `tandem serve --colocated`, tests).
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+
+
+def role_formats(role: str, decode_format: str, prefill_format: str | None) -> tuple[str, str | None]:
+    """The weight formats an engine of `role` packs: (the format of every pass, a second
+    format for prefill-only passes or None). A prefill engine holds only its prefill format
+    (decode_format is not its business), a decode engine only its decode format; only a
+    colocated engine may hold both, and only when they differ."""
+    if role not in ENGINE_ROLES:
+        raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
+    if role == "prefill":
+        return prefill_format or decode_format, None
+    if role == "decode" or prefill_format in (None, decode_format):
+        return decode_format, None
+    return decode_format, prefill_format
 
 
 @dataclass(frozen=True)
@@ -113,17 +131,25 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Linear-layer weight formats (see kernels/linear.py) for decode steps and for large
-    # (prefill) passes; logits are always fp32.
+    role: str = "colocated"  # one of ENGINE_ROLES
+    # Linear-layer weight formats (see kernels/linear.py); logits are always fp32.
+    # weight_format: the format of every pass of this engine (a prefill engine's prefill
+    # format, a decode engine's decode format). prefill_weight_format: colocated engines
+    # only, a second copy used for passes without any decode token (engine/models/llama.py).
     weight_format: str = "fp32"
-    prefill_weight_format: str | None = None  # None: same as weight_format
+    prefill_weight_format: str | None = None  # None: weight_format for every pass
     max_model_len: int | None = None  # defaults to model.max_position
 
     def __post_init__(self) -> None:
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {ENGINE_ROLES}, got {self.role!r}")
         for name in ("weight_format", "prefill_weight_format"):
             value = getattr(self, name)
             if value is not None and value not in WEIGHT_FORMATS:
                 raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
+        if self.prefill_weight_format is not None and self.role != "colocated":
+            raise ValueError(f"prefill_weight_format is for colocated engines only: a {self.role} "
+                             f"engine runs every pass in weight_format")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

@@ -11,6 +11,9 @@ prefill chunks any number):
     block_tables  [B, M] each sequence's block ids, padded with 0 (never read past seq_lens)
     logits_indices[S]    rows whose hidden state becomes logits (last token of sequences
                          that sample in this pass)
+    has_decode           whether any sequence is in its decode phase (feeds back a generated
+                         token) rather than a prompt chunk; a colocated model holding two
+                         weight formats picks its copy by it (engine/models/llama.py)
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    # None: not stated (a batch built by hand); the model then counts one-token sequences.
+    has_decode: bool | None = None
     # Called as on_layer_done(layer_index) right after a layer's K/V is in the cache: the
     # prefill worker uses it to start that layer's transfer while later layers compute.
     on_layer_done: Callable[[int], None] | None = None

@@ -1,7 +1,11 @@
 """One engine: scheduler + model runner + sampler, driven as schedule -> execute -> update.
 
 This is the single-process engine behind `tandem run` and the colocated worker; the prefill
-and decode workers wrap the same parts with a role.
+and decode workers wrap the same engine with a role (EngineConfig.role). The role fixes which
+weight formats the model holds (engine.config.role_formats): a prefill engine only its
+prefill format, a decode engine only its decode format (every pass, local prefill chunks
+included), a colocated engine its decode format plus, when distinct, a prefill copy for
+passes without decode tokens (engine/models/llama.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, role_formats
 from engine.errors import ContextLengthError, InvalidOptionError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
@@ -41,6 +45,9 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
                  kv_dtype: torch.dtype = torch.float32, kv_cache: torch.Tensor | None = None) -> None:
+        if config.role != "colocated" and getattr(model, "prefill_copy", None) is not None:
+            raise ValueError(f"a {config.role} engine runs every pass in one weight format, but the "
+                             f"model holds {model.formats}")
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -59,19 +66,24 @@ class LLMEngine:
         self.last_step_ran = False  # whether the last step() ran a forward pass
 
     @classmethod
-    def from_path(cls, path: str | Path, *, weight_format: str = "fp32",
+    def from_path(cls, path: str | Path, *, role: str = "colocated", weight_format: str = "fp32",
                   prefill_format: str | None = None, block_size: int = 16,
                   num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                   scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
                   enable_prefix_caching: bool = True, kv_dtype: torch.dtype = torch.float32,
                   load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None) -> "LLMEngine":
+        """weight_format is the decode format, prefill_format the prefill format; which of
+        them the model packs is the role's choice (engine.config.role_formats): a prefill
+        engine only prefill_format (weight_format when None), a decode engine only
+        weight_format, a colocated engine both when they differ."""
         from engine.loaders import load_model
         from engine.tokenizer import Tokenizer
 
+        main_format, second_format = role_formats(role, weight_format, prefill_format)
         t0 = time.monotonic()
         loaded = load_model(Path(path))
-        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format,
-                                                        prefill_format=prefill_format)
+        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
+                                                        prefill_format=second_format)
         if num_blocks is None:
             per_block = kv_cache_bytes_per_block(loaded.config, block_size, kv_dtype)
             num_blocks = max(1, kv_cache_bytes // per_block)
@@ -80,8 +92,9 @@ class LLMEngine:
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=scheduler or SchedulerConfig(),
-            weight_format=weight_format,
-            prefill_weight_format=prefill_format,
+            role=role,
+            weight_format=main_format,
+            prefill_weight_format=second_format,
             max_model_len=max_model_len,
         )
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
@@ -183,8 +196,12 @@ class LLMEngine:
         self.last_step_ran = not plan.is_empty
         if plan.is_empty:
             return outputs
+        # A chunk at or past the first generated token is a decode (ForwardBatch.has_decode);
+        # a prompt chunk (first prefill, or a recompute after preemption from inside the
+        # prompt) is not.
         chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
-                                c.start_pos, self.block_manager.block_table(c.request_id), c.samples)
+                                c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
+                                is_decode=c.start_pos >= c.request.num_prompt_tokens)
                   for c in plan.chunks]
         on_layer_done = self.layer_hook(plan) if self.layer_hook is not None else None
         logits = self.runner.execute(chunks, on_layer_done)

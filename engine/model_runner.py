@@ -26,6 +26,13 @@ class SequenceChunk:
     start_pos: int  # position of token_ids[0]; tokens before it are already cached
     block_table: Sequence[int]  # covers start_pos + len(token_ids) slots
     needs_logits: bool  # True when this pass reaches the sequence's last token
+    # The sequence is past its prompt (feeds back a generated token): set by the engine.
+    # None: unknown, a one-token chunk counts as a decode.
+    is_decode: bool | None = None
+
+    @property
+    def decodes(self) -> bool:
+        return self.is_decode if self.is_decode is not None else len(self.token_ids) == 1
 
 
 def kv_cache_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
@@ -79,6 +86,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            has_decode=any(c.decodes for c in chunks),
         )
 
     @torch.inference_mode()
@@ -91,4 +99,4 @@ class ModelRunner:
         hidden = self.model.forward(batch, self.kv_cache)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices], batch)

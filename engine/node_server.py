@@ -30,6 +30,20 @@ log = logging.getLogger("tandem.node")
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", required=True, help="model name, GGUF file or HF directory")
@@ -43,15 +57,22 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
                    help="decode: seconds from reservation until all of a request's KV must have arrived")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--role", default=roles[0], choices=roles)
-    p.add_argument("--max-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=0, help="largest prefill chunk of one request (0 = budget)")
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="per-pass token budget")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--chunk-size", type=non_negative_int, default=0,
+                   help="largest prefill chunk of one request (0 = budget)")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV pool size in blocks (default: as many as --kv-cache-gb holds)")
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32")
-    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4")
-    p.add_argument("--threads", type=int, default=1)
+    # Each role packs only its own format (engine.config.role_formats); a worker ignores the
+    # flag of the other role, so one flag list can go to every worker of a topology.
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32",
+                   help="weight format of prefill workers (and of a colocated worker's prompt passes)")
+    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4",
+                   help="weight format of decode workers, every pass (and of a colocated worker's "
+                        "passes with decode tokens)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads of this process")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -67,11 +88,16 @@ def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks
     scheduler = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
                                 max_num_seqs=args.max_num_seqs,
                                 long_prefill_token_threshold=args.chunk_size)
-    return LLMEngine.from_path(
-        path, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
+    # The role decides which of the two formats the model packs: a prefill worker only
+    # --prefill-quant, a decode worker only --decode-quant, a colocated worker both.
+    engine = LLMEngine.from_path(
+        path, role=args.role, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
         block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
         load_tokenizer=False)
+    log.info("%s engine: weight formats %s, %d KV blocks, %d threads", args.role,
+             "+".join(engine.model.formats), engine.config.cache.num_blocks, args.threads)
+    return engine
 
 
 def worker_status(worker_id: str, role: str, loop: EngineLoop) -> pb.WorkerStatus:

@@ -61,6 +61,9 @@ class _Transfer:
 
 class PrefillWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        if engine.config.role == "decode":
+            raise ValueError("a prefill worker needs an engine in the prefill (or colocated) role, "
+                             "not one holding only the decode format")
         super().__init__(engine, loop, name="prefill-engine")
         engine.scheduler.hold_finished_blocks = True
         engine.layer_hook = self._layer_hook

@@ -119,3 +119,126 @@ def test_tandem_serve_reports_bad_topologies_without_traceback(tmp_path):
     assert "no model named" in missing.stderr
     backend = serve("--kv-backend", "carrier-pigeon")
     assert backend.returncode == 2 and "invalid choice" in backend.stderr
+
+
+def parsed_worker(spec: ProcessSpec):
+    """A worker's planned command line, parsed by that worker's own flag parser."""
+    from engine.node_server import node_arg_parser
+
+    module = spec.argv[2]
+    roles = ("prefill",) if module == "prefill_node" else ("decode", "colocated")
+    return node_arg_parser(module, roles).parse_args(spec.argv[3:])
+
+
+def test_plan_carries_each_engine_flag_to_the_roles_that_use_it(tmp_path):
+    from coordinator.__main__ import build_parser as coordinator_parser
+
+    t = Topology(model="m", model_path=tmp_path / "m.gguf", log_dir=tmp_path, prefill=1, decode=2,
+                 chunk_size=128, prefill_quant="w8a8", decode_quant="int8", threads=2,
+                 num_blocks=300, local_chunk_size=32, max_streams=7)
+    specs, _ = plan(t, ports())
+    coord = coordinator_parser().parse_args(specs[0].argv[3:])
+    assert (coord.chunk_size, coord.local_chunk_size, coord.max_streams) == (128, 32, 7)
+    for flag in ("--prefill-quant", "--decode-quant", "--threads", "--num-blocks"):
+        assert flag not in specs[0].argv
+    prefill, *decodes = specs[1:]
+    # Each role gets only its own format: a prefill worker never sees --decode-quant, nor a
+    # decode worker --prefill-quant (each packs one format, engine.config.role_formats).
+    assert "--prefill-quant" in prefill.argv and "--decode-quant" not in prefill.argv
+    args = parsed_worker(prefill)
+    assert (args.role, args.prefill_quant, args.threads, args.num_blocks, args.max_batched_tokens) == (
+        "prefill", "w8a8", 2, 300, 128)
+    for spec in decodes:
+        assert "--decode-quant" in spec.argv and "--prefill-quant" not in spec.argv
+        args = parsed_worker(spec)
+        assert (args.role, args.decode_quant, args.threads, args.num_blocks, args.max_batched_tokens) == (
+            "decode", "int8", 2, 300, 128)
+
+    colocated = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, colocated=True,
+                         prefill_quant="bf16", decode_quant="int4", threads=3, num_blocks=50)
+    specs, _ = plan(colocated, ports())
+    args = parsed_worker(specs[1])
+    assert (args.role, args.prefill_quant, args.decode_quant, args.threads, args.num_blocks) == (
+        "colocated", "bf16", "int4", 3, 50)
+    assert specs[1].argv[-2:] == ["--role", "colocated"]
+
+
+def test_plan_leaves_unset_flags_to_each_process(tmp_path):
+    specs, _ = plan(Topology(model="m", model_path=tmp_path, log_dir=tmp_path), ports())
+    for flag in ("--prefill-quant", "--decode-quant", "--threads", "--num-blocks",
+                 "--local-chunk-size", "--max-streams"):
+        assert all(flag not in s.argv for s in specs), flag
+    with_extra = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, decode_quant="int8",
+                          worker_args=("--decode-quant", "fp32"))
+    specs, _ = plan(with_extra, ports())
+    assert parsed_worker(specs[2]).decode_quant == "fp32"  # worker_args come last and win
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("decode_quant", "w8a8", "decode_quant must be one of fp32, bf16, int8, int4"),
+    ("prefill_quant", "int4", "prefill_quant must be one of fp32, bf16, w8a8"),
+    ("threads", 0, "threads must be >= 1"),
+    ("num_blocks", 0, "num_blocks must be >= 1"),
+    ("max_streams", 0, "max_streams must be >= 1"),
+    ("local_chunk_size", 0, "local_chunk_size must be >= 1"),
+    ("local_chunk_size", 1024, r"local_chunk_size \(1024\) cannot exceed chunk_size \(512\)"),
+])
+def test_topology_refuses_bad_engine_flags(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Topology(model="m", model_path=tmp_path, log_dir=tmp_path, **{field: value})
+
+
+def test_worker_processes_refuse_bad_engine_flags(capsys):
+    from engine.node_server import node_arg_parser
+
+    base = ["--model", "m", "--port", "1"]
+    for bad in (["--threads", "0"], ["--num-blocks", "0"], ["--decode-quant", "w8a8"],
+                ["--prefill-quant", "int4"]):
+        with pytest.raises(SystemExit):
+            node_arg_parser("decode_node", ("decode", "colocated")).parse_args(base + bad)
+    err = capsys.readouterr().err
+    assert "must be >= 1, got 0" in err and "invalid choice: 'w8a8'" in err
+
+
+def test_tandem_serve_passes_its_flags_into_the_topology(tmp_path, monkeypatch):
+    import deploy.cli
+    import deploy.local
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = {}
+
+    def fake_serve(topology, **kwargs):  # no process starts
+        seen["t"] = topology
+        return 0
+
+    monkeypatch.setattr(deploy.local, "serve", fake_serve)
+    assert deploy.cli.main(["serve", "--model", str(model_dir), "--prefill-quant", "bf16",
+                            "--decode-quant", "int8", "--threads", "2", "--num-blocks", "64",
+                            "--max-streams", "9", "--chunk-size", "256", "--local-chunk-size", "48",
+                            "--log-dir", str(tmp_path / "logs")]) == 0
+    t = seen["t"]
+    assert (t.prefill_quant, t.decode_quant, t.threads, t.num_blocks, t.max_streams, t.chunk_size,
+            t.local_chunk_size) == ("bf16", "int8", 2, 64, 9, 256, 48)
+    assert t.model_path == model_dir
+
+
+def test_tandem_serve_refuses_bad_engine_flags_before_starting(tmp_path):
+    import subprocess
+
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TANDEM_HOME": str(tmp_path / "h")}
+
+    def serve(*args):
+        # A model that does not exist: the flags are refused before it would be looked up.
+        return subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model",
+                               str(tmp_path / "nothing-here"), "--log-dir", str(tmp_path / "logs"),
+                               *args], env=env, capture_output=True, text=True, timeout=60)
+
+    threads = serve("--threads", "0")
+    assert threads.returncode == 1 and "Traceback" not in threads.stderr
+    assert "threads must be >= 1, got 0" in threads.stderr
+    local = serve("--local-chunk-size", "600")
+    assert local.returncode == 1 and "cannot exceed chunk_size (512)" in local.stderr
+    quant = serve("--decode-quant", "w8a8")
+    assert quant.returncode == 2 and "invalid choice: 'w8a8'" in quant.stderr
+    assert not (tmp_path / "logs").exists()  # nothing started

@@ -50,15 +50,16 @@ class Pair:
     def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
                  kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0) -> None:
         self.prefill_engine = LLMEngine.from_path(
-            model_dir, num_blocks=256, block_size=BLOCK, load_tokenizer=False,
+            model_dir, role="prefill", num_blocks=256, block_size=BLOCK, load_tokenizer=False,
             scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget))
         cfg = self.prefill_engine.config.model
         self.layout = kvtransfer.KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK,
                                           "float32", model_fingerprint(model_dir, cfg))
         self.cache = kvtransfer.allocate_cache(self.layout, decode_blocks)
         self.receiver = FakeReceiver(self.cache, self.layout)
-        self.decode_engine = LLMEngine.from_path(model_dir, num_blocks=decode_blocks, block_size=BLOCK,
-                                                 load_tokenizer=False, kv_cache=self.cache.tensor)
+        self.decode_engine = LLMEngine.from_path(model_dir, role="decode", num_blocks=decode_blocks,
+                                                 block_size=BLOCK, load_tokenizer=False,
+                                                 kv_cache=self.cache.tensor)
         self.prefill = PrefillWorker(self.prefill_engine, loop)
         self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s,
                                    reserve_timeout_s=reserve_timeout_s)

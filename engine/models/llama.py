@@ -44,41 +44,111 @@ class DecoderLayer:
     down: PackedLinear
 
 
-# Passes with at least this many tokens use the prefill weight format (compute-bound GEMMs);
-# smaller ones, decode steps, the decode format (memory-bound GEMVs). Around this size int4
-# weight-only kernels stop beating int8 GEMMs on a CPU (kernels/bench_linear.py).
-PREFILL_MIN_TOKENS = 32
-
 # The lm_head reads the whole vocabulary every step; int8 halves bf16's bytes and keeps the
 # logits (computed in fp32) close enough that greedy choices hold.
 LM_HEAD_FORMAT = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int8", "w8a8": "int8"}
 
 
+@dataclass
+class FormatSet:
+    """Every projection of the model, and its lm_head, packed in one weight format."""
+
+    fmt: str
+    layers: list[DecoderLayer]
+    lm_head: PackedLinear
+
+
 class LlamaForCausalLM:
-    """weight_format packs the projections for decode; prefill_format (if different) packs a
-    second copy for large passes, so one model serves both phases in its best format."""
+    """Weight formats, one per role (DESIGN.md: prefill is compute-bound, decode memory-bound).
+
+    `weight_format` packs every projection (and the lm_head, in LM_HEAD_FORMAT of it) once,
+    and every pass runs in it. That is the whole story for a prefill worker (built with its
+    prefill format) and for a decode worker (built with its decode format): the decode worker
+    runs its local split-fuse prefill chunks in the decode format too, so what it computes for
+    a request never depends on how many other requests share its batch or whether a prefill
+    chunk rides along. Only a colocated engine (one process doing both phases) passes a
+    distinct `prefill_format`, which packs a second copy; then the rule is by phase, never by
+    size:
+
+        a pass with no decode token at all (only prompt chunks)  -> the prefill copy
+        a pass with any decode token                             -> the decode copy
+
+    A decode token is a row feeding back a generated token (ForwardBatch.has_decode, set by
+    the model runner). A copy is the projections and the lm_head together, so a colocated
+    engine's prompt passes compute (and sample the first token) exactly as a prefill worker
+    would, and its decode steps as a decode worker would; a prompt chunk that shares a pass
+    with running decodes is computed in the decode format, as on a decode worker. No pass size
+    switches formats: a 40-request decode batch stays in the decode format. (An earlier rule,
+    "32+ tokens -> prefill copy", made a decode worker's outputs depend on how many requests
+    shared its batch, and made every worker hold both copies.) The price: a decode worker's
+    local prefill chunks run in a weight-only format, slower per token than a GEMM format;
+    they are short by the coordinator's plan (local_chunk_size).
+    """
 
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
                  lm_head_format: str | None = None, prefill_format: str | None = None) -> None:
         self.config = config
-        self.weight_format = weight_format
-        self.prefill_format = prefill_format or weight_format
         get = self._getter(weights)
         self.embed_tokens = to_float(get("model.embed_tokens.weight"))
-        self.layers = [self._load_layer(get, i, weight_format) for i in range(config.num_layers)]
-        self.prefill_layers = self.layers if self.prefill_format == weight_format else [
-            self._load_layer(get, i, self.prefill_format) for i in range(config.num_layers)]
         self.norm = to_float(get("model.norm.weight"))
-        lm_head = get("lm_head.weight")
-        head_fmt = lm_head_format or LM_HEAD_FORMAT[weight_format]
-        if head_fmt == "fp32" and lm_head is weights.get("model.embed_tokens.weight"):
-            # Tied and already fp32: share the embedding matrix instead of a second copy.
-            self.lm_head = PackedLinear("fp32", config.hidden_size, config.vocab_size, self.embed_tokens)
-        else:
-            self.lm_head = pack_linear(lm_head, None, head_fmt)
+        tied = get("lm_head.weight") is weights.get("model.embed_tokens.weight")
+        heads: dict[str, PackedLinear] = {}
+
+        def format_set(fmt: str) -> FormatSet:
+            head_fmt = lm_head_format or LM_HEAD_FORMAT[fmt]
+            if head_fmt not in heads:
+                if head_fmt == "fp32" and tied:
+                    # Tied and already fp32: share the embedding matrix instead of a second copy.
+                    heads[head_fmt] = PackedLinear("fp32", config.hidden_size, config.vocab_size,
+                                                   self.embed_tokens)
+                else:
+                    heads[head_fmt] = pack_linear(get("lm_head.weight"), None, head_fmt)
+            return FormatSet(fmt, [self._load_layer(get, i, fmt) for i in range(config.num_layers)],
+                             heads[head_fmt])
+
+        self.main = format_set(weight_format)
+        # A second copy only for a distinct prefill format (colocated engines).
+        self.prefill_copy = (format_set(prefill_format)
+                             if prefill_format is not None and prefill_format != weight_format else None)
         self.cos, self.sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
                                          config.rope_scaling)
         self.scale = config.head_dim ** -0.5
+
+    @property
+    def weight_format(self) -> str:
+        """The format of every pass (of every pass with a decode token, when a colocated
+        engine holds a prefill copy too)."""
+        return self.main.fmt
+
+    @property
+    def prefill_format(self) -> str:
+        """The format of passes without decode tokens."""
+        return (self.prefill_copy or self.main).fmt
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """Every weight format this model holds a copy of."""
+        return (self.main.fmt,) if self.prefill_copy is None else (self.main.fmt, self.prefill_copy.fmt)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        """The main copy's layers (the only ones unless prefill_copy is set)."""
+        return self.main.layers
+
+    @property
+    def lm_head(self) -> PackedLinear:
+        return self.main.lm_head
+
+    def weights_for(self, batch: ForwardBatch | None) -> FormatSet:
+        """The copy a pass runs in (see the class docstring). A batch that does not say
+        whether it holds decode tokens (has_decode None, e.g. built by hand) counts a
+        one-token sequence as one."""
+        if self.prefill_copy is None or batch is None:
+            return self.main
+        has_decode = batch.has_decode
+        if has_decode is None:
+            has_decode = bool(((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]) == 1).any())
+        return self.main if has_decode else self.prefill_copy
 
     @staticmethod
     def _getter(weights: dict):
@@ -110,7 +180,7 @@ class LlamaForCausalLM:
         t = batch.num_tokens
         hidden = self.embed_tokens[batch.input_ids]
         residual = None
-        layers = self.prefill_layers if t >= PREFILL_MIN_TOKENS else self.layers
+        layers = self.weights_for(batch).layers
         plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
         for i, layer in enumerate(layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
@@ -132,6 +202,7 @@ class LlamaForCausalLM:
         hidden, _ = rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] -> fp32 logits [S, vocab]."""
-        return linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """hidden: [S, hidden] -> fp32 logits [S, vocab], with the lm_head of the copy the
+        pass `batch` ran in (the main copy when not given)."""
+        return linear(hidden, self.weights_for(batch).lm_head).float()
