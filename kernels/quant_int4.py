@@ -235,21 +235,21 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 [M, K] (K % 32 == 0) -> (xq int16-valued fp32 [M, K], dx [M, K/32], sums [M, K/32]):
-    per group of 32, dx = max|x| / 32767, xq = round(x / dx), and the group's exact sum."""
+    """fp32 [M, K] (K % 32 == 0) -> (xq int16-valued fp32 [M, K], dx [M], sums [M, K/32]):
+    per row, dx = max|x| / 32767 and xq = round(x / dx); per group of 32, the exact sum."""
     m, k = x.shape
-    g = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)
-    amax = g.abs().amax(dim=-1)
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
     inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-    xq = torch.round(g * inv[..., None])
-    return xq.reshape(m, k), amax / 32767.0, g.sum(dim=-1)
+    xq = torch.round(x * inv[:, None])
+    return xq, amax / 32767.0, x.reshape(m, k // GROUP_SIZE, GROUP_SIZE).sum(dim=-1)
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     if packed.layout != "blocks":
         return linear_reference(x, dequantize(packed), packed.bias)
-    # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per group,
-    # y = sum_g d_g dx_g (q_g . xq_g) + m_g S_g, the m term on the exact group sums.
+    # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per row,
+    # y = dx sum_g d_g (q_g . xq_g) + m_g S_g, the m term on the exact group sums.
     n = packed.weight.shape[0]
     kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
     b = packed.weight.reshape(n, -1, BLOCK_BYTES)
@@ -259,7 +259,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     xq, dx, sums = quantize_activations(F.pad(x.float(), (0, kp - x.shape[1])))
     xg = xq.reshape(x.shape[0], -1, GROUP_SIZE)  # [M, G, 32]
     dots = torch.einsum("mgi,ngi->mng", xg.double(), q.double())  # exact integers
-    y = (dots * (d[None] * dx[:, None, :]).double()).sum(-1) + (sums.double() @ m.double().t())
+    y = (dots * d[None].double()).sum(-1) * dx.double()[:, None] + (sums.double() @ m.double().t())
     y = y[:, :packed.out_features].float()
     if packed.bias is not None:
         y = y + packed.bias
