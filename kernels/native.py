@@ -49,7 +49,7 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fv
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     # name: argument types (every function returns int: 0 = ok, else a shape error code)
-    "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "tandem_paged_decode": [_ptr, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _i64,
                             _ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr, _i64],

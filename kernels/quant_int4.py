@@ -14,14 +14,15 @@ GGUF repack, integer to integer (the nibbles are copied, never rounded through f
     nibbles: element i < 16 of a block is the low nibble of byte i, element 16 + i the high one.
 
 In the "cpu" and "nibbles" layouts only scale and zero are rounded (to bf16); the result equals
-QuantizedTensor.dequantize() up to that rounding. The "blocks" layout of a Q4_1 GGUF is exact.
+QuantizedTensor.dequantize() up to that rounding. The "q4_1" layout of a Q4_1 GGUF is exact.
 
 Layouts (PackedLinear.layout), chosen by the device given to pack():
-    "blocks":  ggml Q4_1 blocks, uint8 [N, Kp / 32 * 20]: per group fp16 d, fp16 m, 16 nibble
-               bytes, w = q * d + m (so (scale, zero) = (d, m + 8 d)). A Q4_1 GGUF is used
-               byte for byte, Q4_0 with m = -8 d (exact); float weights are quantized with
-               fp16 d and m. Read by the native CPU kernel (kernels/csrc/int4_linear.cpp) with
-               fp32 activations; the CPU default wherever the native kernels build.
+    "q4_1":    ggml Q4_1's values in three arrays: weight uint8 [N, Kp / 2] (per group of 32,
+               16 bytes, byte i = q_i | q_{16+i} << 4), scales fp16 d [N, Kp / 32], zeros fp16
+               m [N, Kp / 32], w = q * d + m (so (scale, zero) = (d, m + 8 d)). A Q4_1 GGUF is
+               split byte for byte, Q4_0 with m = -8 d (exact); float weights are quantized
+               with fp16 d and m. Read by the native CPU kernel (kernels/csrc/int4_linear.cpp,
+               fp32 activations rounded to int16 per row inside the kernel).
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
                aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
                with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
@@ -108,12 +109,12 @@ def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
 
 
 def default_layout(device: torch.device) -> str:
-    """CUDA: "nibbles" (Triton). CPU: the faster of the native "blocks" kernel and aten's
+    """CUDA: "nibbles" (Triton). CPU: the faster of the native "q4_1" kernel and aten's
     "cpu" kernel on this host, measured once (kernels/layout_choice.py): aten's int4 GEMV is
     fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones."""
     if device.type != "cpu":
         return "nibbles"
-    candidates = [name for name, ok in (("blocks", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
+    candidates = [name for name, ok in (("q4_1", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
     if not candidates:
         return "nibbles"
     if len(candidates) == 1:
@@ -145,8 +146,8 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
          layout: str | None = None) -> PackedLinear:
     out_features, in_features = weight.shape
     layout = layout or default_layout(device)
-    if layout == "blocks":
-        return pack_blocks(q4_1_blocks(weight), in_features, bias)
+    if layout == "q4_1":
+        return pack_q4_1(q4_1_blocks(weight), in_features, bias)
     return pack_groups(to_int4_groups(weight), in_features, bias, device, layout)
 
 
@@ -173,20 +174,28 @@ def q4_1_blocks(weight: torch.Tensor | QuantizedTensor) -> np.ndarray:
     return out.reshape(q.shape[0], -1).numpy()
 
 
-def pack_blocks(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -> PackedLinear:
+def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -> PackedLinear:
+    """Q4_1 blocks [N, G * 20] -> the "q4_1" layout's three arrays."""
     n = blocks.shape[0]
-    return PackedLinear("int4", in_features, n, torch.from_numpy(np.ascontiguousarray(blocks)), bias,
-                        layout="blocks", group_size=GROUP_SIZE)
+    b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1, BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    qs = b[..., 4:].reshape(n, -1).contiguous()
+    return PackedLinear("int4", in_features, n, qs, bias, scales=d.contiguous(), zeros=m.contiguous(),
+                        layout="q4_1", group_size=GROUP_SIZE)
 
 
-def _blocks_dequantize(packed: PackedLinear) -> torch.Tensor:
+def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" layer."""
     n = packed.weight.shape[0]
-    b = packed.weight.reshape(n, -1, BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    qs = b[..., 4:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, G, 32]
-    return (q * d + m).reshape(n, -1)
+    qs = packed.weight.reshape(n, -1, 16)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    return q, packed.scales.float(), packed.zeros.float()
+
+
+def _q4_1_dequantize(packed: PackedLinear) -> torch.Tensor:
+    q, d, m = _q4_1_parts(packed)
+    return (q * d[..., None] + m[..., None]).reshape(q.shape[0], -1)
 
 
 def pack_groups(groups: Int4Groups, in_features: int, bias: torch.Tensor | None,
@@ -225,8 +234,8 @@ def unpack_q(packed: PackedLinear) -> torch.Tensor:
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
-    if packed.layout == "blocks":
-        return _blocks_dequantize(packed)[:packed.out_features, :packed.in_features]
+    if packed.layout == "q4_1":
+        return _q4_1_dequantize(packed)[:packed.out_features, :packed.in_features]
     q = unpack_q(packed).float()
     sz = packed.scales.float().transpose(0, 1)  # [N, G, 2]
     idx = torch.arange(q.shape[1], device=q.device) // packed.group_size
@@ -246,16 +255,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    if packed.layout != "blocks":
+    if packed.layout != "q4_1":
         return linear_reference(x, dequantize(packed), packed.bias)
     # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per row,
     # y = dx sum_g d_g (q_g . xq_g) + m_g S_g, the m term on the exact group sums.
-    n = packed.weight.shape[0]
-    kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
-    b = packed.weight.reshape(n, -1, BLOCK_BYTES)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, G]
-    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-    q = torch.cat([b[..., 4:] & 0x0F, b[..., 4:] >> 4], dim=-1).float()  # [N, G, 32]
+    kp = packed.weight.shape[1] * 2
+    q, d, m = _q4_1_parts(packed)
     xq, dx, sums = quantize_activations(F.pad(x.float(), (0, kp - x.shape[1])))
     xg = xq.reshape(x.shape[0], -1, GROUP_SIZE)  # [M, G, 32]
     dots = torch.einsum("mgi,ngi->mng", xg.double(), q.double())  # exact integers
@@ -268,7 +273,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout == "blocks":
+    if packed.layout == "q4_1":
         return int4_linear_native(x, packed)
     if packed.layout == "cpu":
         return int4_linear_cpu(x, packed)
@@ -282,7 +287,7 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None = None) -> torch.Tensor:
     """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp.
     level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
-    kp = packed.weight.shape[1] // BLOCK_BYTES * GROUP_SIZE
+    kp = packed.weight.shape[1] * 2
     xf = x.float()
     if xf.shape[1] != kp:
         xf = F.pad(xf, (0, kp - xf.shape[1]))
@@ -291,8 +296,9 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
     y = torch.empty(m, n)
     bias = packed.bias
     native.check(native.library(level).tandem_int4_linear(
-        xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), n,
-        bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int4 linear")
+        xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
+        packed.zeros.data_ptr(), n, bias.data_ptr() if bias is not None else None, y.data_ptr(), n),
+        "int4 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

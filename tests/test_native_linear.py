@@ -40,10 +40,13 @@ def q4_1_tensor(rows: int, cols: int, seed: int) -> QuantizedTensor:
     return QuantizedTensor("Q4_1", data, (rows, cols))
 
 
-def test_q4_1_blocks_are_used_as_stored_and_dequantize_exactly():
+def test_q4_1_blocks_are_split_byte_for_byte_and_dequantize_exactly():
     qt = q4_1_tensor(24, 128, seed=0)
-    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
-    assert np.array_equal(packed.weight.numpy(), qt.data)
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
+    blocks = qt.data.reshape(24, 4, 20)
+    assert np.array_equal(packed.scales.view(torch.uint8).numpy().reshape(24, 4, 2), blocks[..., 0:2])
+    assert np.array_equal(packed.zeros.view(torch.uint8).numpy().reshape(24, 4, 2), blocks[..., 2:4])
+    assert np.array_equal(packed.weight.numpy().reshape(24, 4, 16), blocks[..., 4:])
     assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
 
 
@@ -52,7 +55,7 @@ def test_q4_0_maps_to_q4_1_exactly():
     d = rng.uniform(0.001, 0.02, (8, 4, 1)).astype(np.float16)
     qs = rng.integers(0, 256, (8, 4, 16), dtype=np.uint8)
     qt = QuantizedTensor("Q4_0", np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(8, -1), (8, 128))
-    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
     assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
 
 
@@ -61,7 +64,7 @@ def test_q4_0_maps_to_q4_1_exactly():
 def test_int4_native_equals_its_reference(level, n, k):
     gen = torch.Generator().manual_seed(n * k)
     bias = torch.randn(n, generator=gen)
-    packed = quant_int4.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout="blocks")
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout="q4_1")
     for m in ROWS:
         x = torch.randn(m, k, generator=gen) * 3
         y = quant_int4.int4_linear_native(x, packed, level)
@@ -73,7 +76,7 @@ def test_int4_native_equals_its_reference(level, n, k):
 def test_int4_native_on_gguf_blocks_is_close_to_the_float_weights(level):
     """The activation rounding (int16 per group of 32) keeps y within 1e-4 of x @ W^T."""
     qt = q4_1_tensor(48, 256, seed=2)
-    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="blocks")
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
     exact = x.double() @ qt.dequantize().double().t()
     y = quant_int4.int4_linear_native(x, packed, level)
@@ -82,7 +85,7 @@ def test_int4_native_on_gguf_blocks_is_close_to_the_float_weights(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_int4_native_zero_rows_and_zero_groups(level):
-    packed = quant_int4.pack(torch.randn(16, 64), None, torch.device("cpu"), layout="blocks")
+    packed = quant_int4.pack(torch.randn(16, 64), None, torch.device("cpu"), layout="q4_1")
     x = torch.zeros(3, 64)
     x[1, :32] = 1.0  # one all-zero group beside a non-zero one
     torch.testing.assert_close(quant_int4.int4_linear_native(x, packed, level),
@@ -106,10 +109,11 @@ def test_native_refuses_a_bad_shape_with_a_clear_error():
     lib = native.library()
     y = torch.empty(1, 4)
     x = torch.randn(1, 48)
-    w = torch.zeros(4, 48 // 32 * 20, dtype=torch.uint8)
+    w = torch.zeros(4, 24, dtype=torch.uint8)
+    d = torch.zeros(4, 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="int4 linear"):
-        native.check(lib.tandem_int4_linear(x.data_ptr(), 1, 48, 48, w.data_ptr(), 4, None, y.data_ptr(), 4),
-                     "int4 linear")
+        native.check(lib.tandem_int4_linear(x.data_ptr(), 1, 48, 48, w.data_ptr(), d.data_ptr(), d.data_ptr(),
+                                            4, None, y.data_ptr(), 4), "int4 linear")
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch):
