@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp")
+SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "rms_norm.cpp", "rotary_kv_write.cpp")
 LEVELS = ("default", "avx2", "avx512")
 LEVEL_FLAGS = {
     "default": [],
@@ -51,6 +51,9 @@ _SIGNATURES = {
     # name: argument types (every function returns int: 0 = ok, else a shape error code)
     "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+    "tandem_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "tandem_rotary_kv_write": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
+                               _ptr, _ptr, ctypes.c_int, _i64, _ptr],
     "tandem_paged_decode": [_ptr, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _i64,
                             _ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr, _i64],
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 
@@ -20,6 +21,27 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x.float() if residual is None else x.float() + residual.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype), h.to(x.dtype)
+
+
+def native_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    return (native.available() and all(t.dtype == torch.float32 and not t.is_cuda for t in tensors)
+            and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1)))
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None,
+                    level: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/csrc/rms_norm.cpp: one pass per token, fp32."""
+    t, hidden = x.shape
+    y = torch.empty(t, hidden)
+    h = torch.empty(t, hidden) if residual is not None else x
+    native.check(native.library(level).tandem_rms_norm(
+        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0, weight.data_ptr(), y.data_ptr(),
+        h.data_ptr() if residual is not None else y.data_ptr(), t, hidden, eps), "rms norm")
+    return y, h
 
 
 def rms_norm_cpu(x, weight, eps, residual=None):
@@ -76,4 +98,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x, residual: [T, H]; weight: [H]. Returns (normed, x + residual)."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
+    if native_supported(x, weight, residual):
+        return rms_norm_native(x, weight, eps, residual)
     return rms_norm_cpu(x, weight, eps, residual)

@@ -19,10 +19,9 @@ from engine.rope import rope_tables
 from engine.weights import QuantizedTensor, to_float
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
-from kernels.kv_cache_write import write_kv_cache
 from kernels.linear import PackedLinear, linear, pack_linear
 from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
+from kernels.rotary_kv_write import rotary_kv_write
 
 
 def concat_rows(parts: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
@@ -184,14 +183,9 @@ class LlamaForCausalLM:
         plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
         for i, layer in enumerate(layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = linear(x, layer.qkv)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            q, k = apply_rotary(q, k, batch.positions, self.cos, self.sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            q = rotary_kv_write(linear(x, layer.qkv), batch.positions, self.cos, self.sin, k_cache,
+                                v_cache, batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if batch.on_layer_done is not None:
                 batch.on_layer_done(i)
             attn = paged_attention(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens,
