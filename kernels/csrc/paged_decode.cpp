@@ -61,9 +61,18 @@ static void decode(const float* q, int64_t q_stride, const void* k_cache, const 
             float inv_sum[64];
             for (int64_t g = 0; g < group; g++) {
                 float* sg = scores.data() + g * len;
-                float mx = -INFINITY, sum = 0.f;
+                float mx = -INFINITY;
                 for (int64_t p = 0; p < len; p++) mx = sg[p] > mx ? sg[p] : mx;
-                for (int64_t p = 0; p < len; p++) { sg[p] = expf(sg[p] - mx); sum += sg[p]; }
+                const vf vmx = vset1(mx);
+                vf vs = vzero();
+                int64_t p = 0;
+                for (; p + TANDEM_VL <= len; p += TANDEM_VL) {
+                    const vf e = vexp_neg(vadd(vload(sg + p), vmul(vmx, vset1(-1.f))));
+                    vstore(sg + p, e);
+                    vs = vadd(vs, e);
+                }
+                float sum = vsum(vs);
+                for (; p < len; p++) { sg[p] = exp_neg_scalar(sg[p] - mx); sum += sg[p]; }
                 inv_sum[g] = 1.f / sum;
             }
             for (int64_t i = 0; i < group * d; i++) acc[i] = 0.f;

@@ -133,3 +133,67 @@ static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
 #endif
 
 #define TANDEM_Q4_VECS (32 / TANDEM_VL)  // vectors per 32-weight group
+
+// exp(x) for x <= 0 (softmax after subtracting the max), lane by lane: 2^(x log2 e) split into
+// 2^n * 2^f with f in [-0.5, 0.5], 2^f by a degree-6 polynomial (relative error < 2e-7),
+// 2^n added to the exponent bits. Inputs below -87 give 0 (exp underflows there anyway).
+// libm's expf per element was most of the paged decode's time (measured).
+static inline float exp_neg_scalar(float x) {
+    if (x < -87.f) return 0.f;
+    const float t = x * 1.44269504088896341f;
+    const float n = nearbyintf(t), f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    uint32_t u;
+    memcpy(&u, &p, 4);
+    u += (uint32_t)((int32_t)n << 23);
+    return bits_to_float(u);
+}
+
+#if defined(__AVX512F__)
+static inline vf vexp_neg(vf x) {
+    const __m512 lo = _mm512_set1_ps(-87.f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    const __m512 r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_mask_mov_ps(r, under, _mm512_setzero_ps());
+}
+#elif defined(__AVX2__)
+static inline vf vexp_neg(vf x) {
+    const __m256 lo = _mm256_set1_ps(-87.f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+    return _mm256_andnot_ps(under, r);
+}
+#else
+static inline vf vexp_neg(vf x) {
+    for (int i = 0; i < 8; i++) x.v[i] = exp_neg_scalar(x.v[i]);
+    return x;
+}
+#endif
