@@ -34,6 +34,10 @@ K_ALIGN = 16
 # dense bf16 matmul amortizes over rows: from this many rows on, dequantizing to bf16 once and
 # calling the dense GEMM is faster (measured crossover between 32 and 64 rows; 5x at 512).
 CPU_DENSE_MIN_ROWS = 48
+# The native GEMV kernel's cost grows linearly with rows (~50 us per row at N=3072, K=576);
+# from this many rows on (prefill-sized passes) dequantizing once and running the fp32 GEMM
+# is faster, and it computes exactly the format's reference.
+NATIVE_DENSE_MIN_ROWS = 48
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -78,6 +82,8 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
     if packed.layout == "native":
+        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+            return linear_reference(x, dequantize(packed), packed.bias)
         return int8_linear_native(x, packed)
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)
