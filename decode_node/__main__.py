@@ -1,4 +1,5 @@
-"""`python -m decode_node --model M --port P [--coordinator HOST:PORT] [--role decode|colocated]`"""
+"""`python -m decode_node --model M --port P [--coordinator HOST:PORT] [--role decode|colocated]
+[--kv-dtype fp32|bf16]`"""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import asyncio
 import os
 import sys
 
-import torch
-
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
+from engine.llm_engine import KV_TORCH_DTYPES
 from engine.model_identity import model_fingerprint
 from engine.model_runner import kv_cache_bytes_per_block
 from engine.node_server import (
     NodeIdentity,
     build_engine,
+    kv_layout,
     new_worker_id,
     node_main,
     resolve_model,
@@ -41,12 +42,12 @@ async def main_async(args) -> None:
     fingerprint = model_fingerprint(path, config)
     worker_id = args.worker_id or new_worker_id(args.role)
     # The cache lives in the KV receiver's buffer (shared memory for the shm backend), so the
-    # layout is fixed first and the engine is built around that tensor.
+    # layout (--kv-dtype included) is fixed first and the engine is built around that tensor;
+    # the engine checks that the tensor's dtype is its --kv-dtype.
     num_blocks = args.num_blocks or max(1, int(args.kv_cache_gb * (1 << 30)) //
-                                        kv_cache_bytes_per_block(config, args.block_size, torch.float32))
-    layout = kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                                 head_dim=config.head_dim, block_size=args.block_size, dtype="float32",
-                                 model_id=fingerprint)
+                                        kv_cache_bytes_per_block(config, args.block_size,
+                                                                 KV_TORCH_DTYPES[args.kv_dtype]))
+    layout = kv_layout(config, args.block_size, args.kv_dtype, fingerprint)
     shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if args.kv_backend == "shm" else None
     cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
     advertise = args.advertise_host or args.host
@@ -63,7 +64,7 @@ async def main_async(args) -> None:
         return worker_status(worker_id, args.role, worker)
 
     identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
-                            fingerprint, layout.fingerprint)
+                            fingerprint, layout.description)
 
     def stop() -> None:
         worker.stop()

@@ -7,8 +7,8 @@
     tandem run MODEL [PROMPT] [opts]    generate (interactive chat without a prompt): through
                                         the running server, or in this process without one
     tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
-                 [--prefill-quant F] [--decode-quant F] [--threads N] [--num-blocks N]
-                 [--chunk-size N] [--local-chunk-size N] [--max-streams N]
+                 [--prefill-quant F] [--decode-quant F] [--kv-dtype fp32|bf16] [--threads N]
+                 [--num-blocks N] [--chunk-size N] [--local-chunk-size N] [--max-streams N]
                                         coordinator + workers on this host (Ollama API)
     tandem bench [opts]                 load generator against a tandem/Ollama/OpenAI server
     tandem launch TOPOLOGY.toml         a multi-host topology (deploy/launch_cli.py)
@@ -197,7 +197,7 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
     params = _sampling_params(args)
     path = _resolve_or_pull(args.model)
     engine = LLMEngine.from_path(path, role="colocated", weight_format=args.decode_quant,
-                                 prefill_format=args.prefill_quant)
+                                 prefill_format=args.prefill_quant, kv_dtype=args.kv_dtype)
 
     def answer(prompt: str) -> str:
         history.append({"role": "user", "content": prompt})
@@ -261,7 +261,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_threshold=args.prefill_threshold,
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
                             threads=args.threads, num_blocks=args.num_blocks,
-                            local_chunk_size=args.local_chunk_size, max_streams=args.max_streams,
+                            kv_dtype=args.kv_dtype, local_chunk_size=args.local_chunk_size,
+                            max_streams=args.max_streams,
                             coordinator_args=("--grpc-port", str(args.grpc_port)))
     except ValueError as exc:
         raise TandemError(str(exc)) from None
@@ -283,6 +284,16 @@ def add_quant_flags(p: argparse.ArgumentParser, serve: bool = False) -> None:
                    help=f"{prefill_help} (default {DEFAULT_PREFILL_QUANT})")
     p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
                    help=f"{decode_help} (default {DEFAULT_DECODE_QUANT})")
+    add_kv_dtype_flag(p, serve)
+
+
+def add_kv_dtype_flag(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    from engine.config import KV_DTYPES
+
+    where = "of every worker (prefill and decode must agree)" if serve else "of this process's engine"
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32",
+                   help=f"element type of the KV cache {where}; bf16 halves the cache and the KV "
+                        f"transfers (default fp32)")
 
 
 class _VersionAction(argparse.Action):

@@ -17,10 +17,11 @@ Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, 
 
 Engine flags, each to the processes that use it (None leaves that process's own default):
 prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
-format), both to a colocated worker; threads and num_blocks to every worker; chunk_size (the
-per-pass token budget) to every worker and the coordinator; local_chunk_size and max_streams
-to the coordinator, which sends the chunk plan with each request. worker_args come after them
-on every worker's command line, so a flag there wins.
+format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
+worker, always (prefill and decode must agree on it: one value for the whole topology);
+chunk_size (the per-pass token budget) to every worker and the coordinator; local_chunk_size
+and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
+come after them on every worker's command line, so a flag there wins.
 
 `tandem launch` (deploy/launch.py) reuses LocalCluster for other hosts: its specs wrap each
 command in ssh or a command prefix, and a spec's `signal_argv` reaches a process that ssh
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DECODE_FORMATS, PREFILL_FORMATS
+from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
 from engine.errors import TandemError
 from engine.runtime import worker_env
 
@@ -73,6 +74,7 @@ class Topology:
     decode_quant: str | None = None  # weight format of decode workers (and colocated decode passes)
     threads: int | None = None  # torch threads per worker process
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
+    kv_dtype: str = "fp32"  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
@@ -98,6 +100,8 @@ class Topology:
         if self.decode_quant is not None and self.decode_quant not in DECODE_FORMATS:
             raise ValueError(f"decode_quant must be one of {', '.join(DECODE_FORMATS)} (decode is "
                              f"memory-bound: weight-only formats), got {self.decode_quant!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         for name in ("threads", "num_blocks", "local_chunk_size", "max_streams"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -123,7 +127,7 @@ class Topology:
 
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
-        flags = ["--max-batched-tokens", str(self.chunk_size)]
+        flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype]
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
                   "decode": [("--decode-quant", self.decode_quant)],
                   "colocated": [("--prefill-quant", self.prefill_quant),

@@ -73,16 +73,34 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+# Element types of the paged KV cache. The attention kernels read either (queries stay fp32);
+# bf16 halves the cache and the bytes of every KV transfer. Prefill and decode workers that
+# exchange KV must use the same one (it is part of kvtransfer's KVLayout fingerprint).
+KV_DTYPES = ("fp32", "bf16")
+# The same names as kvtransfer.KVLayout.dtype spells them (torch's names).
+KV_DTYPE_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def check_kv_dtype(value: object, name: str = "kv_dtype") -> str:
+    """`value` if it is one of KV_DTYPES, else ValueError naming the choices."""
+    if value not in KV_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(KV_DTYPES)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool: `num_blocks` blocks of `block_size` tokens, for every layer."""
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens, for every layer, each
+    element a `kv_dtype` (one of KV_DTYPES)."""
 
     block_size: int = 16
     num_blocks: int = 512
     enable_prefix_caching: bool = True
+    kv_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks")
+        check_kv_dtype(self.kv_dtype, "CacheConfig.kv_dtype")
 
 
 @dataclass(frozen=True)

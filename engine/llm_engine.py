@@ -19,7 +19,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, role_formats
+from engine.config import (
+    KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
+)
 from engine.errors import ContextLengthError, InvalidOptionError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
@@ -29,6 +31,20 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# CacheConfig.kv_dtype -> the element type of the cache tensor.
+KV_TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kv_dtype_name(value: str | torch.dtype) -> str:
+    """The KV_DTYPES name ("fp32", "bf16") of `value`, given as that name or as the torch
+    dtype; ValueError for anything else."""
+    if isinstance(value, torch.dtype):
+        for name, dtype in KV_TORCH_DTYPES.items():
+            if dtype == value:
+                return name
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} "
+                         f"(torch.float32, torch.bfloat16), got {value}")
+    return check_kv_dtype(value)
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,16 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
-                 kv_dtype: torch.dtype = torch.float32, kv_cache: torch.Tensor | None = None) -> None:
+                 kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None) -> None:
+        """The KV cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must
+        agree with it, and so must a caller-provided `kv_cache` tensor."""
+        want = config.cache.kv_dtype
+        if kv_dtype is not None and kv_dtype_name(kv_dtype) != want:
+            raise ValueError(f"kv_dtype {kv_dtype_name(kv_dtype)!r} contradicts the engine config's "
+                             f"cache.kv_dtype {want!r}")
+        if kv_cache is not None and kv_cache.dtype != KV_TORCH_DTYPES[want]:
+            raise ValueError(f"the provided kv_cache holds {kv_cache.dtype}, but the engine's KV "
+                             f"dtype is {want} ({KV_TORCH_DTYPES[want]})")
         if config.role != "colocated" and getattr(model, "prefill_copy", None) is not None:
             raise ValueError(f"a {config.role} engine runs every pass in one weight format, but the "
                              f"model holds {model.formats}")
@@ -54,7 +79,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, config.cache, kv_dtype, kv_cache)
+        self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache)
         # Set by a prefill worker: given a pass's plan, returns the per-layer callback that
         # starts each finished layer's KV transfer (or None when nothing in it is remote).
         self.layer_hook: Callable[[SchedulerOutput], Callable[[int], None] | None] | None = None
@@ -70,27 +95,29 @@ class LLMEngine:
                   prefill_format: str | None = None, block_size: int = 16,
                   num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                   scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
-                  enable_prefix_caching: bool = True, kv_dtype: torch.dtype = torch.float32,
+                  enable_prefix_caching: bool = True, kv_dtype: str | torch.dtype = "fp32",
                   load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None) -> "LLMEngine":
         """weight_format is the decode format, prefill_format the prefill format; which of
         them the model packs is the role's choice (engine.config.role_formats): a prefill
         engine only prefill_format (weight_format when None), a decode engine only
-        weight_format, a colocated engine both when they differ."""
+        weight_format, a colocated engine both when they differ. kv_dtype: the KV cache's
+        element type, "fp32" or "bf16" (or the torch dtype); checked before the model loads."""
         from engine.loaders import load_model
         from engine.tokenizer import Tokenizer
 
         main_format, second_format = role_formats(role, weight_format, prefill_format)
+        kv_name = kv_dtype_name(kv_dtype)
         t0 = time.monotonic()
         loaded = load_model(Path(path))
         model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
                                                         prefill_format=second_format)
         if num_blocks is None:
-            per_block = kv_cache_bytes_per_block(loaded.config, block_size, kv_dtype)
+            per_block = kv_cache_bytes_per_block(loaded.config, block_size, KV_TORCH_DTYPES[kv_name])
             num_blocks = max(1, kv_cache_bytes // per_block)
         config = EngineConfig(
             model=loaded.config,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_name),
             scheduler=scheduler or SchedulerConfig(),
             role=role,
             weight_format=main_format,
@@ -98,7 +125,7 @@ class LLMEngine:
             max_model_len=max_model_len,
         )
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_dtype, kv_cache)
+        engine = cls(model, config, tokenizer, kv_cache=kv_cache)
         engine.load_duration_s = time.monotonic() - t0
         return engine
 

@@ -17,7 +17,9 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.config import DECODE_FORMATS, PREFILL_FORMATS, SchedulerConfig
+from engine.config import (
+    DECODE_FORMATS, KV_DTYPE_TORCH_NAMES, KV_DTYPES, PREFILL_FORMATS, SchedulerConfig,
+)
 from engine.engine_loop import EngineLoop
 from engine.errors import TandemError
 from engine.llm_engine import LLMEngine
@@ -65,6 +67,11 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
                    help="KV pool size in blocks (default: as many as --kv-cache-gb holds)")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    # Part of the KV layout: a prefill and a decode worker that exchange KV must agree on it
+    # (registration and the KV handshake refuse a mismatch), so `tandem serve` gives every
+    # worker of a topology the same value.
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32",
+                   help="element type of the KV cache (bf16 halves the cache and the KV transfers)")
     # Each role packs only its own format (engine.config.role_formats); a worker ignores the
     # flag of the other role, so one flag list can go to every worker of a topology.
     p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32",
@@ -94,10 +101,22 @@ def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks
         path, role=args.role, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
         block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
-        load_tokenizer=False)
-    log.info("%s engine: weight formats %s, %d KV blocks, %d threads", args.role,
-             "+".join(engine.model.formats), engine.config.cache.num_blocks, args.threads)
+        kv_dtype=args.kv_dtype, load_tokenizer=False)
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads", args.role,
+             "+".join(engine.model.formats), engine.config.cache.num_blocks,
+             engine.config.cache.kv_dtype, args.threads)
     return engine
+
+
+def kv_layout(config, block_size: int, kv_dtype: str, model_id: str):
+    """The kvtransfer layout of a worker's KV cache; kv_dtype is a KV_DTYPES name ("fp32",
+    "bf16"). A prefill worker builds it from its engine's actual cache, a decode worker before
+    allocating the cache that its engine then uses."""
+    import kvtransfer
+
+    return kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                               head_dim=config.head_dim, block_size=block_size,
+                               dtype=KV_DTYPE_TORCH_NAMES[kv_dtype], model_id=model_id)
 
 
 def worker_status(worker_id: str, role: str, loop: EngineLoop) -> pb.WorkerStatus:
@@ -126,7 +145,7 @@ class NodeIdentity:
     kv_endpoint: str
     kv_backend: str
     model_fingerprint: str
-    kv_layout_fingerprint: str
+    kv_layout_fingerprint: str  # kvtransfer.KVLayout.description: dtype, geometry, fingerprint
 
 
 def new_worker_id(role: str) -> str:

@@ -17,7 +17,7 @@ from .base import (
     KVLayoutMismatch, KVReceiver, KVSender, KVTransferError, ReceiveEvent, ReceiveKind,
     TransferState, TransferStatus,
 )
-from .layout import KVCacheBuffer, KVLayout, allocate_cache
+from .layout import KVCacheBuffer, KVLayout, allocate_cache, dtype_name
 
 # name -> (module, sender class, receiver class)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -50,5 +50,5 @@ def create_receiver(name: str, cache: KVCacheBuffer, layout: KVLayout, **kwargs:
 __all__ = [
     "KVCacheBuffer", "KVLayout", "KVLayoutMismatch", "KVReceiver", "KVSender", "KVTransferError",
     "ReceiveEvent", "ReceiveKind", "TransferState", "TransferStatus", "allocate_cache", "backends",
-    "create_receiver", "create_sender",
+    "create_receiver", "create_sender", "dtype_name",
 ]

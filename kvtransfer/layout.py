@@ -9,7 +9,10 @@ list of blocks:
     payload  [2, n, block_size, num_kv_heads, head_dim] == kv_cache[layer, :, block_ids]
 
 kvtransfer knows models only through `KVLayout`: shapes, dtype and an opaque model id. Two
-workers may exchange KV only if their layouts' fingerprints are equal.
+workers may exchange KV only if their layouts' fingerprints are equal. The fingerprint digests
+every field, the element type included: a bf16 cache and an fp32 cache never pair (a sender
+refuses at connect, naming the differing fields; the coordinator refuses at registration,
+comparing `KVLayout.description`, which spells the dtype and geometry next to the digest).
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DTYPES key of a torch dtype (e.g. a cache tensor's), for KVLayout.dtype."""
+    for name, candidate in DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"no KV layout dtype for {dtype}; supported: {sorted(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,14 @@ class KVLayout:
         """Stable hex digest of every field; equal fingerprints mean interchangeable caches."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+    @property
+    def description(self) -> str:
+        """What a worker advertises to the coordinator as its layout (proto WorkerInfo's
+        kv_layout_fingerprint): readable dtype and geometry, then the fingerprint, so equal
+        strings mean equal layouts and a refusal names what differs at a glance."""
+        return (f"{self.dtype} L{self.num_layers} H{self.num_kv_heads} D{self.head_dim} "
+                f"B{self.block_size} {self.fingerprint}")
 
     def block_shape(self) -> tuple[int, int, int]:
         """Shape of one block of K (or V) for one layer."""

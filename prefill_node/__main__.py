@@ -1,15 +1,17 @@
-"""`python -m prefill_node --model M --port P [--coordinator HOST:PORT] [--kv-backend zmq]`"""
+"""`python -m prefill_node --model M --port P [--coordinator HOST:PORT] [--kv-backend zmq]
+[--kv-dtype fp32|bf16]`"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-import kvtransfer
+from engine.llm_engine import kv_dtype_name
 from engine.model_identity import model_fingerprint
 from engine.node_server import (
     NodeIdentity,
     build_engine,
+    kv_layout,
     new_worker_id,
     node_main,
     resolve_model,
@@ -27,9 +29,10 @@ async def main_async(args) -> None:
     engine = build_engine(args, path)
     config = engine.config.model
     fingerprint = model_fingerprint(path, config)
-    layout = kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                                 head_dim=config.head_dim, block_size=args.block_size, dtype="float32",
-                                 model_id=fingerprint)
+    # From the cache the engine actually allocated: the sender refuses payloads whose dtype is
+    # not the layout's, and the decode worker's layout must match it.
+    layout = kv_layout(config, engine.config.cache.block_size,
+                       kv_dtype_name(engine.runner.kv_cache.dtype), fingerprint)
     worker_id = args.worker_id or new_worker_id("prefill")
     worker = PrefillWorker(engine, asyncio.get_running_loop())
     worker.start()
@@ -39,7 +42,7 @@ async def main_async(args) -> None:
         return worker_status(worker_id, "prefill", worker)
 
     identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
-                            args.kv_backend, fingerprint, layout.fingerprint)
+                            args.kv_backend, fingerprint, layout.description)
 
     def stop() -> None:
         worker.stop()

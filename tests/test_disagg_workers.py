@@ -13,13 +13,15 @@ import functools
 import time
 
 import pytest
+import torch
 
 import kvtransfer
 from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
 from engine.config import SchedulerConfig
 from engine.errors import TandemError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, kv_dtype_name
 from engine.model_identity import model_fingerprint
+from engine.node_server import kv_layout
 from engine.sampling_params import SamplingParams
 from kvtransfer.fake import FakeFault, FakeReceiver, FakeSender
 from prefill_node.senders import SenderPool
@@ -40,6 +42,11 @@ def reference(model_dir) -> LLMEngine:
     return LLMEngine.from_path(model_dir, num_blocks=512, block_size=BLOCK)
 
 
+@pytest.fixture(scope="module")
+def reference_bf16(model_dir) -> LLMEngine:
+    return LLMEngine.from_path(model_dir, num_blocks=512, block_size=BLOCK, kv_dtype="bf16")
+
+
 def expected(reference: LLMEngine, prompt: list[int], n: int) -> list[int]:
     return list(reference.generate(prompt, SamplingParams(temperature=0.0, num_predict=n)))
 
@@ -48,18 +55,22 @@ class Pair:
     """A prefill and a decode worker sharing this test's event loop."""
 
     def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
-                 kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0) -> None:
+                 kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0,
+                 kv_dtype="fp32") -> None:
         self.prefill_engine = LLMEngine.from_path(
             model_dir, role="prefill", num_blocks=256, block_size=BLOCK, load_tokenizer=False,
-            scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget))
+            scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget), kv_dtype=kv_dtype)
         cfg = self.prefill_engine.config.model
-        self.layout = kvtransfer.KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK,
-                                          "float32", model_fingerprint(model_dir, cfg))
-        self.cache = kvtransfer.allocate_cache(self.layout, decode_blocks)
-        self.receiver = FakeReceiver(self.cache, self.layout)
+        # As the worker entry points build them: the prefill side from its engine's cache,
+        # the decode side before allocating the cache its engine then uses.
+        self.layout = kv_layout(cfg, BLOCK, kv_dtype_name(self.prefill_engine.runner.kv_cache.dtype),
+                                model_fingerprint(model_dir, cfg))
+        self.cache = kvtransfer.allocate_cache(kv_layout(cfg, BLOCK, kv_dtype, self.layout.model_id),
+                                               decode_blocks)
+        self.receiver = FakeReceiver(self.cache, self.cache.layout)
         self.decode_engine = LLMEngine.from_path(model_dir, role="decode", num_blocks=decode_blocks,
                                                  block_size=BLOCK, load_tokenizer=False,
-                                                 kv_cache=self.cache.tensor)
+                                                 kv_cache=self.cache.tensor, kv_dtype=kv_dtype)
         self.prefill = PrefillWorker(self.prefill_engine, loop)
         self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s,
                                    reserve_timeout_s=reserve_timeout_s)
@@ -143,6 +154,32 @@ async def test_remote_prefill_matches_the_single_process_engine(pair_factory, re
         assert tokens == expected(reference, prompt, 12)
         assert final.finish_reason == "length"
     assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_bf16_kv_disaggregated_matches_the_single_process_bf16_engine(pair_factory, reference_bf16):
+    pair = pair_factory(prefill_budget=24, kv_dtype="bf16")
+    assert pair.layout.dtype == "bfloat16" and pair.cache.tensor.dtype == torch.bfloat16
+    assert pair.decode_engine.runner.kv_cache.data_ptr() == pair.cache.tensor.data_ptr()
+    cases = prompts([3, 17, 40, 150], seed=11)
+    results = await asyncio.gather(*(pair.run(f"h{i}", p, 12) for i, p in enumerate(cases)))
+    for prompt, (tokens, final) in zip(cases, results):
+        assert tokens == expected(reference_bf16, prompt, 12)
+        assert final.finish_reason == "length"
+    assert pair.cache.tensor.any()  # the KV really landed in the bf16 cache
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_mismatched_kv_dtype_is_refused_before_any_compute(pair_factory, model_dir):
+    pair = pair_factory()  # fp32 KV on the decode side
+    bf16 = LLMEngine.from_path(model_dir, role="prefill", num_blocks=16, block_size=BLOCK,
+                               load_tokenizer=False, kv_dtype="bf16")
+    layout = kv_layout(bf16.config.model, BLOCK, kv_dtype_name(bf16.runner.kv_cache.dtype),
+                       pair.layout.model_id)
+    with pytest.raises(TandemError, match="dtype: 'bfloat16' != 'float32'"):
+        await SenderPool(layout).get("fake", pair.receiver.endpoint)
+    assert pair.prefill_engine.block_manager.num_used_blocks == 0
 
 
 @run_async

@@ -68,6 +68,44 @@ def test_greedy_through_each_backend_equals_single_process(tiny, reference, tmp_
         assert_pools_full(cluster)
 
 
+@pytest.fixture(scope="module")
+def reference_bf16(tiny) -> LLMEngine:
+    return LLMEngine.from_path(tiny, num_blocks=1024, kv_dtype="bf16")
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc"])
+def test_bf16_kv_through_each_backend_equals_single_process_bf16(tiny, reference_bf16, tmp_path, backend):
+    contents = [text_prompt(n, seed=100 + n) for n in (3, 40, 150)]
+    with running_cluster(tiny, tmp_path / "logs", kv_backend=backend, prefill_threshold=1, chunk_size=64,
+                         worker_args=FP32 + ("--kv-dtype", "bf16")) as cluster:
+        layouts = {w["role"]: w["kv_layout_fingerprint"] for w in cluster.workers()}
+        assert set(layouts) == {"prefill", "decode"} and len(set(layouts.values())) == 1
+        assert layouts["decode"].startswith("bfloat16 "), layouts
+        for content in contents:
+            reply = chat(cluster, content, 12)
+            assert reply["tandem"]["prefill_worker"] == "prefill-0"  # the KV crossed over
+            assert reply["message"]["content"] == expected_text(reference_bf16, content, 12)
+        assert_pools_full(cluster)
+
+
+def test_prefill_and_decode_with_different_kv_dtypes_are_refused_at_registration(tiny, tmp_path):
+    from deploy.local import LaunchError, LocalCluster, Topology, free_port, plan
+
+    topology = Topology(model=str(tiny), model_path=tiny, log_dir=tmp_path, port=free_port(),
+                        worker_args=FP32, coordinator_args=("--model-name", "tiny"))
+    specs, ready = plan(topology)
+    assert [s.name for s in specs] == ["coordinator", "prefill-0", "decode-0"]
+    specs[2].argv.extend(["--kv-dtype", "bf16"])  # the last flag wins: decode holds bf16 KV
+    with LocalCluster(specs, ready, start_timeout_s=120) as cluster:
+        with pytest.raises(LaunchError) as info:
+            cluster.start()
+    message = str(info.value)  # whichever registered second is refused, and exits
+    assert "registration refused: KV layout fingerprint" in message, message
+    assert "differs from the live workers'" in message and "could not pair" in message
+    assert "'bfloat16 " in message or "'float32 " in message, message
+    assert "(bfloat16 " in message or "(float32 " in message, message
+
+
 def test_thirty_two_concurrent_mixed_requests(tiny, reference, tmp_path):
     rng = random.Random(7)
     lengths = [rng.choice([5, 10, 40, 200, 700, 1400]) for _ in range(32)]

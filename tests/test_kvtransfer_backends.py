@@ -196,13 +196,19 @@ def test_concurrent_requests_delivered_bit_exact(hosts, backend, dtype):
     host.call("close", key)
 
 
+@pytest.mark.parametrize("theirs, ours, message", [
+    ("float32", make_layout(model_id="other"), "model_id: 'other' != 'tiny'"),
+    # A bf16 prefill worker and an fp32 decode worker, and the other way round.
+    ("float32", make_layout("bfloat16"), "dtype: 'bfloat16' != 'float32'"),
+    ("bfloat16", make_layout("float32"), "dtype: 'float32' != 'bfloat16'"),
+])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layout_mismatch_refused_at_connect(hosts, backend):
+def test_layout_mismatch_refused_at_connect(hosts, backend, theirs, ours, message):
     host = hosts(backend)
-    key, endpoint = open_receiver(host)
+    key, endpoint = open_receiver(host, theirs)
     sender = kt.create_sender(backend, connect_timeout_s=10.0)
-    with pytest.raises(kt.KVLayoutMismatch, match="model_id: 'other' != 'tiny'"):
-        sender.connect(endpoint, make_layout(model_id="other"))
+    with pytest.raises(kt.KVLayoutMismatch, match=message):
+        sender.connect(endpoint, ours)
     sender.close()
     host.call("close", key)
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,29 @@ def test_layout_validates_and_fingerprints():
         kt.KVLayout(3, 2, 8, 4, "int8", "tiny")
     with pytest.raises(ValueError, match="model_id"):
         kt.KVLayout(3, 2, 8, 4, "float32", "")
+
+
+def test_bf16_layout_halves_the_wire_and_describes_its_dtype():
+    from kvtransfer.message import payload_tensor, tensor_bytes
+
+    bf16 = replace(LAYOUT, dtype="bfloat16")
+    assert bf16.description.startswith("bfloat16 ") and bf16.description.endswith(bf16.fingerprint)
+    assert LAYOUT.description.startswith("float32 ") and LAYOUT.description != bf16.description
+    assert 2 * bf16.payload_nbytes(3) == LAYOUT.payload_nbytes(3)
+    assert 2 * bf16.cache_nbytes(5) == LAYOUT.cache_nbytes(5)
+    p = payload(bf16, 3, 0)
+    raw = tensor_bytes(p)  # bf16 has no numpy dtype: the bytes go through a uint8 view
+    assert len(raw) == bf16.payload_nbytes(3)
+    h = KVHeader.for_payload("r", 0, (1, 2, 3), p, bf16, 0)
+    assert (h.dtype, h.payload_nbytes) == ("bfloat16", bf16.payload_nbytes(3))
+    h.check_against(bf16, 16)
+    with pytest.raises(MessageError, match="fingerprint mismatch"):
+        h.check_against(LAYOUT, 16)
+    back = payload_tensor(h, bytes(raw))
+    assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.uint8), p.view(torch.uint8))
+    assert kt.dtype_name(torch.bfloat16) == "bfloat16" and kt.dtype_name(torch.float32) == "float32"
+    with pytest.raises(ValueError, match="no KV layout dtype"):
+        kt.dtype_name(torch.int8)
 
 
 def test_allocate_cache_in_shared_memory_and_unlink():
@@ -143,22 +167,25 @@ def test_registry_is_lazy_and_model_agnostic():
 # -- fake backend ------------------------------------------------------------------------------
 
 
-def test_fake_chunked_delivery_completes_only_when_every_block_arrived(fake_pair):
-    sender, receiver, cache = fake_pair()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fake_chunked_delivery_completes_only_when_every_block_arrived(fake_pair, dtype):
+    layout = replace(LAYOUT, dtype=dtype)
+    sender, receiver, cache = fake_pair(layout)
     receiver.expect("r", [2, 5, 7], num_layers=3, deadline_s=5)
     parts = {}
     for layer in range(3):  # chunk 1: blocks 2, 5
-        parts[layer, 0] = payload(LAYOUT, 2, layer)
+        parts[layer, 0] = payload(layout, 2, layer)
         sender.send("r", layer, [2, 5], parts[layer, 0])
     assert receiver.poll() == []
     for layer in range(3):  # chunk 2: block 7
-        parts[layer, 1] = payload(LAYOUT, 1, 10 + layer)
+        parts[layer, 1] = payload(layout, 1, 10 + layer)
         sender.send("r", layer, [7], parts[layer, 1])
     assert receiver.poll() == [kt.ReceiveEvent("r", kt.ReceiveKind.COMPLETE)]
     assert sender.poll("r").done
-    for layer in range(3):
-        assert torch.equal(cache.tensor[layer][:, [2, 5]], parts[layer, 0])
-        assert torch.equal(cache.tensor[layer][:, [7]], parts[layer, 1])
+    assert cache.tensor.dtype == layout.torch_dtype
+    for layer in range(3):  # bit-exact: compare the raw bytes
+        assert torch.equal(cache.tensor[layer][:, [2, 5]].view(torch.uint8), parts[layer, 0].view(torch.uint8))
+        assert torch.equal(cache.tensor[layer][:, [7]].view(torch.uint8), parts[layer, 1].view(torch.uint8))
     untouched = [b for b in range(16) if b not in (2, 5, 7)]
     assert not cache.tensor[:, :, untouched].any()
     with pytest.raises(KeyError):
@@ -245,6 +272,8 @@ def test_fake_layout_mismatch_refused_at_connect():
     other = kt.KVLayout(3, 2, 8, 8, "float32", "tiny")
     with pytest.raises(kt.KVLayoutMismatch, match="block_size: 8 != 4"):
         sender.connect(receiver.endpoint, other)
+    with pytest.raises(kt.KVLayoutMismatch, match="dtype: 'bfloat16' != 'float32'"):
+        sender.connect(receiver.endpoint, replace(LAYOUT, dtype="bfloat16"))
     with pytest.raises(kt.KVTransferError, match="before connect"):
         sender.send("r", 0, [0], payload(other, 1, 0))
     receiver.close()
