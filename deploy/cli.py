@@ -409,7 +409,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return dispatch(build_parser().parse_args(argv))
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand: a TandemError is one line on stderr and exit 1, Ctrl-C 130."""
     try:
         return args.func(args)
     except TandemError as exc:

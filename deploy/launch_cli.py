@@ -11,7 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.errors import TandemError
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,14 +59,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.launch_cli")
     add_launch_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except TandemError as exc:
-        sys.stderr.write(f"Error: {exc}\n")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    from deploy.cli import dispatch  # deploy.cli imports this module at its top
+
+    return dispatch(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

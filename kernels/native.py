@@ -129,6 +129,20 @@ def available() -> bool:
         return False
 
 
+def fp32_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [M, K <= width] as a contiguous fp32 [M, width], zero-padded: the activations every
+    native linear kernel takes (padded columns meet zero weights)."""
+    xf = x.float()
+    if xf.shape[1] != width:
+        xf = torch.nn.functional.pad(xf, (0, width - xf.shape[1]))
+    return xf.contiguous()
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for ctypes, None (NULL) for an absent optional tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def check(code: int, what: str) -> None:
     if code != 0:
         raise ValueError(f"native {what} refused its arguments (code {code})")

@@ -296,17 +296,12 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
     """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp.
     level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
     kp = packed.weight.shape[1] * 2
-    xf = x.float()
-    if xf.shape[1] != kp:
-        xf = F.pad(xf, (0, kp - xf.shape[1]))
-    xf = xf.contiguous()
+    xf = native.fp32_rows(x, kp)
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
-    bias = packed.bias
     native.check(native.library(level).tandem_int4_linear(
         xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
-        packed.zeros.data_ptr(), n, bias.data_ptr() if bias is not None else None, y.data_ptr(), n),
-        "int4 linear")
+        packed.zeros.data_ptr(), n, native.ptr(packed.bias), y.data_ptr(), n), "int4 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

@@ -98,16 +98,12 @@ def int8_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
     level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
     q = packed.weight
     kp = q.shape[1]
-    xf = x.float()
-    if xf.shape[1] != kp:
-        xf = F.pad(xf, (0, kp - xf.shape[1]))
-    xf = xf.contiguous()
+    xf = native.fp32_rows(x, kp)
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
-    bias = packed.bias
     native.check(native.library(level).tandem_int8_linear(
         xf.data_ptr(), m, kp, kp, q.data_ptr(), n, kp, packed.scales.data_ptr(),
-        bias.data_ptr() if bias is not None else None, y.data_ptr(), n), "int8 linear")
+        native.ptr(packed.bias), y.data_ptr(), n), "int8 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
