@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +49,49 @@ class GenerateRequest:
     unload: bool = False
 
 
+MAX_JSON_DEPTH = 64  # nesting of objects and arrays in a request body (tools schemas included)
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise RequestError("missing request body")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"invalid JSON in request body: {exc}") from None
+    except RecursionError:  # deeper than the interpreter's stack: far past MAX_JSON_DEPTH
+        raise RequestError(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer of over 4,300 digits
+        raise RequestError(f"invalid JSON in request body: {_clip(str(exc))}") from None
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    check_json_tree(body)
     return body
+
+
+def check_json_tree(body: dict[str, Any]) -> None:
+    """Refuse what json.loads accepts but nothing downstream should see: nesting past
+    MAX_JSON_DEPTH (walked without recursion) and strings that are not valid Unicode (JSON's
+    "\\ud800" escape decodes to a lone surrogate, which no tokenizer or encoder accepts)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for text in (key, item):
+                bad = _SURROGATE.search(text) if isinstance(text, str) else None
+                if bad is not None:
+                    raise RequestError("request body holds invalid Unicode: a lone surrogate "
+                                       f"(U+{ord(bad.group()):04X}) in a string")
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: valid JSON, not Unicode
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -88,7 +122,13 @@ def _message(index: int, message: Any) -> dict:
         raise RequestError(f"messages[{index}].content must be a string")
     if message.get("images"):
         raise RequestError("images are not supported: the served model has no vision input")
-    return {k: v for k, v in message.items() if k != "images"}
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list)
+                                  and all(isinstance(c, dict) for c in calls)):
+        raise RequestError(f"messages[{index}].tool_calls must be a list of objects")
+    # A null or missing content is empty, as in Ollama (Go decodes null into ""); templates
+    # read message.content and would fail on its absence.
+    return {**{k: v for k, v in message.items() if k != "images"}, "content": content or ""}
 
 
 def check_messages(messages: Any, max_messages: int) -> list[dict]:

@@ -6,6 +6,10 @@ Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI la
 `top_p` (default 1.0), `frequency_penalty`, `presence_penalty`, `seed`, `stop`. `top_k` is
 off (0) because OpenAI has none. Fields tandem cannot honour (`n` > 1, `logprobs`,
 `response_format` other than text, `tools` with `tool_choice` "required") are 400 errors.
+Ranges are SamplingParams' (engine/sampling_params.py): `presence_penalty` and
+`frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
+layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
+does (the Ollama routes read it as "", as Ollama does).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.ollama_request import RequestError, check_messages
-from engine.sampling_params import SamplingParams
+from coordinator.ollama_request import RequestError, check_json_tree, check_messages
+from engine.sampling_params import MAX_COUNT, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +61,24 @@ def _text_content(index: int, content: Any) -> Any:
 def _message(index: int, m: Any) -> Any:
     if not isinstance(m, dict):
         return m  # check_messages names the problem
+    if m.get("content") is None and m.get("role") != "assistant":
+        # OpenAI's rule: only an assistant message (one that carries tool_calls) may omit it.
+        raise RequestError(f"messages[{index}].content must be a string or a list of text parts "
+                           "(only assistant messages may have null content)")
     m = {**m, "content": _text_content(index, m.get("content"))}
     if m.get("role") == "developer":
         m["role"] = "system"
-    for call in m.get("tool_calls") or []:  # OpenAI sends arguments as a JSON string
+    calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise RequestError(f"messages[{index}].tool_calls must be a list of objects")
+    for call in calls or []:  # OpenAI sends arguments as a JSON string
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
                 fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 raise RequestError("tool_calls arguments must be a JSON object") from None
+            check_json_tree({"arguments": fn["arguments"]})
     return m
 
 
@@ -77,8 +89,10 @@ def _params(body: dict[str, Any]) -> SamplingParams:
             options[option] = body[field]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                or not 1 <= max_tokens <= MAX_COUNT):
+            raise RequestError(f"max_tokens must be an integer between 1 and {MAX_COUNT}, "
+                               f"got {json.dumps(max_tokens)[:60]}")
         options["num_predict"] = max_tokens
     return SamplingParams.from_options(options)
 

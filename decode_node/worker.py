@@ -12,6 +12,8 @@ A request's life cycle on this node:
     both known        -> admit_prefilled: RUNNING in the continuous batch; the first token is
                          the next input. Each step -> event Tokens
     finished          -> blocks freed by the scheduler; event Tokens(finished)
+    sampling failed   -> (no valid distribution for this request) FINISHED_ERROR, blocks freed,
+                         event Tokens(finished, "error", error); the batch goes on
   local prefill (short prompts, colocated role):
     open()            -> add_request: WAITING, prefilled in chunks inside the decode batch
                          (split-fuse), then decoded as above. Its first token is in the stream.
@@ -221,7 +223,7 @@ class DecodeWorker(EngineLoop):
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             reason = (out.status.done_reason or "") if out.finished else ""
-            self._emit(out.request_id, Tokens(out.new_token_ids, out.finished, reason,
+            self._emit(out.request_id, Tokens(out.new_token_ids, out.finished, reason, out.error,
                                               num_cached_tokens=out.num_cached_tokens))
 
     def on_fatal(self, exc: BaseException) -> None:

@@ -15,6 +15,10 @@ Threading contract:
   scheduler's queues, which the engine thread mutates.
 - If the loop dies, `alive` turns False, open requests are failed (`on_fatal`) and new ones
   are refused at once (`check_alive`); the process is expected to exit (node_server watches).
+  That is the last resort, for faults of the engine itself (a forward pass that raises). A
+  fault in one request's data never gets here: admission refuses bad input (ValueError,
+  TandemError), and a request whose sampling fails comes out of `engine.step()` as a finished
+  StepOutput with `error` set, while the rest of the batch goes on.
 """
 
 from __future__ import annotations

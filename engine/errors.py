@@ -28,3 +28,8 @@ class InvalidOptionError(TandemError):
 
 class ChatTemplateError(InvalidOptionError):
     """A chat template that does not parse, or that fails or refuses to render the given messages."""
+
+
+class SamplingError(TandemError):
+    """A request whose logits gave no distribution to draw from (non-finite or all-zero
+    probabilities). The request ends with this error; the rest of its batch goes on."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import SamplingError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class TextStream:
                     if out.request_id != request.request_id:
                         continue
                     status = out.status
+                    if out.error:  # the engine has already ended it and freed its blocks
+                        raise SamplingError(out.error)
                     text = ""
                     for token in out.new_token_ids:
                         first = first or time.monotonic()

@@ -11,6 +11,7 @@ passes without decode tokens (engine/models/llama.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,15 @@ from engine.block_manager import BlockManager
 from engine.config import (
     KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
-from engine.errors import ContextLengthError, InvalidOptionError
+from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
-from engine.sampler import Sampler, make_generator, position_generator
+from engine.sampler import NO_TOKEN, Sampler, make_generator, position_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # CacheConfig.kv_dtype -> the element type of the cache tensor.
@@ -56,6 +59,7 @@ class StepOutput:
     finished: bool
     status: RequestStatus
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    error: str = ""  # why the request ended FINISHED_ERROR (a step's only failures are per request)
 
 
 class LLMEngine:
@@ -232,7 +236,7 @@ class LLMEngine:
                   for c in plan.chunks]
         on_layer_done = self.layer_hook(plan) if self.layer_hook is not None else None
         logits = self.runner.execute(chunks, on_layer_done)
-        sampled = self._sample([c.request for c in plan.chunks if c.samples], logits)
+        sampled, failed = self._sample([c.request for c in plan.chunks if c.samples], logits)
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
         by_id = {c.request_id: c.request for c in plan.chunks}
         for request_id, token in sampled.items():
@@ -241,18 +245,51 @@ class LLMEngine:
                 self._generators.pop(request_id, None)
             request = by_id[request_id]
             outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens))
+        for request_id, reason in failed.items():
+            if request_id not in self.scheduler.requests:
+                continue  # aborted while the pass ran
+            # Its KV is sound (only the draw failed), but nothing will extend it: free it now.
+            self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
+                                      by_id[request_id].num_cached_tokens, error=reason))
         return outputs
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
+    def _sample(self, requests: list[Request], logits: torch.Tensor
+                ) -> tuple[dict[str, int], dict[str, str]]:
+        """(request id -> token, request id -> why it got none). One request's values never
+        fail the others: the sampler reports a row with no valid distribution, and should it
+        raise anyway, each row is retried alone so that only the rows that raise fail."""
         if not requests:
-            return {}
-        tokens = self.sampler.sample(
+            return {}, {}
+        failed: dict[str, str] = {}
+        try:
+            tokens = self._sample_rows(requests, logits).tolist()
+        except Exception:  # noqa: BLE001 - narrowed to the rows at fault just below
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(requests))
+            tokens = []
+            for i, request in enumerate(requests):
+                try:
+                    tokens.append(int(self._sample_rows([request], logits[i:i + 1])[0]))
+                except Exception as exc:  # noqa: BLE001 - this request ends with the error
+                    failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                    tokens.append(NO_TOKEN)
+        sampled = {}
+        for request, token in zip(requests, tokens):
+            if token != NO_TOKEN:
+                sampled[request.request_id] = token
+            else:
+                failed.setdefault(request.request_id, (
+                    "sampling failed: this request's options leave no finite probabilities to "
+                    "draw from (check temperature and the penalties)"))
+        return sampled, failed
+
+    def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        return self.sampler.sample(
             logits,
             [r.sampling_params for r in requests],
             [r.token_ids for r in requests],
             [self._generator_for(r) for r in requests],
         )
-        return {r.request_id: int(t) for r, t in zip(requests, tokens.tolist())}
 
     def _generator_for(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -261,11 +298,14 @@ class LLMEngine:
         return position_generator(seed, request.num_tokens)
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Convenience for one request alone: yields its tokens as they are sampled."""
+        """Convenience for one request alone: yields its tokens as they are sampled; raises
+        SamplingError if the request ends with a sampling failure."""
         request = self.add_request(prompt_token_ids, params)
         while True:
             for out in self.step():
                 if out.request_id == request.request_id:
+                    if out.error:
+                        raise SamplingError(out.error)
                     yield from out.new_token_ids
                     if out.finished:
                         return

@@ -11,6 +11,11 @@ Every filter is computed for the whole batch at once from per-row parameter tens
 setting is "off" keeps everything), so a batch costs a few full-width ops whatever its mix of
 settings. Only the draw is per row: it uses the row's generator, so a seeded request gets the
 same tokens whatever else shares its batch or where it sits in it. All arithmetic is fp32.
+
+A row whose numbers leave nothing to draw from (NaN logits; probabilities that are not finite
+or sum to zero, e.g. from a temperature that is 0 or inf once in fp32) gets NO_TOKEN instead of
+a token. The sampler never raises for one row's values: the engine ends that request with an
+error and the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from torch import Tensor
 
 from engine.sampling_params import SamplingParams
+
+NO_TOKEN = -1  # in Sampler.sample's output: this row had no valid distribution
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -52,9 +59,10 @@ class Sampler:
     def sample(self, logits: Tensor, params: Sequence[SamplingParams],
                token_histories: Sequence[Sequence[int]],
                generators: Sequence[torch.Generator | None]) -> Tensor:
-        """logits [B, V] fp32 -> token ids [B] int64. `token_histories[i]` is row i's prompt
-        followed by its output so far (only its tail is read, for penalties); a None generator
-        draws from torch's global generator."""
+        """logits [B, V] fp32 -> token ids [B] int64, NO_TOKEN for a row with no valid
+        distribution. `token_histories[i]` is row i's prompt followed by its output so far
+        (only its tail is read, for penalties); a None generator draws from torch's global
+        generator."""
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be [batch, vocab] float32, got "
                              f"{tuple(logits.shape)} {logits.dtype}")
@@ -62,7 +70,7 @@ class Sampler:
         if not len(params) == len(token_histories) == len(generators) == batch:
             raise ValueError(f"{batch} logit rows but {len(params)} params, "
                              f"{len(token_histories)} histories, {len(generators)} generators")
-        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        out = torch.full((batch,), NO_TOKEN, dtype=torch.int64, device=logits.device)
         if batch == 0:
             return out
         logits = apply_penalties(logits, params, token_histories)
@@ -70,13 +78,20 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
             rows = _index(greedy, logits.device)
-            out[rows] = logits[rows].argmax(dim=-1)
+            chosen = logits[rows]
+            # argmax would pick a NaN; an all -inf row has no token at all.
+            usable = ~chosen.isnan().any(-1) & (chosen.amax(-1) > -math.inf)
+            out[rows] = torch.where(usable, chosen.argmax(dim=-1), NO_TOKEN)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = _index(sampled, logits.device)
             probs = probabilities(logits[rows], [params[i] for i in sampled])
-            draws = [_draw(probs[j], generators[i]) for j, i in enumerate(sampled)]
-            out[rows] = torch.stack(draws).to(logits.device)
+            # What torch.multinomial would refuse: a non-finite entry or no mass at all.
+            usable = (probs.isfinite().all(-1) & (probs.sum(-1) > 0)).tolist()
+            drawn = [(j, i) for j, i in enumerate(sampled) if usable[j]]
+            if drawn:
+                draws = [_draw(probs[j], generators[i]) for j, i in drawn]
+                out[_index([i for _, i in drawn], logits.device)] = torch.stack(draws).to(logits.device)
         return out
 
 

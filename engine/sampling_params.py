@@ -13,6 +13,20 @@ so here:
 - `repeat_last_n` 0 turns off all three penalties, as in llama.cpp; -1 means the whole context.
 - `stop`: a string or a list of strings; empty strings are dropped (they would match anywhere).
 - A JSON null for any option means "use the default", as Go's decoder does.
+
+Ranges (wider than any sensible use, narrow enough that no value can make the sampler's fp32
+arithmetic overflow, and every integer fits the worker protocol's fields):
+- temperature: 0 (greedy), or 0.0001 to 100. Below 0.0001 is refused rather than clamped: it
+  is argmax in all but name, and values such as 1e-300 become 0 in fp32 and divide by zero;
+  above 100 every distribution is flat, and 1e308 becomes inf in fp32 (inf / inf = nan).
+- top_p, min_p, typical_p: 0 to 1. top_k: 0 (off) to 2**31 - 1 (past the vocabulary = off).
+- repeat_penalty: 0.001 to 100 (1 = off).
+- presence_penalty, frequency_penalty: -100 to 100. Wider than OpenAI's -2..2, as Ollama
+  passes its clients' values through; +-100 times any token count stays finite in fp32.
+- seed: a signed 64-bit integer (what Ollama's Go decoder and OpenAI accept); larger ones are
+  refused, not folded, so that a seed always means what the client wrote.
+- repeat_last_n: -1 to 2**31 - 1; num_predict: -2 to 2**31 - 1; num_ctx, num_batch: 1 to
+  2**31 - 1; num_keep: -1 to 2**31 - 1; num_thread: 0 to 2**31 - 1 (the protocol's int32).
 """
 
 from __future__ import annotations
@@ -23,6 +37,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.errors import InvalidOptionError
+
+MIN_TEMPERATURE = 1e-4  # a positive temperature below this is refused (see the ranges above)
+MAX_TEMPERATURE = 100.0
+MIN_REPEAT_PENALTY = 1e-3
+MAX_REPEAT_PENALTY = 100.0
+MAX_PENALTY = 100.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_COUNT = (1 << 31) - 1  # integer options travel as int32 (proto/worker.proto, tandem.proto)
 
 
 @dataclass(frozen=True)
@@ -53,23 +74,35 @@ class SamplingParams:
             if value is None and name in _OPTIONAL:
                 continue
             object.__setattr__(self, name, _CONVERTERS[kind](name, value))
-        _check_range("temperature", self.temperature >= 0, ">= 0", self.temperature)
-        _check_range("top_k", self.top_k >= 0, ">= 0 (0 turns it off)", self.top_k)
+        _check_range("temperature", self.temperature == 0
+                     or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+                     f"0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}",
+                     self.temperature)
+        _check_count("top_k", self.top_k, 0, " (0 turns it off)")
         _check_range("top_p", 0 <= self.top_p <= 1, "between 0 and 1", self.top_p)
         _check_range("min_p", 0 <= self.min_p <= 1, "between 0 and 1", self.min_p)
         _check_range("typical_p", 0 <= self.typical_p <= 1, "between 0 and 1", self.typical_p)
-        _check_range("repeat_penalty", self.repeat_penalty > 0, "> 0", self.repeat_penalty)
-        _check_range("repeat_last_n", self.repeat_last_n >= -1, ">= -1", self.repeat_last_n)
-        _check_range("num_predict", self.num_predict >= -2, ">= -2", self.num_predict)
+        _check_range("repeat_penalty",
+                     MIN_REPEAT_PENALTY <= self.repeat_penalty <= MAX_REPEAT_PENALTY,
+                     f"between {MIN_REPEAT_PENALTY:g} and {MAX_REPEAT_PENALTY:g}",
+                     self.repeat_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_range(name, -MAX_PENALTY <= value <= MAX_PENALTY,
+                         f"between {-MAX_PENALTY:g} and {MAX_PENALTY:g}", value)
+        if self.seed is not None:
+            _check_range("seed", -(1 << 63) <= self.seed < (1 << 63),
+                         "a 64-bit signed integer (negative = random)", self.seed)
+        _check_count("repeat_last_n", self.repeat_last_n, -1, " (-1 = the whole context)")
+        _check_count("num_predict", self.num_predict, -2, " (-1 = unbounded)")
         if self.num_ctx is not None:
-            _check_range("num_ctx", self.num_ctx > 0, "> 0", self.num_ctx)
+            _check_count("num_ctx", self.num_ctx, 1)
         if self.num_keep is not None:
-            _check_range("num_keep", self.num_keep >= -1, ">= -1", self.num_keep)
+            _check_count("num_keep", self.num_keep, -1)
         if self.num_batch is not None:
-            _check_range("num_batch", self.num_batch > 0, "> 0", self.num_batch)
+            _check_count("num_batch", self.num_batch, 1)
         if self.num_thread is not None:
-            _check_range("num_thread", self.num_thread >= 0, ">= 0 (0 = automatic)",
-                         self.num_thread)
+            _check_count("num_thread", self.num_thread, 0, " (0 = automatic)")
         # Normalise Ollama's aliases so that consumers test one value (see the module docstring).
         if self.num_predict in (0, -2):
             object.__setattr__(self, "num_predict", -1)
@@ -117,6 +150,9 @@ class SamplingParams:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 200:
+        # repr of a huge int is slow, and past 4,300 digits Python refuses to make it.
+        return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -129,6 +165,10 @@ def _check_finite(name: str, value: float) -> None:
 def _check_range(name: str, ok: bool, expected: str, value: Any) -> None:
     if not ok:
         raise InvalidOptionError(f"option {name!r} must be {expected}, got {_show(value)}")
+
+
+def _check_count(name: str, value: int, low: int, note: str = "") -> None:
+    _check_range(name, low <= value <= MAX_COUNT, f"between {low} and {MAX_COUNT}{note}", value)
 
 
 def _to_int(name: str, value: Any) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED = 2, 3, 4
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: no encoder takes it alone
 # Texts of control tokens that end a turn, which llama.cpp adds to its end-of-generation set.
 _EOG_TEXTS = frozenset(
     {"<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<end_of_turn>", "<|end|>", "<|eom_id|>"}
@@ -214,6 +216,10 @@ class Tokenizer:
         """Special-token text (`<|im_start|>`) becomes its token; BOS is added at most once."""
         if not isinstance(text, str):
             raise InvalidOptionError(f"text to encode must be a str, got {type(text).__name__}")
+        surrogate = _SURROGATE.search(text)
+        if surrogate is not None:  # a str that is not valid Unicode, e.g. from JSON's "\ud800"
+            raise InvalidOptionError(f"text holds a lone surrogate (U+{ord(surrogate.group()):04X}), "
+                                     "which is not valid Unicode")
         # The inner tokenizer's own post-processor is bypassed so the BOS rule is ours alone.
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:

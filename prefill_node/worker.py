@@ -16,6 +16,8 @@ A request's life cycle on this node:
   first token       -> sampled after the last chunk and returned at once (TTFT does not wait
                        for the transfer). The request is finished but its blocks stay held.
   transfer acked    -> sender.poll DONE or FAILED: the blocks are freed.
+  sampling failed   -> (no valid distribution for the first token) the blocks are freed at once
+                       and Prefill fails INVALID_ARGUMENT with the reason; the batch goes on.
   abort (RPC cancelled) in any state: the request ends and its blocks are freed at once (the
                        payloads in flight are copies, so nothing reads those blocks again).
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.engine_loop import EngineLoop
-from engine.errors import TandemError
+from engine.errors import SamplingError, TandemError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -148,6 +150,13 @@ class PrefillWorker(EngineLoop):
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             transfer = self._transfers.pop(out.request_id, None)
+            if out.error:
+                # The engine has freed the blocks already (payloads in flight are copies);
+                # layers already handed to the sender still drain, as after an abort.
+                if transfer is not None and transfer.blocks_sent:
+                    self._draining[out.request_id] = transfer
+                self.post(self._resolve, out.request_id, SamplingError(out.error))
+                continue
             if transfer is not None:
                 self._draining[out.request_id] = transfer
             if out.new_token_ids:

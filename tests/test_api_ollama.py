@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import ollama
 import pytest
 
+from coordinator.client import TandemClient
 from tests.api_cluster import GREEDY, MAX_BODY, MODEL, api  # noqa: F401 (fixture)
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
@@ -212,3 +214,34 @@ def test_64_streaming_clients_get_complete_correct_answers(api):
         assert final["done"] is True and final["done_reason"] == want["done_reason"]
         assert text == want["message"]["content"]
         assert final["eval_count"] == want["eval_count"]
+
+
+def test_option_values_that_broke_the_sampler_are_400_and_the_cluster_serves_on(api):
+    """Issue 15: each of these made torch.multinomial raise in the decode engine, which took
+    the whole cluster down. Now each is a 400 (INVALID_ARGUMENT on gRPC) naming the option,
+    and the same cluster answers the next request and keeps every KV block free."""
+    hostile = [{"temperature": 1e308}, {"temperature": 1e-300}, {"temperature": 1e-320},
+               {"repeat_penalty": 1e-300, "temperature": 0.5},
+               {"frequency_penalty": -1e308, "temperature": 0.5}]
+    expected = post(api, "/api/generate", json.dumps(
+        {"model": MODEL, "prompt": "hi", "stream": False, "options": GREEDY})).json()["response"]
+    for options in hostile:
+        (name,) = [k for k in options if k != "temperature"] or ["temperature"]
+        r = post(api, "/api/generate", json.dumps({"model": MODEL, "prompt": "hi",
+                                                   "options": options}))
+        assert r.status_code == 400 and f"option '{name}'" in r.json()["error"], r.text
+        r = post(api, "/api/chat", body(options=options))
+        assert r.status_code == 400 and f"option '{name}'" in r.json()["error"], r.text
+        if name != "repeat_penalty":  # OpenAI has none
+            r = post(api, "/v1/chat/completions", json.dumps(
+                {"model": MODEL, "messages": MESSAGES, **options}))
+            assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
+        with TandemClient(api.grpc_target, timeout_s=30) as client:
+            with pytest.raises(grpc.RpcError) as info:
+                list(client.generate(MODEL, "hi", options=options))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    again = post(api, "/api/generate", json.dumps(
+        {"model": MODEL, "prompt": "hi", "stream": False, "options": GREEDY}))
+    assert again.status_code == 200 and again.json()["response"] == expected
+    workers = api.cluster.wait_pools_full(timeout_s=30)
+    assert len(workers) == 2 and all(w["num_free_blocks"] == w["num_blocks"] for w in workers)

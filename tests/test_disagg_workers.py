@@ -18,7 +18,7 @@ import torch
 import kvtransfer
 from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
 from engine.config import SchedulerConfig
-from engine.errors import TandemError
+from engine.errors import SamplingError, TandemError
 from engine.llm_engine import LLMEngine, kv_dtype_name
 from engine.model_identity import model_fingerprint
 from engine.node_server import kv_layout
@@ -27,6 +27,7 @@ from kvtransfer.fake import FakeFault, FakeReceiver, FakeSender
 from prefill_node.senders import SenderPool
 from prefill_node.worker import PrefillJob, PrefillWorker
 from tests.model_factory import make_tiny_hf_model
+from tests.sampling_faults import PoisonedSampler, unchecked
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
@@ -324,3 +325,34 @@ async def test_a_dead_engine_fails_open_requests_and_refuses_new_ones(pair_facto
     assert not pair.decode.alive
     with pytest.raises(RuntimeError, match="not running"):
         pair.decode.open(DecodeJob("y", [5, 6], GREEDY, frozenset(), 5, False))
+
+
+@run_async
+async def test_a_sampling_failure_fails_only_its_request_on_either_worker(pair_factory, reference):
+    """Values the APIs refuse (here temperature 1e308, inf in fp32) reach the workers'
+    sampler only through a direct call; the request ends with an error, its blocks are freed,
+    the other requests finish, and both engine loops keep running."""
+    pair = pair_factory()
+    good, bad, local, late = prompts([40, 30, 20, 25], seed=12)
+    hot = unchecked(temperature=1e308)
+    results = await asyncio.gather(pair.run("good", good, 8), pair.run("bad", bad, 8, hot),
+                                   return_exceptions=True)
+    assert results[0][0] == expected(reference, good, 8)
+    assert isinstance(results[1], SamplingError) and "sampling failed" in str(results[1])
+
+    events = pair.decode.open(DecodeJob("local", local, hot, frozenset(), 8, False))
+    final = await asyncio.wait_for(events.get(), 10)
+    assert final.finished and final.finish_reason == "error" and "sampling failed" in final.error
+
+    # Mid-decode on the decode worker: the prefill's first token is fine, the third is not.
+    poisoned = SamplingParams(temperature=0.0)
+    pair.decode_engine.sampler = PoisonedSampler(poisoned, len(late), after=3)
+    tokens, final = await pair.run("late", late, 8, poisoned)
+    assert tokens == expected(reference, late, 3)
+    assert final.finish_reason == "error" and "sampling failed" in final.error
+
+    assert pair.prefill.alive and pair.decode.alive
+    assert await pair.wait_pools_full()
+    tokens, final = await pair.run("after", good, 8)
+    assert tokens == expected(reference, good, 8) and final.finish_reason == "length"
+    assert await pair.wait_pools_full()

@@ -196,4 +196,17 @@ def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_pat
                                  options={"temperature": 0, "num_predict": 24})
             assert reply["tandem"]["prefill_worker"] == "prefill-0"
             assert reply["message"]["content"] == want
+        # Issue 15: this request made the sampler raise, which took the whole cluster down.
+        # It is a 400 now, and the same cluster gives the greedy answer right after.
+        hostile = json.dumps({"model": "smollm2", "prompt": "hi",
+                              "options": {"temperature": 1e308}}).encode()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(
+                cluster.url + "/api/generate", data=hostile,
+                headers={"Content-Type": "application/json"}), timeout=60)
+        assert info.value.code == 400
+        assert "option 'temperature'" in json.loads(info.value.read())["error"]
+        reply = cluster.chat([{"role": "user", "content": "What is the capital of France?"}],
+                             model="smollm2", options={"temperature": 0, "num_predict": 16})
+        assert "Paris" in reply["message"]["content"], reply
         assert_pools_full(cluster)

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.errors import ContextLengthError, InvalidOptionError
+from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from tests.sampling_faults import PoisonedSampler, unchecked
 from tests.test_model_forward import build_pair
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -153,4 +154,62 @@ def test_abort_mid_prefill_and_mid_decode_frees_blocks(pair):
     engine.abort_request(long.request_id)
     engine.abort_request(short.request_id)
     assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def run_mixed(engine: LLMEngine, prompts, params):
+    """run_all, keeping every StepOutput."""
+    reqs = [engine.add_request(p, sp, stop_token_ids=frozenset()) for p, sp in zip(prompts, params)]
+    outputs = {r.request_id: [] for r in reqs}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        steps += 1
+        assert steps < 2000
+    return [outputs[r.request_id] for r in reqs], reqs
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=1e308), dict(temperature=1e-300),
+                                 dict(temperature=0.5, repeat_penalty=1e-300),
+                                 dict(temperature=0.5, frequency_penalty=-1e308)])
+def test_a_request_whose_sampling_fails_ends_with_an_error_and_the_batch_goes_on(pair, bad):
+    hf, model = pair
+    good_prompt, bad_prompt = prompts_of([14, 9], seed=8)
+    engine = make_engine(model)
+    params = [SamplingParams(temperature=0.0, num_predict=6),
+              unchecked(SamplingParams(num_predict=6), **bad)]
+    (good, failed), (good_req, bad_req) = run_mixed(engine, [good_prompt, bad_prompt], params)
+    assert [t for out in good for t in out.new_token_ids] == hf_greedy(hf, good_prompt, 6)
+    assert good_req.status is RequestStatus.FINISHED_LENGTH and not good[-1].error
+    (out,) = failed
+    assert out.finished and out.new_token_ids == [] and out.status is RequestStatus.FINISHED_ERROR
+    assert "sampling failed" in out.error and "temperature" in out.error
+    assert bad_req.status is RequestStatus.FINISHED_ERROR
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_sampling_failure_mid_decode_frees_the_request_and_spares_the_rest(pair, raises):
+    hf, model = pair
+    prompts = prompts_of([14, 9, 20], seed=9)
+    poisoned = SamplingParams(temperature=0.0, num_predict=8)
+    engine = make_engine(model)
+    engine.sampler = PoisonedSampler(poisoned, len(prompts[1]), after=3, raises=raises)
+    params = [SamplingParams(temperature=0.0, num_predict=8), poisoned,
+              SamplingParams(temperature=0.0, num_predict=8)]
+    (first, failed, third), reqs = run_mixed(engine, prompts, params)
+    for outs, prompt in ((first, prompts[0]), (third, prompts[2])):
+        assert [t for out in outs for t in out.new_token_ids] == hf_greedy(hf, prompt, 8)
+    assert [t for out in failed for t in out.new_token_ids] == hf_greedy(hf, prompts[1], 3)
+    assert failed[-1].status is RequestStatus.FINISHED_ERROR and failed[-1].finished
+    assert "sampling failed" in failed[-1].error
+    if raises:
+        assert "RuntimeError" in failed[-1].error
+    assert reqs[1].status is RequestStatus.FINISHED_ERROR
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # generate() reports it as an error, not as a short answer.
+    with pytest.raises(SamplingError, match="sampling failed"):
+        list(engine.generate(prompts[1], poisoned))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

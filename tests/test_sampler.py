@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, make_generator, probabilities
+from engine.sampler import NO_TOKEN, Sampler, apply_penalties, make_generator, probabilities
 from engine.sampling_params import SamplingParams
+from tests.sampling_faults import unchecked
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)  # every filter off
 
@@ -182,8 +183,9 @@ def test_temperature_to_zero_approaches_argmax():
     cold = SamplingParams(temperature=1e-4, **OFF)
     draws = sample(logits, [cold] * 64, generators=[make_generator(i) for i in range(64)])
     assert torch.equal(draws, logits.argmax(-1))
-    # Far below fp32's range for logits / T: still a clean one-hot, no nan.
-    probs = probabilities(logits[:2], [SamplingParams(temperature=1e-30, **OFF)] * 2)
+    # Far below fp32's range for logits / T (and below what the APIs accept): still a clean
+    # one-hot, no nan.
+    probs = probabilities(logits[:2], [unchecked(temperature=1e-30, **OFF)] * 2)
     assert torch.equal(probs.argmax(-1), logits[:2].argmax(-1))
     assert torch.all(probs.max(-1).values == 1.0) and not torch.isnan(probs).any()
     # And a hot temperature spreads the mass: the argmax's share shrinks.
@@ -241,3 +243,35 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="outside"):
         sample(torch.zeros(1, 4), [SamplingParams(repeat_penalty=1.1)], [[4]])
     assert sample(torch.zeros(0, 4), []).shape == (0,)
+
+
+@pytest.mark.parametrize("bad", [
+    unchecked(temperature=1e308),  # inf in fp32: -inf / inf = nan for filtered-out tokens
+    unchecked(temperature=1e-300),  # 0 in fp32: 0 / 0 = nan for the top token
+    unchecked(temperature=0.5, repeat_penalty=1e-300),
+    unchecked(temperature=0.5, frequency_penalty=-1e308),
+])
+def test_a_row_without_a_distribution_is_reported_and_the_rest_sampled(bad):
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    good = SamplingParams(temperature=0.7, seed=3)
+    params = [good, bad, SamplingParams(temperature=0)]
+    histories = [[1, 2, 3]] * 3
+    generators = [make_generator(3), make_generator(4), None]
+    tokens = Sampler().sample(logits, params, histories, generators)
+    alone = Sampler().sample(logits[:1], [good], histories[:1], [make_generator(3)])
+    assert tokens[1] == NO_TOKEN
+    assert tokens[0] == alone[0] and 0 <= tokens[0] < 50
+    assert tokens[2] == logits[2].argmax()
+
+
+def test_nan_logits_are_reported_for_sampled_and_greedy_rows():
+    logits = torch.randn(4, 20)
+    logits[0, 3] = math.nan
+    logits[2, :] = -math.inf  # nothing left to pick
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0.8)]
+    logits[3, 5] = math.nan
+    tokens = sample(logits, params)
+    assert tokens.tolist()[0] == NO_TOKEN and tokens.tolist()[2:] == [NO_TOKEN, NO_TOKEN]
+    assert tokens[1] == logits[1].argmax()

@@ -68,12 +68,42 @@ def test_bad_types_name_the_option(key, value, words):
     ("min_p", -0.1), ("min_p", 1.5), ("typical_p", -0.5), ("typical_p", 2.0),
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.0), ("repeat_last_n", -2),
     ("num_predict", -3), ("num_ctx", 0), ("num_keep", -2), ("num_batch", 0), ("num_thread", -1),
+    # Values that pass a plain sign check but overflow the sampler's fp32 arithmetic or the
+    # worker protocol's integer fields (issue 15).
+    ("temperature", 1e308), ("temperature", 1e-300), ("temperature", 1e-320),
+    ("temperature", 100.5), ("temperature", 5e-5), ("repeat_penalty", 1e-300),
+    ("repeat_penalty", 1e308), ("frequency_penalty", -1e308), ("frequency_penalty", 100.5),
+    ("presence_penalty", -101), ("seed", 2**63), ("seed", -2**63 - 1), ("seed", 2**300),
+    ("repeat_last_n", 2**63), ("top_k", 2**31), ("num_predict", 2**31), ("num_ctx", 2**40),
+    ("num_keep", 2**31), ("num_batch", 2**31), ("num_thread", 2**31),
 ])
 def test_out_of_range_names_the_option(key, value):
     with pytest.raises(InvalidOptionError, match=f"option '{key}' must be"):
         SamplingParams.from_options({key: value})
     with pytest.raises(InvalidOptionError, match=f"option '{key}'"):
         SamplingParams(**{key: value})
+
+
+def test_range_messages_name_the_range():
+    with pytest.raises(InvalidOptionError) as info:
+        SamplingParams.from_options({"temperature": 1e308})
+    assert str(info.value) == ("option 'temperature' must be 0 (greedy) or between 0.0001 and "
+                               "100, got 1e+308")
+    with pytest.raises(InvalidOptionError) as info:
+        SamplingParams.from_options({"seed": 10**5000})
+    assert "64-bit signed integer" in str(info.value) and "16610 bits" in str(info.value)
+    with pytest.raises(InvalidOptionError, match="between -1 and 2147483647"):
+        SamplingParams.from_options({"repeat_last_n": 2**63})
+
+
+def test_range_edges_accepted():
+    lows = SamplingParams(temperature=1e-4, repeat_penalty=1e-3, presence_penalty=-100,
+                          frequency_penalty=-100, seed=-2**63, top_k=2**31 - 1,
+                          repeat_last_n=2**31 - 1, num_predict=2**31 - 1)
+    assert lows.temperature == 1e-4 and lows.seed is None
+    highs = SamplingParams(temperature=100, repeat_penalty=100, presence_penalty=100,
+                           frequency_penalty=100, seed=2**63 - 1)
+    assert highs.seed == 2**63 - 1
 
 
 def test_direct_construction_is_type_checked():
