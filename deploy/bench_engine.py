@@ -117,7 +117,8 @@ def bench_format(loaded, fmt: str, args) -> dict:
     model = model_class(config.architecture)(config, loaded.weights, fmt)
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = (max(args.prompt_len, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
-    runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq))
+    kv_dtype = torch.bfloat16 if args.kv_dtype == "bf16" else torch.float32
+    runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq), kv_dtype)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(batches))]
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
@@ -152,7 +153,7 @@ def run_child(args, level: str) -> dict:
     cmd = [sys.executable, "-m", "deploy.bench_engine", args.model, "--one-level", "--json",
            "--formats", args.formats, "--prompt-len", str(args.prompt_len), "--context", str(args.context),
            "--batches", args.batches, "--decode-steps", str(args.decode_steps),
-           "--repeats", str(args.repeats), "--threads", str(args.threads)]
+           "--repeats", str(args.repeats), "--threads", str(args.threads), "--kv-dtype", args.kv_dtype]
     env = {**worker_env(args.threads), "ATEN_CPU_CAPABILITY": level}
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])[0]
@@ -194,7 +195,7 @@ def cpu_summary() -> str:
 def print_report(levels: list[dict], args, copy_gb_s: float) -> None:
     print(levels[0]["model"])
     print(f"prefill: one {args.prompt_len}-token prompt, median of {args.repeats}; "
-          f"decode: context {args.context}, median of {args.decode_steps} steps")
+          f"decode: context {args.context}, median of {args.decode_steps} steps; KV cache {args.kv_dtype}")
     print()
     print(f"{'level':8} {'format':7} {'prefill tok/s':>13} {'batch':>5} {'decode tok/s':>12} {'x b=1':>6} "
           f"{'weights MB':>10} {'KV MB':>7} {'GB/s':>6} {'x copy':>6}")
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32", help="KV cache element type")
     parser.add_argument("--kernels", action="store_true", help="run the kernel micro-benchmarks first")
     parser.add_argument("--one-level", action="store_true", help="run this process's dispatch level only, in process")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
