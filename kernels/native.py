@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -122,10 +123,12 @@ def library(level: str | None = None) -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
+    """Whether this process can use the native kernels; the reason it cannot is logged once."""
     try:
         library()
         return True
-    except NativeUnavailable:
+    except NativeUnavailable as e:
+        logging.getLogger("tandem.kernels").warning("native CPU kernels unavailable, using aten's: %s", e)
         return False
 
 
