@@ -9,6 +9,7 @@ dispatch level. Deleting the file re-measures. The choice is logged.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -40,9 +41,25 @@ def host_key(fmt: str) -> str:
 
 def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str], float]) -> str:
     key = host_key(fmt)
-    if key in _memo:
-        return _memo[key]
-    path = native.cache_root() / "layouts.json"
+    if key not in _memo:
+        path = native.cache_root() / "layouts.json"
+        # One measurement per host: processes starting together (a prefill and a decode worker)
+        # wait on the lock and read the first one's choice, so they never run different kernels.
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_suffix(".lock"), "w")
+        except OSError as e:  # an unwritable cache: measure for this process alone
+            log.warning("layout cache %s unusable (%s); measuring for this process only", path, e)
+            _memo[key] = _choose(key, path, fmt, candidates, time_layout)
+        else:
+            with lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                _memo[key] = _choose(key, path, fmt, candidates, time_layout)
+    return _memo[key]
+
+
+def _choose(key: str, path: Path, fmt: str, candidates: list[str],
+            time_layout: Callable[[str], float]) -> str:
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -55,7 +72,6 @@ def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str],
                  ", ".join(f"{c} {t * 1e6:.0f} us" for c, t in times.items()))
         table[key] = choice
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1))
             os.replace(tmp, path)
@@ -63,5 +79,4 @@ def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str],
             log.warning("could not record the layout choice in %s: %s", path, e)
     else:
         log.info("%s layout on this host: %s (measured earlier, %s)", fmt, choice, path)
-    _memo[key] = choice
     return choice

@@ -1,0 +1,37 @@
+"""kernels/layout_choice.py: the fastest layout is measured once per host and remembered."""
+
+from __future__ import annotations
+
+import json
+
+from kernels import layout_choice
+
+
+def test_measures_once_picks_the_fastest_and_remembers(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    timed = []
+
+    def time_layout(name: str) -> float:
+        timed.append(name)
+        return {"a": 2.0, "b": 1.0}[name]
+
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], time_layout) == "b"
+    assert timed == ["a", "b"]
+    table = json.loads((tmp_path / "native" / "layouts.json").read_text())
+    assert list(table.values()) == ["b"] and list(table)[0].startswith("fmt|")
+    # A new process (empty memo) reads the recorded choice instead of measuring again.
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], time_layout) == "b"
+    assert timed == ["a", "b"]
+    # A recorded choice that is no longer a candidate is measured again.
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    assert layout_choice.fastest_layout("fmt", ["a"], time_layout) == "a"
+
+
+def test_unwritable_cache_still_chooses(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TANDEM_HOME", str(blocker))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: {"a": 1.0, "b": 3.0}[n]) == "a"
