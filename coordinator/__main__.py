@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the client gRPC API (0 = any free port, logged)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                    help="largest HTTP request body (413 above)")
+    p.add_argument("--internal-api-from", action="append", default=[], metavar="CIDR",
+                   help="also serve GET /internal/workers to clients in this network "
+                        "(repeatable; by default only to clients on this host)")
     p.add_argument("--max-messages", type=int, default=DEFAULTS.max_messages,
                    help="most messages in one chat request")
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             max_running_per_worker=args.max_running_per_worker,
             queue_timeout_s=args.queue_timeout, heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
-            token_timeout_s=args.token_timeout)
+            token_timeout_s=args.token_timeout,
+            internal_api_from=tuple(args.internal_api_from))
         store = ModelStore(default_home())
         path = store.resolve(args.model)
         entry = store.entry(args.model)

@@ -42,6 +42,9 @@ class CoordinatorConfig:
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
     max_messages: int = 1024  # messages in one chat request
     max_streams: int = 512  # requests open at once, queued or running, on every API (429 above)
+    # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint) is served to
+    # clients on this host only, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
+    internal_api_from: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prefill_threshold", "registry_port", "grpc_port"):
@@ -55,6 +58,14 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
+        import ipaddress  # noqa: PLC0415
+
+        for network in self.internal_api_from:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"internal_api_from: {network!r} is not a network "
+                                 "(CIDR such as 10.0.0.0/8, or an address)") from None
         for name in ("queue_timeout_s", "heartbeat_interval_s", "reserve_timeout_s",
                      "prefill_timeout_s", "control_timeout_s", "token_timeout_s",
                      "request_timeout_s"):

@@ -22,7 +22,8 @@ from coordinator.admission import Overloaded
 from coordinator.generation import Generation
 from coordinator.metrics import RequestTimings
 from coordinator.ollama_request import check_messages
-from coordinator.prompts import chat_prompt_ids, generate_prompt_ids
+from coordinator.model import shown
+from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.registry import DECODE_ROLES
 from coordinator.request_flow import NoWorkers, WorkerError
 from coordinator.rpc import tandem_pb2 as pb
@@ -77,12 +78,12 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     def _check_model(self, name: str) -> None:
         if not self.coordinator.model.answers_to(name):
-            raise ModelNotFoundError(f"model '{name}' not found")
+            raise ModelNotFoundError(f"model '{shown(name)}' not found")
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if _status(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
             log.exception("internal error")
-        await context.abort(_status(exc), str(exc))
+        await context.abort(_status(exc), shown(str(exc), 1000))  # echoes at most 1000 chars
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -94,9 +95,11 @@ class TandemServicer(pb_grpc.TandemServicer):
             if not request.prompt and not request.context:
                 yield pb.GenerateResponse(model=name, done=True, done_reason="load")
                 return
-            prompt_ids = generate_prompt_ids(self.coordinator.model, request.prompt,
-                                             request.system or None, request.raw,
-                                             list(request.context))
+            model = self.coordinator.model
+            prompt_ids = await off_loop(generate_prompt_ids, model, request.prompt,
+                                        request.system or None, request.raw,
+                                        list(request.context),
+                                        params.context_limit(model.context_len))
             generation = await self.coordinator.submit(prompt_ids, params, timings)
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
@@ -127,8 +130,9 @@ class TandemServicer(pb_grpc.TandemServicer):
                 yield pb.ChatResponse(model=model.name, done=True, done_reason="load",
                                       message=pb.Message(role="assistant"))
                 return
-            generation = await self.coordinator.submit(chat_prompt_ids(model, messages),
-                                                       params, timings)
+            prompt_ids = await off_loop(chat_prompt_ids, model, messages, None,
+                                        params.context_limit(model.context_len))
+            generation = await self.coordinator.submit(prompt_ids, params, timings)
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return

@@ -9,6 +9,7 @@ NDJSON line {"error": ...}. A client that disconnects has its request cancelled 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
@@ -16,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from coordinator import model_info
 from coordinator.admission import Overloaded, TooManyStreams
@@ -29,7 +31,8 @@ from coordinator.ollama_response import (
 )
 from coordinator.openai_api import error_body as openai_error
 from coordinator.openai_routes import add_openai_routes
-from coordinator.prompts import chat_prompt_ids, generate_prompt_ids
+from coordinator.model import shown
+from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import NoWorkers, WorkerError
 from coordinator.service import Coordinator
 from engine.errors import ModelNotFoundError, TandemError
@@ -44,8 +47,12 @@ def tandem_version() -> str:
         return "0.0.0"
 
 
+MAX_ERROR_CHARS = 1000  # an error message never echoes more of what the client sent
+
+
 def _error(request: Request, status: int, message: str,
            headers: dict[str, str] | None = None) -> JSONResponse:
+    message = shown(message, MAX_ERROR_CHARS)
     body = (openai_error(status, message) if request.url.path.startswith("/v1/")
             else error_body(message))
     return JSONResponse(body, status_code=status, headers=headers)
@@ -79,15 +86,48 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
     async def _worker_error(request: Request, exc: WorkerError) -> JSONResponse:
         return _error(request, 500, str(exc))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left while sending its body: nobody reads an answer, nothing failed here.
+        # A handler for this class (not Exception's) keeps Starlette from re-raising it, so
+        # uvicorn does not log a traceback either.
+        log.info("client %s left before sending the whole body of %s %s",
+                 request.client.host if request.client else "?", request.method,
+                 request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _fault(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
         return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _internal_client(request: Request, networks: list) -> bool:
+    """True for a loopback peer, a peer on this host, or one in `networks`.
+
+    A peer whose address is the address it connected to is on this host: Linux routes a
+    connection to one of its own addresses over loopback with that address as the source, and
+    drops packets from outside that claim a local source address (a spoofed SYN could not
+    complete the handshake anyway)."""
+    if request.client is None:
+        return False
+    try:
+        peer = ipaddress.ip_address(request.client.host)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped
+    if peer.is_loopback:
+        return True
+    server = request.scope.get("server")
+    if server and server[0] == request.client.host:
+        return True
+    return any(peer in network for network in networks)
+
+
 def check_model(coordinator: Coordinator, name: str) -> None:
     if not coordinator.model.answers_to(name):
-        raise ModelNotFoundError(f"model '{name}' not found")
+        raise ModelNotFoundError(f"model '{shown(name)}' not found")
 
 
 async def collect(request: Request, generation: Generation) -> str | None:
@@ -121,8 +161,16 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         return Response(coordinator.render_metrics(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # Worker addresses, KV endpoints and the model fingerprint a worker registers with: for the
+    # launchers on this host (deploy/local.py, deploy/launch.py, deploy/ray_launcher.py and the
+    # tests poll it), and for networks named by --internal-api-from; a 403 to everyone else.
+    internal_from = [ipaddress.ip_network(n, strict=False) for n in limits.internal_api_from]
+
     @app.get("/internal/workers")
-    async def workers() -> JSONResponse:
+    async def workers(request: Request) -> JSONResponse:
+        if not _internal_client(request, internal_from):
+            return _error(request, 403, "/internal/workers is served only to clients on the "
+                                        "coordinator's host (or in --internal-api-from)")
         return JSONResponse(coordinator.workers_report())
 
     @app.get("/api/version")
@@ -152,7 +200,8 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         check_model(coordinator, req.model)
         if not req.messages:
             return JSONResponse(chat_load(model.name, req.unload))
-        prompt_ids = chat_prompt_ids(model, req.messages, req.tools)
+        prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
+                                    req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
         if req.stream:
             return WatchedStream(_stream_chat(model.name, generation), generation.close)
@@ -168,7 +217,8 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         check_model(coordinator, req.model)
         if not req.prompt and not req.context:
             return JSONResponse(generate_load(model.name, req.unload))
-        prompt_ids = generate_prompt_ids(model, req.prompt, req.system, req.raw, req.context)
+        prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
+                                    req.context, req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
 
         def context() -> list[int] | None:

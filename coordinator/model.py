@@ -36,6 +36,12 @@ class ServedModel:
         return name in self.names or base in self.names
 
 
+def shown(text: str, limit: int = 100) -> str:
+    """`text` as an error message may echo it: at most `limit` characters, then "..."."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = ()) -> ServedModel:
     """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors."""
     path = Path(path).expanduser()

@@ -14,7 +14,8 @@ from coordinator import openai_api as oa
 from coordinator.generation import Generation
 from coordinator.http_stream import SSE, WatchedStream, read_json_body
 from coordinator.metrics import RequestTimings
-from coordinator.prompts import chat_prompt_ids, completion_prompt_ids
+from coordinator.model import shown
+from coordinator.prompts import chat_prompt_ids, completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
 from engine.errors import ModelNotFoundError
@@ -38,7 +39,7 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str) -> JSONResponse:
         if not model.answers_to(name):
-            raise ModelNotFoundError(f"model '{name}' not found")
+            raise ModelNotFoundError(f"model '{shown(name)}' not found")
         return JSONResponse(oa.model_entry(model.name, created))
 
     @app.post("/v1/chat/completions")
@@ -47,7 +48,8 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
         req = oa.parse_chat_completion(await read_json_body(request, limits.max_body_bytes),
                                        limits.max_messages)
         check_model(coordinator, req.model)
-        prompt_ids = chat_prompt_ids(model, req.messages, req.tools)
+        prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
+                                    req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
         rid = oa.new_id("chatcmpl")
         if req.stream:
@@ -64,7 +66,8 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
         timings = RequestTimings()
         req = oa.parse_completion(await read_json_body(request, limits.max_body_bytes))
         check_model(coordinator, req.model)
-        prompt_ids = completion_prompt_ids(model, req.prompt)
+        prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
+                                    req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
         rid = oa.new_id("cmpl")
         if req.stream:

@@ -8,6 +8,12 @@ while it is alive:
                           alive --(an RPC to it fails with UNAVAILABLE)-----------> dead
                           dead  --(Register again)----------------------------------> alive
 
+Silence is measured on the coordinator's own responsive time, not the wall clock: if its event
+loop stalls (a long GC pause, a blocking call), the heartbeats that workers sent meanwhile wait
+unread in the socket, and a stall must not be blamed on them. The sweeper ticks every half
+interval; time between two ticks beyond one heartbeat interval is the coordinator's stall and
+does not count as any worker's silence (`responsive_now`).
+
 A dead worker's Heartbeat answers known=false, so a worker that was only cut off for a while
 registers again and is revived with a fresh channel. Records of dead workers are kept so that
 /internal/workers can show them.
@@ -62,7 +68,7 @@ class WorkerRecord:
     kv_layout_fingerprint: str
     channel: grpc.aio.Channel
     load: WorkerLoad
-    last_heartbeat: float  # monotonic seconds
+    last_heartbeat: float  # the registry's responsive time (seconds), see responsive_now
     alive: bool = True
     dead_reason: str = ""
     assigned_requests: int = 0
@@ -99,6 +105,38 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._tick_at: float | None = None  # clock() at the sweeper's last tick
+        self.stalled_s = 0.0  # the coordinator's own stalls so far, not counted as silence
+
+    # ---- the coordinator's responsive time ------------------------------------------------------
+
+    @property
+    def _max_tick_gap_s(self) -> float:
+        # The sweeper sleeps half an interval; a tick up to one interval late is normal.
+        return self.config.heartbeat_interval_s * 1.5
+
+    def responsive_now(self) -> float:
+        """The clock less the coordinator's own stalls: a gap since the sweeper's last tick
+        counts only up to `_max_tick_gap_s` (a longer one means this loop was not running).
+        Before the sweeper's first tick (no loop watching), the plain clock."""
+        now = self._clock()
+        pending = 0.0
+        if self._tick_at is not None:
+            pending = max(0.0, now - self._tick_at - self._max_tick_gap_s)
+        return now - self.stalled_s - pending
+
+    def tick(self) -> None:
+        """The sweeper's heartbeat of its own: records a stall since the last tick."""
+        now = self._clock()
+        if self._tick_at is not None:
+            stall = now - self._tick_at - self._max_tick_gap_s
+            if stall > 0:
+                self.stalled_s += stall
+                if stall >= self.config.heartbeat_interval_s:
+                    log.warning("the coordinator's event loop stalled for %.1f s; heartbeat "
+                                "silence during it is not held against any worker",
+                                stall + self._max_tick_gap_s)
+        self._tick_at = now
 
     # ---- called by the Registry servicer ------------------------------------------------------
 
@@ -119,7 +157,7 @@ class WorkerRegistry:
             kv_endpoint=info.kv_endpoint, kv_backend=info.kv_backend,
             model_fingerprint=info.model_fingerprint,
             kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
-            load=load_from_status(info.status), last_heartbeat=self._clock(),
+            load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
             registrations=old.registrations + 1 if old else 1,
         )
         if info.role == "prefill":
@@ -137,7 +175,7 @@ class WorkerRegistry:
         record = self._workers.get(request.worker_id)
         if record is None or not self._check_alive(record):
             return pb.HeartbeatResponse(known=False)  # the worker registers again
-        record.last_heartbeat = self._clock()
+        record.last_heartbeat = self.responsive_now()
         if request.HasField("status"):
             record.load = load_from_status(request.status)
         self._notify()
@@ -166,7 +204,8 @@ class WorkerRegistry:
     # ---- liveness -------------------------------------------------------------------------------
 
     def _check_alive(self, record: WorkerRecord) -> bool:
-        if record.alive and self._clock() - record.last_heartbeat > self.config.heartbeat_deadline_s:
+        silence = self.responsive_now() - record.last_heartbeat
+        if record.alive and silence > self.config.heartbeat_deadline_s:
             self._kill(record, f"no heartbeat for {self.config.heartbeat_deadline_s:g} s")
         return record.alive
 
@@ -176,8 +215,10 @@ class WorkerRegistry:
             self._check_alive(record)
 
     async def run_sweeper(self) -> None:
+        self.tick()
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s / 2)
+            self.tick()
             self.sweep()
 
     def mark_dead(self, worker_id: str, reason: str) -> None:

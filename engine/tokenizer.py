@@ -11,6 +11,8 @@ table (llama-vocab.cpp), so the ids equal llama.cpp's for the same file.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 import re
@@ -212,6 +214,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest
+        vocabulary entry in UTF-8 (byte-level BPE maps each byte to one char of 1-2 UTF-8
+        bytes, SentencePiece's '▁' of 3 bytes stands for one space, so it is never too small).
+        A text of more bytes than max_token_bytes * n surely has more than n tokens."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text (`<|im_start|>`) becomes its token; BOS is added at most once."""
         if not isinstance(text, str):
@@ -221,7 +232,9 @@ class Tokenizer:
             raise InvalidOptionError(f"text holds a lone surrogate (U+{ord(surrogate.group()):04X}), "
                                      "which is not valid Unicode")
         # The inner tokenizer's own post-processor is bypassed so the BOS rule is ours alone.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL (measured: encode of a 3.7 MB text held
+        # it for 3.8 s, stalling every thread of the coordinator), and gives the same ids.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)
