@@ -4,12 +4,15 @@
     specs, ready = plan(topology)          # argv of every process, ports chosen here
     with LocalCluster(specs, ready) as cluster:
         cluster.start()                     # waits until the coordinator reports the workers
-        cluster.wait()                      # until Ctrl-C / SIGTERM or a process exits
+        cluster.wait()                      # until Ctrl-C / SIGTERM; restarts workers that exit
 
 Start order: the coordinator first (workers register with it), then the workers. Ready means
 the coordinator answers HTTP and GET /internal/workers lists the expected live workers by role.
 If a process exits during start-up, the others are stopped and LaunchError names it with the
-tail of its log. Stopping sends SIGTERM to the workers, then the coordinator, waits up to
+tail of its log. While serving, a worker that exits is logged with its log's tail and started
+again after a backoff (1, 2, 4, ... 30 s; it re-registers by itself) while the rest serve on;
+one that keeps dying right after each start is given up on, and then everything stops, as it
+does when the coordinator exits. Only Ctrl-C or SIGTERM stops a healthy cluster. Stopping sends SIGTERM to the workers, then the coordinator, waits up to
 `grace_s` for each, then SIGKILLs what is left. Children run in their own sessions, so the
 terminal's Ctrl-C reaches only this launcher, which forwards it in that order.
 
@@ -206,12 +209,26 @@ class _Child:
     spec: ProcessSpec
     process: subprocess.Popen
     log: object = field(repr=False)
+    started: float = field(default_factory=time.monotonic)
+    quick_failures: int = 0  # consecutive exits soon after a start
+    restart_at: float | None = None  # set while a restart waits out its backoff
 
 
 class LocalCluster:
+    # Supervision while serving: a worker that exits is started again after a backoff (it
+    # re-registers with the coordinator by itself), the coordinator and the other workers
+    # serving on. A worker that keeps exiting within `quick_s` of its start more than
+    # `max_quick_failures` times in a row is given up on, and then the cluster stops (it will
+    # not come up: a wrong model, a refused layout). The coordinator exiting stops the cluster.
     def __init__(self, specs: list[ProcessSpec], ready: Readiness, *,
                  start_timeout_s: float = 300.0, grace_s: float = 10.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 restart_backoff_s: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0),
+                 max_quick_failures: int = 5, quick_s: float = 10.0) -> None:
+        self.restart_backoff_s = restart_backoff_s
+        self.max_quick_failures = max_quick_failures
+        self.quick_s = quick_s
+        self.out: Callable[[str], None] = print
         self.specs = specs
         self.ready = ready
         self.start_timeout_s = start_timeout_s
@@ -238,10 +255,11 @@ class LocalCluster:
         for spec in self.specs:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(spec.log_path, "ab")
-            process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=self.env,
-                                       start_new_session=True)
-            self.children.append(_Child(spec, process, log))
+            self.children.append(_Child(spec, self._popen(spec, log), log))
+
+    def _popen(self, spec: ProcessSpec, log) -> subprocess.Popen:
+        return subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
 
     def wait_ready(self) -> None:
         """Wait until the coordinator reports the expected workers; on failure or interrupt,
@@ -291,13 +309,38 @@ class LocalCluster:
                 raise LaunchError(f"{child.spec.name} exited with code {code} {when}; last lines "
                                   f"of {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
 
-    def wait(self) -> str | None:
-        """Block until stop is requested (None) or a process exits (its LaunchError)."""
-        while not self.stop_requested.wait(0.5):
-            try:
-                self._check_children("while serving")
-            except LaunchError as exc:
-                return str(exc)
+    def wait(self, poll_s: float = 0.5) -> str | None:
+        """Serve until stop is requested (None), restarting workers that exit; or until the
+        coordinator exits or a worker is given up on (why, as text)."""
+        while not self.stop_requested.wait(poll_s):
+            failure = self._supervise()
+            if failure is not None:
+                return failure
+        return None
+
+    def _supervise(self) -> str | None:
+        now = time.monotonic()
+        for i, child in enumerate(self.children):
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.process = self._popen(child.spec, child.log)
+                    child.started, child.restart_at = now, None
+                    self.out(f"restarted {child.spec.name} (pid {child.process.pid})")
+                continue
+            code = child.process.poll()
+            if code is None:
+                continue
+            why = (f"{child.spec.name} exited with code {code} while serving; last lines of "
+                   f"{child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+            if i == 0:  # the coordinator: the workers cannot serve without it
+                return why
+            child.quick_failures = child.quick_failures + 1 if now - child.started < self.quick_s else 1
+            if child.quick_failures > self.max_quick_failures:
+                return (f"{why}\n{child.spec.name} exited within {self.quick_s:g} s of starting "
+                        f"{child.quick_failures} times in a row; not restarting it")
+            delay = self.restart_backoff_s[min(child.quick_failures, len(self.restart_backoff_s)) - 1]
+            child.restart_at = now + delay
+            self.out(f"{why}\nrestarting {child.spec.name} in {delay:g} s")
         return None
 
     def stop(self) -> None:
@@ -362,6 +405,7 @@ def run_until_stopped(cluster: LocalCluster, on_ready: Callable[[], None],
     """Start `cluster`, call on_ready, serve until SIGINT/SIGTERM (0) or until a process exits
     (1); 130 when interrupted during start-up. Every process is stopped on the way out.
     on_spawn runs once every process has been started, before waiting for readiness."""
+    cluster.out = out
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, lambda *_: cluster.stop_requested.set())

@@ -82,6 +82,73 @@ def test_cluster_starts_until_workers_are_live_and_stops_every_child(tmp_path):
     assert "registered" in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
+def test_killed_worker_is_restarted_while_the_rest_serve_on(tmp_path):
+    """The supervisor (LocalCluster.wait): kill -9 a worker while serving; it is started again,
+    registers again, and the coordinator never stopped."""
+    import os
+    import signal
+    import threading
+    import time
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    t = Topology(model=str(model_dir), model_path=model_dir, log_dir=tmp_path / "logs",
+                 port=free_port(), prefill=1, decode=1)
+    specs, ready = plan(t)
+    specs = [specs[0]] + [
+        ProcessSpec(s.name, [sys.executable, "-m", "tests.fake_worker_process", *s.argv[3:]],
+                    s.log_path) for s in specs[1:]]
+    cluster = LocalCluster(specs, ready, start_timeout_s=60, grace_s=5, restart_backoff_s=(0.2,),
+                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    events: list[str] = []
+    cluster.out = events.append
+    result: list[str | None] = []
+    with cluster:
+        cluster.start()
+        coordinator, decode = cluster.children[0].process, cluster.children[2].process
+        assert cluster.children[2].spec.name == "decode-0"
+        server = threading.Thread(target=lambda: result.append(cluster.wait(poll_s=0.1)))
+        server.start()
+        os.kill(decode.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        restarted = None
+        while time.monotonic() < deadline:
+            child = cluster.children[2].process
+            if child.pid != decode.pid and child.poll() is None:
+                with urllib.request.urlopen(f"{ready.url}/internal/workers", timeout=5) as r:
+                    report = json.loads(r.read())
+                if {w["worker_id"]: w["alive"] for w in report["workers"]}.get("decode-0"):
+                    restarted = child
+                    break
+            time.sleep(0.1)
+        assert restarted is not None, events
+        assert coordinator.poll() is None and cluster.children[0].process is coordinator
+        cluster.stop_requested.set()
+        server.join(10)
+    assert result == [None]  # a requested stop, not a failure
+    assert any("decode-0 exited with code -9 while serving" in e for e in events)
+    assert any(e.startswith("restarted decode-0") for e in events)
+
+
+def test_worker_dying_at_every_start_is_given_up_on(tmp_path):
+    sleeper = ProcessSpec("coordinator", [sys.executable, "-c", "import time; time.sleep(60)"],
+                          tmp_path / "coordinator.log")
+    crasher = ProcessSpec("decode-0", [sys.executable, "-c", "import sys; print('refused'); sys.exit(3)"],
+                          tmp_path / "decode-0.log")
+    from deploy.local import Readiness
+
+    cluster = LocalCluster([sleeper, crasher], Readiness("http://127.0.0.1:1", {"decode": 1}),
+                           grace_s=5, restart_backoff_s=(0.05,), max_quick_failures=2, quick_s=30)
+    starts: list[str] = []
+    cluster.out = starts.append
+    with cluster:
+        cluster.spawn()
+        failure = cluster.wait(poll_s=0.05)
+        assert cluster.children[0].process.poll() is None  # still serving until stop()
+    assert failure is not None and "exited within 30 s of starting 3 times in a row" in failure
+    assert "refused" in failure
+    assert sum(e.startswith("restarted decode-0") for e in starts) == 2
+
+
 def test_child_dying_during_start_up_stops_the_rest_and_names_it(tmp_path):
     sleeper = ProcessSpec("coordinator", [sys.executable, "-c", "import time; time.sleep(60)"],
                           tmp_path / "coordinator.log")
