@@ -210,3 +210,40 @@ def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_pat
                              model="smollm2", options={"temperature": 0, "num_predict": 16})
         assert "Paris" in reply["message"]["content"], reply
         assert_pools_full(cluster)
+
+
+def test_killed_worker_is_restarted_by_the_supervisor_and_serves_again(tiny, reference, tmp_path):
+    """kill -9 the only decode worker while `tandem serve`'s supervisor runs (LocalCluster.wait):
+    it is started again, re-registers, and the same request gets the same answer; the
+    coordinator process never changed."""
+    import threading
+
+    content = text_prompt(12, seed=3)
+    with running_cluster(tiny, tmp_path / "logs", worker_args=FP32) as cluster:
+        cluster.handle.restart_backoff_s = (0.2,)
+        cluster.handle.out = lambda line: None
+        before = chat(cluster, content, 8)["message"]["content"]
+        coordinator = cluster.handle.children[0].process
+        supervisor = threading.Thread(target=cluster.handle.wait, kwargs={"poll_s": 0.1})
+        supervisor.start()
+        try:
+            old = next(c for c in cluster.handle.children if c.spec.name == "decode-0").process
+            kill(cluster, "decode-0")
+            deadline = time.monotonic() + 60
+            log = cluster.log_dir / "decode-0.log"
+            while time.monotonic() < deadline:
+                new = next(c for c in cluster.handle.children if c.spec.name == "decode-0").process
+                alive = {w["worker_id"]: w["alive"] for w in cluster.workers()}
+                # The new process has registered (its log says so twice: both lives append).
+                if (new.pid != old.pid and log.read_text().count("registered with") == 2
+                        and alive.get("decode-0")):
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"decode-0 did not come back: {cluster.workers()}")
+            assert chat(cluster, content, 8)["message"]["content"] == before == expected_text(reference, content, 8)
+            assert cluster.handle.children[0].process is coordinator and coordinator.poll() is None
+            assert_pools_full(cluster)
+        finally:
+            cluster.handle.stop_requested.set()
+            supervisor.join(10)
