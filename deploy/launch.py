@@ -20,6 +20,7 @@ with `--coordinator <registry address>` takes traffic without restarting anythin
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import signal
@@ -138,6 +139,22 @@ def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str
     return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
 
 
+def _internal_api_from(t: ClusterTopology) -> list[str]:
+    """A coordinator on another host answers /internal/workers (the launcher's readiness poll)
+    only to the networks it is told: every host address of the topology, where the launcher
+    runs (the same host as the coordinator needs nothing)."""
+    if t.coordinator.host.kind == "local":
+        return []
+    flags = []
+    for address in sorted({h.address for h in t.hosts}):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:  # a host name: the operator adds --internal-api-from if needed
+            continue
+        flags += ["--internal-api-from", f"{ip}/{ip.max_prefixlen}"]
+    return flags
+
+
 def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
     host = role.host
     if role.role == "coordinator":
@@ -148,7 +165,7 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
             argv += ["--grpc-host", host.bind, "--grpc-port", str(role.grpc_port)]
         if t.prefill_threshold is not None:
             argv += ["--prefill-threshold", str(t.prefill_threshold)]
-        return argv + list(t.coordinator_args) + list(role.args)
+        return argv + _internal_api_from(t) + list(t.coordinator_args) + list(role.args)
     module = "prefill_node" if role.role == "prefill" else "decode_node"
     argv = [module, "--model", t.model, "--host", host.bind, "--advertise-host", host.address,
             "--port", str(role.port), "--coordinator", t.registry_address,

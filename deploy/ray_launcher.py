@@ -181,6 +181,11 @@ class RayLauncher:
                 "--registry-port", str(node["ports"][0]), "--chunk-size", str(self.t.chunk_size)]
         if self.t.prefill_threshold is not None:
             argv += ["--prefill-threshold", str(self.t.prefill_threshold)]
+        # This driver polls /internal/workers, which a coordinator serves only to its own host
+        # and to the networks it is told.
+        driver_ip = ray.util.get_node_ip_address()
+        if driver_ip != node["ip"]:
+            argv += ["--internal-api-from", driver_ip]
         pid = ray.get(actor.start.remote(argv + list(self.t.coordinator_args), self.t.env))
         self.url = f"http://{node['ip']}:{http_port}"
         self.registry = f"{node['ip']}:{node['ports'][0]}"

@@ -115,6 +115,9 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
     coordinator = specs[0].argv[-1]
     assert "--registry-host 0.0.0.0 --registry-port 50050" in coordinator
     assert "--grpc-host 0.0.0.0 --grpc-port 50051" in coordinator
+    # A coordinator over ssh answers the launcher's readiness poll from the topology's hosts.
+    for address in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        assert f"--internal-api-from {address}/32" in coordinator
 
     t = load_topology(DEPLOY / "netns.toml")
     specs, _ = plan_launch(t, tmp_path, "run2")
@@ -122,6 +125,7 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
     assert specs[1].argv[:5] == ["ip", "netns", "exec", "tdm-h2", "env"]
     assert specs[1].signal_argv == ()
     assert specs[0].argv[0] == "env"  # h1 is the launcher's own host
+    assert "--internal-api-from" not in " ".join(specs[0].argv)  # same host: nothing to open
 
 
 def test_unknown_role_is_named():
