@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from engine.config import CacheConfig
+from engine.llm_engine import KV_TORCH_DTYPES
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
@@ -117,7 +118,7 @@ def bench_format(loaded, fmt: str, args) -> dict:
     model = model_class(config.architecture)(config, loaded.weights, fmt)
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = (max(args.prompt_len, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
-    kv_dtype = torch.bfloat16 if args.kv_dtype == "bf16" else torch.float32
+    kv_dtype = KV_TORCH_DTYPES[args.kv_dtype]
     runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq), kv_dtype)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(batches))]
     gen = torch.Generator().manual_seed(0)

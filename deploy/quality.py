@@ -19,6 +19,7 @@ import math
 import torch
 
 from engine.config import CacheConfig
+from engine.llm_engine import KV_TORCH_DTYPES
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models import model_class
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {loaded.config.name}; text of {len(ids)} tokens in passes of {args.chunk}; "
           f"KV {args.kv_dtype} (the fp32 baseline: fp32 KV); aten level "
           f"{torch.backends.cpu.get_cpu_capability()}")
-    kv_dtype = torch.bfloat16 if args.kv_dtype == "bf16" else torch.float32
+    kv_dtype = KV_TORCH_DTYPES[args.kv_dtype]
     print(f"{'format':8} {'perplexity':>11} {'change':>9} {'top-1 agreement':>16}")
     base_top1 = None
     base_ppl = None

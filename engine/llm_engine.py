@@ -21,7 +21,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import (
-    KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
+    KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
 from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # CacheConfig.kv_dtype -> the element type of the cache tensor.
-KV_TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KV_TORCH_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in KV_DTYPE_TORCH_NAMES.items()}
 
 
 def kv_dtype_name(value: str | torch.dtype) -> str:

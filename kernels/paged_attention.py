@@ -306,16 +306,17 @@ def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: DecodePlan | None, scale: float, out: torch.Tensor,
-                        level: str | None = None) -> None:
+                        level: str | None = None, *, checked: bool = False) -> None:
     """Decode rows as planned, by kernels/csrc/paged_decode.cpp (one call for the batch),
     written straight into rows plan.rows of `out`. K/V are read in place from the paged cache
     (no gather copy); the G query heads of one kv head are computed together, so each K/V row
     is read once per group. level: the native build to use (default: the dispatch level).
     Raises ValueError where native_decode_supported is False or the plan points outside
-    q, out or the cache (the kernel itself reads what it is told to)."""
+    q, out or the cache (the kernel itself reads what it is told to). checked: the caller has
+    just asked native_decode_supported (paged_decode_cpu, every layer of a step)."""
     if plan is None:
         return
-    if not native_decode_supported(q, k_cache, v_cache, out):
+    if not checked and not native_decode_supported(q, k_cache, v_cache, out):
         raise ValueError("paged_decode_native: unsupported tensors (dtypes "
                          f"{q.dtype}/{k_cache.dtype}/{out.dtype}, strides q {q.stride()}, "
                          f"k_cache {k_cache.stride()}, v_cache {v_cache.stride()}, "
@@ -386,6 +387,6 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     if (use_native and native_decode_supported(q, k_cache, v_cache, out)
             and (level is not None or native.available())):
-        paged_decode_native(q, k_cache, v_cache, plan, scale, out, level)
+        paged_decode_native(q, k_cache, v_cache, plan, scale, out, level, checked=True)
     else:
         paged_decode_torch(q, k_cache, v_cache, plan, scale, out)

@@ -16,7 +16,8 @@ import pytest
 from kernels import native
 
 TESTS = Path(__file__).resolve().parent
-KERNEL_TESTS = ["test_native_linear.py", "test_linear_kernels.py", "test_native_attention.py"]
+KERNEL_TESTS = ["test_native_linear.py", "test_linear_kernels.py", "test_native_attention.py",
+                "test_native_elementwise.py"]
 MODEL_TESTS = ["test_default_model.py"]
 # The portable level runs the kernel tests only: its aten matmuls are several times slower and
 # the model tests would add minutes without covering another kernel.

@@ -29,10 +29,9 @@ def host_levels() -> list[str]:
 
 @pytest.fixture(params=host_levels())
 def level(request):
-    try:
-        native.library(request.param)
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native level {request.param} unavailable: {e}")
+    # The native kernels are part of the product (.ci/run installs g++): a level that does not
+    # build fails here rather than being skipped.
+    native.library(request.param)
     return request.param
 
 
@@ -142,7 +141,6 @@ def test_native_decode_rejects_what_it_cannot_read():
     check(out, args, 0.125)
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 def test_native_decode_return_code_is_checked():
     args = make_batch([1, 1], [20, 9])
     plan = decode_plan(args)
@@ -197,11 +195,9 @@ def test_mixed_batch_through_paged_attention(monkeypatch, native_on):
     chunk (SDPA) write into one output, with and without a per-pass plan."""
     calls = []
     real = pa.paged_decode_native
-    monkeypatch.setattr(pa, "paged_decode_native", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(pa, "paged_decode_native", lambda *a, **k: calls.append(a) or real(*a, **k))
     if not native_on:
         monkeypatch.setattr(native, "available", lambda: False)
-    elif not native.available():
-        pytest.skip("native kernels unavailable")
     q_lens, seq_lens = [1, 19, 1, 1, 33, 1], [40, 19, 1, 77, 50, 16]
     args = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2)
     check(paged_attention(*args, 0.125), args, 0.125)

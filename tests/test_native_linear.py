@@ -121,3 +121,26 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(native.NativeUnavailable, match="no C\\+\\+ compiler"):
         native._compiler()
+
+
+def test_a_source_that_does_not_compile_is_a_clear_error(tmp_path, monkeypatch):
+    broken = tmp_path / "csrc"
+    broken.mkdir()
+    for name in (*native.SOURCES, "simd.h"):
+        (broken / name).write_text("this is not C++\n")
+    monkeypatch.setattr(native, "CSRC", broken)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    with pytest.raises(native.NativeUnavailable, match="building the native kernels failed"):
+        native._build("default")
+    assert not list((tmp_path / "home" / "native").glob("*.so"))  # no half-written library left
+
+
+def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: False)
+    cpu = torch.device("cpu")
+    assert quant_int4.default_layout(cpu) == "cpu"
+    assert quant_int8.default_layout(cpu) == "cpu"
+    packed = quant_int4.pack(torch.randn(32, 64), None, cpu)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(quant_int4.forward(x, packed), packed_linear_reference(x, packed),
+                               rtol=2e-2, atol=2e-2)
