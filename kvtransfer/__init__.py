@@ -15,7 +15,7 @@ from typing import Any
 
 from .base import (
     KVLayoutMismatch, KVReceiver, KVSender, KVTransferError, ReceiveEvent, ReceiveKind,
-    TransferState, TransferStatus,
+    TransferState, TransferStats, TransferStatus,
 )
 from .layout import KVCacheBuffer, KVLayout, allocate_cache, dtype_name
 
@@ -49,6 +49,6 @@ def create_receiver(name: str, cache: KVCacheBuffer, layout: KVLayout, **kwargs:
 
 __all__ = [
     "KVCacheBuffer", "KVLayout", "KVLayoutMismatch", "KVReceiver", "KVSender", "KVTransferError",
-    "ReceiveEvent", "ReceiveKind", "TransferState", "TransferStatus", "allocate_cache", "backends",
+    "ReceiveEvent", "ReceiveKind", "TransferState", "TransferStats", "TransferStatus", "allocate_cache", "backends",
     "create_receiver", "create_sender", "dtype_name",
 ]

@@ -1,13 +1,21 @@
 """Transfer throughput per backend, next to a plain memory copy measured in the same run.
 
-    python -m kvtransfer.bench [--backends zmq shm grpc] [--tokens 128 512 2048] [--reps 3]
+    python -m kvtransfer.bench [--backends zmq shm shm-rverify grpc] [--tokens 128 512 2048] [--reps 3]
 
 Layout: SmolLM2-135M's KV (30 layers x 3 KV heads x 64 dims, block 16, fp32). One "request"
-is a prompt of N tokens sent layer by layer (30 units of N/16 blocks each), timed from the
-first send() to DONE (every layer acknowledged by the receiver, i.e. written and checksummed).
+is a prompt of N tokens sent layer by layer out of a source cache (30 units of N/16 blocks
+each, then finish), timed from the first send() to DONE (the grant, every layer and the finish
+acknowledged by the receiver, i.e. written and checksummed). The receiver expects the transfer
+before the first send, as a decode worker that reserved its blocks would.
 The receiver runs in a separate spawned process; the sender here. GB/s = request bytes / time;
 the best of --reps runs is reported. The baseline copies the same bytes with torch in this
 process: the ceiling no transport on this machine can beat.
+
+shm verifies the copy on the sender (crc32c of each ~384 KiB chunk before and after its
+memmove, both from cache); shm-rverify is shm with the receiver also crc32c-ing the blocks in
+place (ShmReceiver(verify="receiver")), a second full read of the bytes on the other core that
+competes with the copy for memory bandwidth. Small prompts also pay the grant round trip, the
+finish ack and tens of microseconds of Python per unit.
 """
 
 from __future__ import annotations
@@ -25,10 +33,15 @@ LAYOUT = kt.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, 
                      model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-def _receiver(conn, backend: str, num_blocks: int, shm_name: str) -> None:
+# bench name -> (backend, receiver options)
+VARIANTS = {"shm-rverify": ("shm", {"verify": "receiver"})}
+
+
+def _receiver(conn, name: str, num_blocks: int, shm_name: str) -> None:
     torch.set_num_threads(1)
+    backend, options = VARIANTS.get(name, (name, {}))
     cache = kt.allocate_cache(LAYOUT, num_blocks, shm_name if backend == "shm" else None)
-    receiver = kt.create_receiver(backend, cache, LAYOUT)
+    receiver = kt.create_receiver(backend, cache, LAYOUT, **options)
     conn.send(receiver.endpoint)
     try:
         while (msg := conn.recv()) is not None:
@@ -51,20 +64,21 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, floa
     try:
         if not conn.poll(60):
             raise RuntimeError(f"{backend} receiver did not start")
-        sender = kt.create_sender(backend, ack_timeout_s=60.0)
+        sender = kt.create_sender(VARIANTS.get(backend, (backend,))[0], ack_timeout_s=60.0)
         sender.connect(conn.recv(), LAYOUT)
         for n_tokens in tokens:
             blocks = list(range(n_tokens // LAYOUT.block_size))
-            payloads = [torch.randn(LAYOUT.payload_shape(len(blocks))) for _ in range(LAYOUT.num_layers)]
-            nbytes = sum(p.numel() * p.element_size() for p in payloads)
+            source = torch.randn(LAYOUT.cache_shape(len(blocks)))  # the prefill worker's cache
+            nbytes = source.numel() * source.element_size()
             best = float("inf")
             for rep in range(reps + 1):  # the first run warms up
                 rid = f"{n_tokens}-{rep}"
                 conn.send((rid, blocks))
                 conn.recv()
                 start = time.perf_counter()
-                for layer, p in enumerate(payloads):
-                    sender.send(rid, layer, blocks, p)
+                for layer in range(LAYOUT.num_layers):
+                    sender.send(rid, layer, 0, source[layer], blocks)
+                sender.finish(rid, 0)
                 while (status := sender.poll(rid)).state is kt.TransferState.IN_FLIGHT:
                     time.sleep(0.0002)
                 if status.failed:
@@ -98,7 +112,7 @@ def _bench_copy(tokens: list[int], reps: int) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "grpc"])
+    parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()

@@ -1,34 +1,48 @@
 """gRPC transport: the fallback that works wherever HTTP/2 does.
 
-    KVTransfer.Handshake(HandshakeRequest) -> HandshakeReply      unary, at connect()
-    KVTransfer.Push(stream PushChunk) -> Ack                      one call per transfer unit
+    KVTransfer.Handshake(HandshakeRequest) -> HandshakeReply   unary, at connect()
+    KVTransfer.Grant(GrantRequest) -> GrantReply               long poll: answered when the
+                                                               receiver expects the transfer
+    KVTransfer.Push(stream PushChunk) -> Ack                   one call per unit: data, finish
+                                                               or abort
 
 A unit's first chunk carries the header; every chunk carries at most CHUNK_BYTES of payload, so
-messages stay far below the configured limit whatever the payload size. The sender starts each
-call with `.future(...)` and a deadline of ack_timeout_s, so send() returns at once and a dead
-receiver surfaces as DEADLINE_EXCEEDED/UNAVAILABLE -> FAILED. The receiver is a threaded
-grpc.server; its handler threads share the thread-safe ReceiveTable. Payload bytes are copied
-into protobuf messages (unlike zmq); that is the price of the fallback.
+messages stay far below the configured limit whatever the payload size. The sender's I/O thread
+starts every call with `.future(...)` and a deadline (ack_timeout_s; the grant's remaining
+time), and the calls' callbacks post their outcome into its inbox. Push calls run concurrently,
+so units may reach the receiver out of order, finish before data: the finish carries the number
+of data units, and the receiver completes when all of them are in.
+
+The receiver is a grpc.aio server on one event-loop thread (its I/O thread): a waiting Grant
+holds a future, not a thread, so any number of transfers may wait for their expect(). Revocations
+have no channel here; none is needed, since the receiver writes every byte itself (RELEASED at
+once) and a sender still pushing for a cancelled transfer is refused unit by unit. Payload bytes
+are copied into protobuf messages (unlike zmq); that is the price of the fallback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from concurrent import futures
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import torch
 
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
-from .message import Ack, HandshakeReply, KVHeader, layout_to_pb, tensor_bytes
+from .message import (
+    Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, Revoke, tensor_bytes,
+)
 from .pb import kvtransfer_pb2 as pb
 from .pb import kvtransfer_pb2_grpc as pb_grpc
 from .receiving import ReceiveTable, TableReceiver
-from .sending import TrackedSender
+from .sending import IOSender, _Transfer
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES  # room for the header and protobuf framing
+MAX_LONG_POLL_S = 30.0  # a Grant call answers "pending" after this; the sender asks again
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -39,67 +53,125 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def __init__(self, receiver: GrpcReceiver) -> None:
         self.receiver = receiver
 
-    def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeReply:  # noqa: N802
+    async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeReply:  # noqa: N802
         r = self.receiver
+        r.table.register_sender(HandshakeRequest.from_pb(request))
         return HandshakeReply(r.layout, r.cache.num_blocks).to_pb()
 
-    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
+    async def Grant(self, request: pb.GrantRequest, context) -> pb.GrantReply:  # noqa: N802
+        ask = GrantRequest.from_pb(request)
+        r = self.receiver
+        key = (ask.sender_id, ask.transfer_id)
+        waiter = r.loop.create_future()
+        r.waiters[key] = waiter
+        try:
+            r.table.ask(ask.sender_id, ask.transfer_id)  # may answer at once (call_soon)
+            remaining = context.time_remaining()
+            budget = MAX_LONG_POLL_S if remaining is None else min(MAX_LONG_POLL_S, remaining - 0.05)
+            try:
+                grant = await asyncio.wait_for(waiter, timeout=max(budget, 0.0))
+            except asyncio.TimeoutError:
+                r.table.withdraw(ask.sender_id, ask.transfer_id)
+                grant = Grant(ask.transfer_id, False, "pending")
+        finally:
+            if r.waiters.get(key) is waiter:
+                del r.waiters[key]
+        return grant.to_pb()
+
+    async def Push(self, request_iterator: AsyncIterator[pb.PushChunk], context) -> pb.Ack:  # noqa: N802
         table = self.receiver.table
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header") or not first.header.request_id:
-            table.refuse_undecodable("Push stream without a header")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first PushChunk must carry a header")
-        header = KVHeader.from_pb(first.header)
+        first = None
+        parts: list[bytes] = []
+        total = 0
         limit = self.receiver.layout.payload_nbytes(self.receiver.cache.num_blocks)
-        parts, total = [first.data], len(first.data)
-        for chunk in request_iterator:
+        async for chunk in request_iterator:
+            if first is None:
+                first = chunk
             total += len(chunk.data)
             if total > limit:
-                return Ack(header.seq, header.request_id, header.layer, False,
+                header = KVHeader.from_pb(first.header)
+                return Ack(header.seq, header.transfer_id, header.layer, False,
                            f"payload exceeds the whole cache ({limit} bytes)").to_pb()
             parts.append(chunk.data)
+        if first is None or not first.HasField("header") or not first.header.transfer_id:
+            table.refuse_undecodable("Push stream without a header")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first PushChunk must carry a header")
+        header = KVHeader.from_pb(first.header)
+        if not header.is_data:
+            ack = table.control(header)
+            return (ack or Ack(header.seq, header.transfer_id, 0, True)).to_pb()
         return table.ingest(header, b"".join(parts)).to_pb()
 
 
 class GrpcReceiver(TableReceiver):
-    def __init__(
-        self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "127.0.0.1:0", max_workers: int = 4
-    ) -> None:
+    def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "127.0.0.1:0") -> None:
         self.cache, self.layout = cache, layout
-        self.table = ReceiveTable(cache, layout)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_CHANNEL_OPTIONS)
+        self.table = ReceiveTable(cache, layout, self._deliver, "grpc")
+        self.waiters: dict[tuple[str, str], asyncio.Future] = {}  # (sender, transfer) -> grant
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"kv-recv {endpoint}",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._start(endpoint), self.loop).result(30)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+
+    async def _start(self, endpoint: str) -> int:
+        self._server = grpc.aio.server(options=_CHANNEL_OPTIONS)
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
-        host = endpoint.rsplit(":", 1)[0]
         try:
             port = self._server.add_insecure_port(endpoint)
         except RuntimeError as e:
             raise KVTransferError(f"cannot bind {endpoint}: {e}") from e
-        self._endpoint = f"{host}:{port}"
-        self._server.start()
-        self._closed = False
+        await self._server.start()
+        return port
+
+    def _deliver(self, sender_id: str, message: Grant | Revoke) -> None:
+        if isinstance(message, Grant):  # a Revoke has no channel (see the module docstring)
+            self.loop.call_soon_threadsafe(self._resolve, (sender_id, message.transfer_id), message)
+
+    def _resolve(self, key: tuple[str, str], grant: Grant) -> None:
+        waiter = self.waiters.get(key)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(grant)
+        # else the long poll already ended: the sender asks again and is answered again
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._server.stop(grace=0).wait(timeout=5.0)
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.stop(0), self.loop).result(5.0)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
-class GrpcSender(TrackedSender):
+class GrpcSender(IOSender):
+    backend = "grpc"
+
     def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
         super().__init__(ack_timeout_s, connect_timeout_s)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVTransferStub | None = None
         self._calls: set[grpc.Future] = set()
 
-    def connect(self, endpoint: str, layout: KVLayout) -> None:
-        if self._channel is not None:
-            raise KVTransferError("already connected")
+    def _handshake(self, endpoint: str, layout: KVLayout) -> None:
         channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         stub = pb_grpc.KVTransferStub(channel)
         try:
             reply = stub.Handshake(
-                pb.HandshakeRequest(layout=layout_to_pb(layout)),
-                timeout=self.connect_timeout_s, wait_for_ready=True,
+                self._handshake_request(layout).to_pb(), timeout=self.connect_timeout_s,
+                wait_for_ready=True,
             )
             self._check_layout(layout, HandshakeReply.from_pb(reply).layout, endpoint)
         except grpc.RpcError as e:
@@ -108,33 +180,62 @@ class GrpcSender(TrackedSender):
         except BaseException:
             channel.close()
             raise
-        self._channel, self._stub, self.layout = channel, stub, layout
+        self._channel, self._stub = channel, stub
 
-    def send(self, request_id: str, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        header, payload = self._prepare(request_id, layer, block_ids, payload)
-        assert self._stub is not None  # _prepare checked connect()
-        call = self._stub.Push.future(_chunks(header, payload), timeout=self.tracker.ack_timeout_s)
+    # -- I/O thread (callbacks run on gRPC threads and post into the inbox) -------------------
+
+    def _io_ask(self, t: _Transfer) -> None:
+        assert self._stub is not None
+        remaining = (t.asked_at or 0.0) + self.ack_timeout_s - time.monotonic()
+        call = self._stub.Grant.future(GrantRequest(t.transfer_id, self.sender_id).to_pb(),
+                                       timeout=max(remaining, 0.01))
+        self._watch(call, t.transfer_id, "grant request",
+                    lambda reply: self._post(("grant", Grant.from_pb(reply))))
+
+    def _io_transmit(
+        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...], seq: int,
+    ) -> str:
+        payload = self.gather(source, src_ids)
+        header = self.data_header(t, layer, dst_ids, payload, seq)
+        self._push(t.transfer_id, header, _chunks(header, payload), f"push of layer {layer}")
+        return ""
+
+    def _io_control(self, t: _Transfer, header: KVHeader) -> None:
+        what = "finish" if header.finish else "abort"
+        self._push(t.transfer_id, header, iter([pb.PushChunk(header=header.to_pb())]), what)
+
+    def _push(self, transfer_id: str, header: KVHeader, chunks: Iterator[pb.PushChunk], what: str) -> None:
+        assert self._stub is not None
+        call = self._stub.Push.future(chunks, timeout=self.ack_timeout_s)
+        if header.is_abort:  # nobody waits for its answer; keep the call referenced until done
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+            return
+        self._watch(call, transfer_id, what, lambda reply: self._post(("ack", Ack.from_pb(reply))))
+
+    def _watch(self, call: grpc.Future, transfer_id: str, what: str, on_reply) -> None:
         self._calls.add(call)
-        call.add_done_callback(lambda f, h=header: self._on_done(f, h))
 
-    def _on_done(self, call: grpc.Future, header: KVHeader) -> None:
-        # Runs on a gRPC thread; the tracker is thread-safe.
-        self._calls.discard(call)
-        if call.cancelled():
-            self.tracker.fail(header.request_id, "push cancelled (sender closed)")
-            return
-        error = call.exception()
-        if error is not None:
-            code = error.code().name if isinstance(error, grpc.Call) else type(error).__name__
+        def done(f: grpc.Future) -> None:
+            self._calls.discard(f)
+            if f.cancelled():
+                return  # close() cancelled it
+            error = f.exception()
+            if error is None:
+                on_reply(f.result())
+                return
+            code = error.code() if isinstance(error, grpc.Call) else None
             details = error.details() if isinstance(error, grpc.Call) else str(error)
-            self.tracker.fail(header.request_id, f"push of layer {header.layer} failed: {code}: {details}")
-            return
-        self.tracker.on_ack(Ack.from_pb(call.result()))
+            reason = f"{what} failed: {code.name if code else type(error).__name__}: {details}"
+            if code is grpc.StatusCode.UNAVAILABLE:
+                self._post(("peer_dead", reason))
+            else:
+                self._post(("fail", transfer_id, reason))
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        call.add_done_callback(done)
+
+    def _io_close(self) -> None:
         for call in list(self._calls):
             call.cancel()
         if self._channel is not None:

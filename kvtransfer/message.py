@@ -1,4 +1,4 @@
-"""Wire messages: the header that travels with every payload, acks and the handshake.
+"""Wire messages: unit headers, acks, grants, revocations and the handshake.
 
 Encoding is protobuf (proto/kvtransfer.proto), not struct+json: the gRPC backend needs the
 schema anyway, so every backend shares one definition; fields can be added without breaking
@@ -6,18 +6,28 @@ older peers; block ids pack as varints. Decoding a header costs a few microsecon
 to the payload. This module is the only place that converts between these dataclasses and the
 generated classes.
 
-Checksum: zlib.crc32. It catches every single-bit flip and every burst up to 32 bits, which
-adler32 does not (adler32 is also weak on short inputs), and on this class of machine
-zlib's crc32 runs at ~4 GB/s, as fast as or faster than adler32. It guards against
-corruption and misdirected writes, not against an adversary.
+Checksum: CRC32C (Castagnoli) from the `crc32c` package, which uses the SSE4.2 `crc32`
+instruction (or ARMv8 CRC) and releases the GIL for buffers of 32 KiB and more, so a sender's
+and a receiver's I/O threads checksum in parallel with the engine thread. Like zlib's crc32 it
+catches every single-bit flip and every burst up to 32 bits (adler32 does not), at a multiple
+of the speed. Measured on the development host ("Intel(R) Xeon(R) Processor", 2 cores, one
+thread; best of 5 calls on a buffer of random float32 bytes):
+
+    buffer     zlib.crc32    crc32c.crc32c
+    3 MiB      5.2 GB/s      28.7 GB/s      (one layer of a 2048-token prompt, in cache)
+    90 MiB     2.3 GB/s      24.2 GB/s      (all 30 layers, from memory)
+
+It guards against corruption and misdirected writes, not against an adversary. It is computed
+only on I/O threads, never on the engine thread.
 """
 
 from __future__ import annotations
 
 import warnings
-import zlib
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
+import crc32c as _crc32c
 import torch
 from google.protobuf.message import DecodeError
 
@@ -29,10 +39,35 @@ class MessageError(ValueError):
     """A message that cannot be decoded, or a header that does not match what was expected."""
 
 
-def checksum(data: bytes | memoryview | torch.Tensor) -> int:
+def checksum(data: bytes | bytearray | memoryview | torch.Tensor, value: int = 0) -> int:
+    """CRC32C of the bytes (a contiguous CPU tensor's raw bytes), continuing from `value`."""
     if isinstance(data, torch.Tensor):
         data = tensor_bytes(data)
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return _crc32c.crc32c(data, value)
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int] | None = None) -> Iterator[tuple[int, int, int]]:
+    """Maximal runs (src_start, dst_start, length) where both id lists count up by one, so a
+    gather/scatter of paged blocks is one slice copy per run instead of one per block."""
+    dst = src if dst is None else dst
+    i, n = 0, len(src)
+    while i < n:
+        j = i + 1
+        while j < n and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        yield src[i], dst[i], j - i
+        i = j
+
+
+def checksum_blocks(layer: torch.Tensor, block_ids: Sequence[int]) -> int:
+    """checksum(layer[:, block_ids]) without the gather: `layer` is [2, num_blocks, ...] and
+    contiguous; the CRC runs over K's blocks then V's, slice by slice."""
+    value = 0
+    runs = list(block_runs(block_ids))
+    for kv in (0, 1):
+        for start, _, length in runs:
+            value = checksum(layer[kv, start:start + length], value)
+    return value
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -44,81 +79,75 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True)
 class KVHeader:
-    request_id: str
-    layer: int
-    block_ids: tuple[int, ...]  # destination blocks, in payload order
-    dtype: str
-    shape: tuple[int, ...]  # [2, len(block_ids), block_size, num_kv_heads, head_dim]
-    fingerprint: str  # sender's KVLayout.fingerprint
-    checksum: int  # zlib.crc32 of the payload
-    seq: int  # per-sender sequence number, echoed by the ack
-    payload_nbytes: int
-    sender_error: str = ""  # shm: the sender refused to write, and why
+    """One unit of a transfer: data (block_ids non-empty), finish, or abort (sender_error)."""
+
+    transfer_id: str
+    layer: int = 0
+    block_ids: tuple[int, ...] = ()  # destination blocks, in payload order
+    dtype: str = ""
+    shape: tuple[int, ...] = ()  # [2, len(block_ids), block_size, num_kv_heads, head_dim]
+    fingerprint: str = ""  # sender's KVLayout.fingerprint
+    checksum: int = 0  # crc32c of the payload
+    seq: int = 0  # per-sender sequence number, echoed by the ack
+    payload_nbytes: int = 0
+    sender_error: str = ""  # abort: why the sender gave up
+    sender_id: str = ""  # the grantee's id
+    finish: bool = False  # the transfer's last unit
+    first_token: int = 0  # finish only
+    num_units: int = 0  # finish only: data units sent for this transfer
+
+    @property
+    def is_abort(self) -> bool:
+        return bool(self.sender_error)
+
+    @property
+    def is_data(self) -> bool:
+        return not self.finish and not self.sender_error
+
+    def to_pb(self) -> pb.KVHeader:
+        return pb.KVHeader(
+            transfer_id=self.transfer_id, layer=self.layer, block_ids=self.block_ids,
+            dtype=self.dtype, shape=self.shape, fingerprint=self.fingerprint,
+            checksum=self.checksum, seq=self.seq, payload_nbytes=self.payload_nbytes,
+            sender_error=self.sender_error, sender_id=self.sender_id, finish=self.finish,
+            first_token=self.first_token, num_units=self.num_units,
+        )
 
     def encode(self) -> bytes:
-        return pb.KVHeader(
-            request_id=self.request_id,
-            layer=self.layer,
-            block_ids=self.block_ids,
-            dtype=self.dtype,
-            shape=self.shape,
-            fingerprint=self.fingerprint,
-            checksum=self.checksum,
-            seq=self.seq,
-            payload_nbytes=self.payload_nbytes,
-            sender_error=self.sender_error,
-        ).SerializeToString()
+        return self.to_pb().SerializeToString()
 
     @classmethod
     def from_pb(cls, m: pb.KVHeader) -> KVHeader:
         return cls(
-            request_id=m.request_id,
-            layer=m.layer,
-            block_ids=tuple(m.block_ids),
-            dtype=m.dtype,
-            shape=tuple(m.shape),
-            fingerprint=m.fingerprint,
-            checksum=m.checksum,
-            seq=m.seq,
-            payload_nbytes=m.payload_nbytes,
-            sender_error=m.sender_error,
+            transfer_id=m.transfer_id, layer=m.layer, block_ids=tuple(m.block_ids),
+            dtype=m.dtype, shape=tuple(m.shape), fingerprint=m.fingerprint,
+            checksum=m.checksum, seq=m.seq, payload_nbytes=m.payload_nbytes,
+            sender_error=m.sender_error, sender_id=m.sender_id, finish=m.finish,
+            first_token=m.first_token, num_units=m.num_units,
         )
-
-    def to_pb(self) -> pb.KVHeader:
-        m = pb.KVHeader()
-        m.ParseFromString(self.encode())
-        return m
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> KVHeader:
-        m = pb.KVHeader()
-        try:
-            m.ParseFromString(bytes(data))
-        except DecodeError as e:
-            raise MessageError(f"undecodable KV header: {e}") from e
-        if not m.request_id:
-            raise MessageError("KV header has no request_id")
+        m = _parse(pb.KVHeader, data, "KV header")
+        if not m.transfer_id:
+            raise MessageError("KV header has no transfer_id")
         return cls.from_pb(m)
 
     @classmethod
     def for_payload(
-        cls, request_id: str, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor,
-        layout: KVLayout, seq: int,
+        cls, transfer_id: str, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor,
+        layout: KVLayout, seq: int, sender_id: str = "", crc: int | None = None,
     ) -> KVHeader:
+        """A data unit's header; `crc` when the caller computed it without a gathered payload."""
         return cls(
-            request_id=request_id,
-            layer=layer,
-            block_ids=block_ids,
-            dtype=layout.dtype,
-            shape=tuple(payload.shape),
-            fingerprint=layout.fingerprint,
-            checksum=checksum(payload),
-            seq=seq,
-            payload_nbytes=payload.numel() * payload.element_size(),
+            transfer_id=transfer_id, layer=layer, block_ids=block_ids, dtype=layout.dtype,
+            shape=layout.payload_shape(len(block_ids)), fingerprint=layout.fingerprint,
+            checksum=checksum(payload) if crc is None else crc, seq=seq,
+            payload_nbytes=layout.payload_nbytes(len(block_ids)), sender_id=sender_id,
         )
 
     def check_against(self, layout: KVLayout, num_cache_blocks: int) -> None:
-        """Raise MessageError naming the first field that does not fit `layout`."""
+        """Raise MessageError naming the first field of a data unit that does not fit `layout`."""
         if self.fingerprint != layout.fingerprint:
             raise MessageError(
                 f"fingerprint mismatch: payload {self.fingerprint!r} != receiver {layout.fingerprint!r}"
@@ -141,6 +170,9 @@ class KVHeader:
         if self.payload_nbytes != nbytes:
             raise MessageError(f"payload_nbytes {self.payload_nbytes} != expected {nbytes}")
 
+    def with_error(self, error: str) -> KVHeader:
+        return replace(self, sender_error=error)
+
 
 def payload_tensor(header: KVHeader, data: bytes | bytearray | memoryview) -> torch.Tensor:
     """View received bytes as the header's payload tensor (no copy). Validate the header first."""
@@ -155,31 +187,105 @@ def payload_tensor(header: KVHeader, data: bytes | bytearray | memoryview) -> to
 @dataclass(frozen=True)
 class Ack:
     seq: int
-    request_id: str
+    transfer_id: str
     layer: int
     ok: bool
     reason: str = ""
 
     def to_pb(self) -> pb.Ack:
-        return pb.Ack(
-            seq=self.seq, request_id=self.request_id, layer=self.layer, ok=self.ok, reason=self.reason
-        )
+        return pb.Ack(seq=self.seq, transfer_id=self.transfer_id, layer=self.layer, ok=self.ok,
+                      reason=self.reason)
 
     def encode(self) -> bytes:
         return self.to_pb().SerializeToString()
 
     @classmethod
     def from_pb(cls, m: pb.Ack) -> Ack:
-        return cls(m.seq, m.request_id, m.layer, m.ok, m.reason)
+        return cls(m.seq, m.transfer_id, m.layer, m.ok, m.reason)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Ack:
-        m = pb.Ack()
-        try:
-            m.ParseFromString(bytes(data))
-        except DecodeError as e:
-            raise MessageError(f"undecodable ack: {e}") from e
-        return cls.from_pb(m)
+        return cls.from_pb(_parse(pb.Ack, data, "ack"))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The receiver's answer to a sender asking for a transfer (GrantReply on the wire)."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""  # refused: why; "pending" from a gRPC long poll that ran out of time
+    skip_blocks: int = 0  # blocks 0 .. skip_blocks-1 are cached on the receiver: not sent
+    block_ids: tuple[int, ...] = ()  # destination of block skip_blocks + i
+    num_layers: int = 0
+
+    def to_pb(self) -> pb.GrantReply:
+        return pb.GrantReply(transfer_id=self.transfer_id, ok=self.ok, reason=self.reason,
+                             skip_blocks=self.skip_blocks, block_ids=self.block_ids,
+                             num_layers=self.num_layers)
+
+    def encode(self) -> bytes:
+        return self.to_pb().SerializeToString()
+
+    @classmethod
+    def from_pb(cls, m: pb.GrantReply) -> Grant:
+        return cls(m.transfer_id, m.ok, m.reason, m.skip_blocks, tuple(m.block_ids), m.num_layers)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Grant:
+        return cls.from_pb(_parse(pb.GrantReply, data, "grant"))
+
+
+@dataclass(frozen=True)
+class GrantRequest:
+    transfer_id: str
+    sender_id: str
+
+    def to_pb(self) -> pb.GrantRequest:
+        return pb.GrantRequest(transfer_id=self.transfer_id, sender_id=self.sender_id)
+
+    def encode(self) -> bytes:
+        return self.to_pb().SerializeToString()
+
+    @classmethod
+    def from_pb(cls, m: pb.GrantRequest) -> GrantRequest:
+        return cls(m.transfer_id, m.sender_id)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> GrantRequest:
+        return cls.from_pb(_parse(pb.GrantRequest, data, "grant request"))
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """Receiver -> sender: stop writing `transfer_id` (cancelled or failed)."""
+
+    transfer_id: str
+    reason: str = ""
+
+    def encode(self) -> bytes:
+        return pb.Revoke(transfer_id=self.transfer_id, reason=self.reason).SerializeToString()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Revoke:
+        m = _parse(pb.Revoke, data, "revoke")
+        return cls(m.transfer_id, m.reason)
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """Sender -> receiver, sent by the thread that writes: nothing more is written for it."""
+
+    transfer_id: str
+    sender_id: str
+
+    def encode(self) -> bytes:
+        return pb.Revoked(transfer_id=self.transfer_id, sender_id=self.sender_id).SerializeToString()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> Revoked:
+        m = _parse(pb.Revoked, data, "revoked")
+        return cls(m.transfer_id, m.sender_id)
 
 
 def layout_to_pb(layout: KVLayout) -> pb.Layout:
@@ -215,6 +321,29 @@ def layout_from_pb(m: pb.Layout) -> KVLayout:
 
 
 @dataclass(frozen=True)
+class HandshakeRequest:
+    layout: KVLayout
+    sender_id: str
+    pid: int = 0  # the sender's process, for shm fencing
+    start_time: int = 0  # /proc/<pid>/stat field 22; 0 if unknown
+
+    def to_pb(self) -> pb.HandshakeRequest:
+        return pb.HandshakeRequest(layout=layout_to_pb(self.layout), sender_id=self.sender_id,
+                                   pid=self.pid, start_time=self.start_time)
+
+    def encode(self) -> bytes:
+        return self.to_pb().SerializeToString()
+
+    @classmethod
+    def from_pb(cls, m: pb.HandshakeRequest) -> HandshakeRequest:
+        return cls(layout_from_pb(m.layout), m.sender_id, m.pid, m.start_time)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> HandshakeRequest:
+        return cls.from_pb(_parse(pb.HandshakeRequest, data, "handshake request"))
+
+
+@dataclass(frozen=True)
 class HandshakeReply:
     layout: KVLayout
     num_blocks: int
@@ -238,13 +367,13 @@ class HandshakeReply:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> HandshakeReply:
-        m = pb.HandshakeReply()
-        try:
-            m.ParseFromString(bytes(data))
-        except DecodeError as e:
-            raise MessageError(f"undecodable handshake reply: {e}") from e
-        return cls.from_pb(m)
+        return cls.from_pb(_parse(pb.HandshakeReply, data, "handshake reply"))
 
 
-def encode_handshake_request(layout: KVLayout) -> bytes:
-    return pb.HandshakeRequest(layout=layout_to_pb(layout)).SerializeToString()
+def _parse(cls, data: bytes | memoryview, what: str):
+    m = cls()
+    try:
+        m.ParseFromString(bytes(data))
+    except DecodeError as e:
+        raise MessageError(f"undecodable {what}: {e}") from e
+    return m

@@ -1,19 +1,30 @@
-r"""Receiver bookkeeping shared by every backend: who owns which blocks, what has arrived, and
-the one path by which bytes reach the cache.
+r"""Receiver bookkeeping shared by every backend: grants, what has arrived, the one path by which
+bytes reach the cache, and when a transfer's blocks are free again.
 
-Threads: `ingest` runs on the backend's I/O thread; `expect`, `poll` and `cancel` on the engine
-thread. One lock guards the table. The cache write happens under it, so once `cancel` (or the
-poll that reports FAILED) returns, no write for that request is in progress or can start; the
-engine thread may wait at most one payload's memcpy for it. Checksums are computed outside it.
+Threads: `expect`, `poll`, `cancel` and `stats` run on the engine thread; everything else on
+the backend's I/O thread. One lock guards the table. Two-sided backends (fake, zmq, grpc) write
+into the cache here, under the lock, so once `cancel` (or the poll that reports FAILED) has
+taken the lock no write for that transfer is in progress or can start: RELEASED follows at once.
+Checksums are computed outside the lock.
 
-Per request:
+Per transfer:
 
-    expect() --> active --(all layers x blocks arrived)--> closed: COMPLETE event
-                   |  \--(refused payload / deadline)-----> closed: FAILED event
-                   \----(cancel)--------------------------> closed: no event
-    payload for an id never expected -----------------------> closed: FAILED event
+    ask (sender) ----------------------------------.
+    expect() --> active --(ask, now or earlier)--> granted: Grant(skip, block ids) to the asker
+                   |  |                               |  a second asker: refused
+                   |  |  (all layers x blocks + finish)--> COMPLETE(first_token)
+                   |  \--(refused unit, sender abort, deadline, cancel)--.
+                   |                                                     v
+                   |             two-sided, or never granted, or the sender already stopped
+                   |             (its finish/abort/goodbye arrived) --> RELEASED at once
+                   |             shm, sender may still write --> revoking: Revoke to the sender;
+                   |                 its "revoked" (sent by its writer thread after its last
+                   |                 write), an abort, a goodbye, or its process gone (fence)
+                   |                 --> RELEASED
+    FAILED is reported for refusals, aborts and deadlines; cancel() reports only RELEASED.
 
-`closed` remembers recent outcomes (bounded) so a late payload gets a precise refusal.
+Block ids of active and revoking transfers are held: expect() refuses to hand them out again.
+`closed` remembers recent outcomes (bounded) so a late unit or ask gets a precise refusal.
 """
 
 from __future__ import annotations
@@ -26,23 +37,50 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import KVReceiver, ReceiveEvent, ReceiveKind
+from .base import KVReceiver, ReceiveEvent, ReceiveKind, TransferStats
+from .fence import process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
-from .message import Ack, KVHeader, MessageError, checksum, payload_tensor
+from .message import (
+    Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, checksum,
+    checksum_blocks, payload_tensor,
+)
+from .sending import StatsCounter
 
-CLOSED_MEMORY = 4096  # how many finished request ids to remember for late payloads
+CLOSED_MEMORY = 4096  # finished transfer ids remembered for late units and asks
+PENDING_MEMORY = 4096  # asks and early aborts remembered for transfers not yet expected
+
+# deliver(sender_id, message): a Grant or a Revoke for that sender, sent by the backend.
+Deliver = Callable[[str, "Grant | Revoke"], None]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Expectation:
-    block_ids: frozenset[int]
-    ordered_blocks: tuple[int, ...]
+    transfer_id: str
+    block_ids: tuple[int, ...]  # destination of block skip_blocks + i
+    skip_blocks: int
+    num_layers: int
     deadline: float  # time.monotonic()
-    missing: list[set[int]]  # per layer, blocks not yet written
+    started: float
+    missing: list[set[int]]  # per layer, destination blocks not yet written
+    block_set: frozenset[int] = field(init=False)
     missing_count: int = field(init=False)
+    grantee: str = ""  # sender id the grant went to
+    finished: bool = False
+    first_token: int = 0
+    finish_units: int = -1  # data units the sender says it sent; -1 until its finish
+    units: int = 0  # data units accepted
+    sender_stopped: bool = False  # the grantee will write nothing more (finish/abort/goodbye)
 
     def __post_init__(self) -> None:
+        self.block_set = frozenset(self.block_ids)
         self.missing_count = sum(len(m) for m in self.missing)
+
+
+@dataclass(frozen=True)
+class _SenderInfo:
+    pid: int
+    start_time: int
+    fenceable: bool  # its (pid, start time) is visible here, so death can be observed
 
 
 class ReceiveTable:
@@ -50,78 +88,192 @@ class ReceiveTable:
         self,
         cache: KVCacheBuffer,
         layout: KVLayout,
+        deliver: Deliver,
+        backend: str,
+        one_sided: bool = False,
         on_claim: Callable[[str, tuple[int, ...]], None] | None = None,
         on_release: Callable[[tuple[int, ...]], None] | None = None,
+        verify_in_place: bool = True,
     ) -> None:
         if cache.layout != layout:
             raise ValueError(f"cache layout differs from receiver layout: {cache.layout.diff(layout)}")
         self.cache = cache
         self.layout = layout
+        self.one_sided = one_sided  # the sender writes into the cache itself (shm)
+        # one_sided: checksum the blocks in place (else the sender verified its own copy)
+        self.verify_in_place = verify_in_place
+        self._deliver = deliver
         self._on_claim = on_claim  # shm: publish block ownership to senders
         self._on_release = on_release
         self._lock = threading.Lock()
         self._active: dict[str, _Expectation] = {}
-        self._closed: OrderedDict[str, str] = OrderedDict()  # request id -> outcome
+        self._revoking: dict[str, _Expectation] = {}
+        self._asks: OrderedDict[str, str] = OrderedDict()  # transfer id -> asking sender id
+        self._early: OrderedDict[str, str] = OrderedDict()  # aborted before expect(): reason
+        self._closed: OrderedDict[str, str] = OrderedDict()  # transfer id -> outcome
+        self._senders: dict[str, _SenderInfo] = {}
         self._events: list[ReceiveEvent] = []
+        self._stats = StatsCounter(backend)
         self.undecodable = 0  # messages dropped for want of a readable header (a metric)
         self.last_undecodable = ""
 
     # -- engine thread ----------------------------------------------------------------------
 
     def expect(
-        self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float
+        self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float,
+        skip_blocks: int = 0,
     ) -> None:
         blocks = tuple(int(b) for b in block_ids)
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if not blocks:
-            raise ValueError(f"{request_id}: block_ids is empty")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise ValueError(f"transfer_id must be a non-empty str, got {transfer_id!r}")
         if len(set(blocks)) != len(blocks):
-            raise ValueError(f"{request_id}: duplicate block ids in {list(blocks)}")
+            raise ValueError(f"{transfer_id}: duplicate block ids in {list(blocks)}")
         bad = [b for b in blocks if not 0 <= b < self.cache.num_blocks]
         if bad:
-            raise ValueError(f"{request_id}: block ids {bad} out of range [0, {self.cache.num_blocks})")
+            raise ValueError(f"{transfer_id}: block ids {bad} out of range [0, {self.cache.num_blocks})")
+        if not isinstance(skip_blocks, int) or skip_blocks < 0:
+            raise ValueError(f"{transfer_id}: skip_blocks must be an int >= 0, got {skip_blocks!r}")
         if not 1 <= num_layers <= self.layout.num_layers:
-            raise ValueError(f"{request_id}: num_layers {num_layers} not in [1, {self.layout.num_layers}]")
+            raise ValueError(f"{transfer_id}: num_layers {num_layers} not in [1, {self.layout.num_layers}]")
         if not deadline_s > 0:
-            raise ValueError(f"{request_id}: deadline_s must be > 0, got {deadline_s!r}")
+            raise ValueError(f"{transfer_id}: deadline_s must be > 0, got {deadline_s!r}")
+        now = time.monotonic()
         with self._lock:
-            if request_id in self._active:
-                raise ValueError(f"{request_id}: already expected")
+            if transfer_id in self._active:
+                raise ValueError(f"{transfer_id}: already expected")
+            if transfer_id in self._revoking:
+                raise ValueError(f"{transfer_id}: still being released (wait for RELEASED)")
             mine = set(blocks)
-            for other_id, other in self._active.items():
-                if mine & other.block_ids:
+            for other_id, other in (*self._active.items(), *self._revoking.items()):
+                if mine & other.block_set:
+                    state = "expected" if other_id in self._active else "not yet released"
                     raise ValueError(
-                        f"{request_id}: blocks {sorted(mine & other.block_ids)} already expected by {other_id}"
+                        f"{transfer_id}: blocks {sorted(mine & other.block_set)} {state} by {other_id}"
                     )
-            self._closed.pop(request_id, None)
-            self._active[request_id] = _Expectation(
-                frozenset(blocks), blocks, time.monotonic() + deadline_s,
-                [set(blocks) for _ in range(num_layers)],
-            )
+            self._closed.pop(transfer_id, None)
+            exp = _Expectation(transfer_id, blocks, skip_blocks, num_layers, now + deadline_s, now,
+                               [set(blocks) for _ in range(num_layers)])
+            self._active[transfer_id] = exp
             if self._on_claim is not None:
-                self._on_claim(request_id, blocks)
+                self._on_claim(transfer_id, blocks)
+            if transfer_id in self._early:
+                exp.sender_stopped = True
+                self._close(exp, ReceiveKind.FAILED, f"sender aborted: {self._early.pop(transfer_id)}")
+            elif transfer_id in self._asks:
+                self._grant(exp, self._asks.pop(transfer_id))
 
     def poll(self) -> list[ReceiveEvent]:
         now = time.monotonic()
         with self._lock:
-            for rid, exp in list(self._active.items()):
+            for exp in list(self._active.values()):
                 if now > exp.deadline:
                     done = sum(1 for m in exp.missing if not m)
-                    self._close(rid, ReceiveKind.FAILED,
-                                f"deadline passed with {done}/{len(exp.missing)} layers complete")
+                    self._close(exp, ReceiveKind.FAILED,
+                                f"deadline passed with {done}/{len(exp.missing)} layers complete"
+                                + ("" if exp.grantee else " (no sender asked for it)"))
             events, self._events = self._events, []
         return events
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, transfer_id: str) -> None:
         with self._lock:
-            if request_id in self._active:
-                self._close(request_id, None, "cancelled")
+            exp = self._active.get(transfer_id)
+            if exp is not None:
+                self._close(exp, None, "cancelled")
 
-    # -- I/O thread -------------------------------------------------------------------------
+    def stats(self) -> TransferStats:
+        return self._stats.snapshot()
+
+    # -- I/O thread: control ----------------------------------------------------------------
+
+    def register_sender(self, request: HandshakeRequest) -> None:
+        """A sender's handshake: remember its process for the fence."""
+        start = process_start_time(request.pid) if request.pid > 0 else None
+        fenceable = start is not None and request.start_time != 0 and start == request.start_time
+        with self._lock:
+            self._senders[request.sender_id] = _SenderInfo(request.pid, request.start_time, fenceable)
+
+    def ask(self, sender_id: str, transfer_id: str) -> None:
+        """A sender asks for transfer_id's grant; answered through deliver(), now or at expect()."""
+        with self._lock:
+            exp = self._active.get(transfer_id)
+            if exp is not None:
+                if not exp.grantee or exp.grantee == sender_id:  # a repeat is answered again
+                    self._grant(exp, sender_id)
+                else:
+                    self._refuse(sender_id, transfer_id, "already granted to another sender")
+            elif transfer_id in self._revoking or transfer_id in self._closed:
+                outcome = self._closed.get(transfer_id, "cancelled")
+                self._refuse(sender_id, transfer_id, f"transfer {transfer_id} already {outcome}")
+            elif transfer_id in self._early:
+                self._refuse(sender_id, transfer_id, f"transfer {transfer_id} was aborted")
+            elif self._asks.get(transfer_id, sender_id) != sender_id:
+                self._refuse(sender_id, transfer_id, "another sender already asked for it")
+            else:
+                _bounded_put(self._asks, transfer_id, sender_id, PENDING_MEMORY)
+
+    def withdraw(self, sender_id: str, transfer_id: str) -> None:
+        """A pending ask whose sender stopped waiting (gRPC long poll expired)."""
+        with self._lock:
+            if self._asks.get(transfer_id) == sender_id:
+                del self._asks[transfer_id]
+
+    def control(self, header: KVHeader) -> Ack | None:
+        """A finish unit (acked) or an abort unit (not acked)."""
+        rid, sender = header.transfer_id, header.sender_id
+        with self._lock:
+            exp = self._active.get(rid)
+            if header.is_abort:
+                reason = f"sender aborted: {header.sender_error}"
+                if exp is not None and exp.grantee in ("", sender):
+                    exp.sender_stopped = True
+                    self._close(exp, ReceiveKind.FAILED, reason)
+                elif rid in self._revoking and self._revoking[rid].grantee == sender:
+                    self._release(self._revoking.pop(rid))  # it stopped: no write follows
+                elif exp is None and rid not in self._closed and self._asks.get(rid, sender) == sender:
+                    self._asks.pop(rid, None)
+                    _bounded_put(self._early, rid, header.sender_error, PENDING_MEMORY)
+                return None
+            if exp is None:
+                return self._nack(header, self._unknown(rid))
+            if exp.grantee != sender:
+                return self._nack(header, f"transfer {rid} is not granted to this sender")
+            exp.finished, exp.first_token, exp.finish_units = True, header.first_token, header.num_units
+            exp.sender_stopped = True
+            self._maybe_complete(exp)
+        return Ack(header.seq, rid, 0, True)
+
+    def revoked(self, sender_id: str, transfer_id: str) -> None:
+        """The sender's writer thread acknowledged a revocation: it writes nothing more."""
+        with self._lock:
+            exp = self._revoking.get(transfer_id)
+            if exp is not None and exp.grantee == sender_id:
+                self._release(self._revoking.pop(transfer_id))
+
+    def sender_gone(self, sender_id: str, reason: str) -> None:
+        """The sender closed (its goodbye, sent after its last write) or its process died."""
+        with self._lock:
+            self._sender_gone(sender_id, reason)
+            self._senders.pop(sender_id, None)
+
+    def check_fences(self) -> None:
+        """Release what dead sender processes held (shm; called periodically)."""
+        with self._lock:
+            holders = {e.grantee for e in (*self._active.values(), *self._revoking.values()) if e.grantee}
+            for sender_id in holders:
+                info = self._senders.get(sender_id)
+                if info is not None and info.fenceable and not same_process_alive(info.pid, info.start_time):
+                    self._sender_gone(sender_id, f"sender process {info.pid} is gone")
+
+    def refuse_undecodable(self, reason: str) -> None:
+        """A message with no usable header: nobody to blame, nothing to ack."""
+        with self._lock:
+            self.undecodable += 1
+            self.last_undecodable = reason
+
+    # -- I/O thread: data ---------------------------------------------------------------------
 
     def ingest(self, header: KVHeader, data: bytes | bytearray | memoryview | None) -> Ack:
-        """Validate one payload and write it into the cache; the returned Ack goes to the sender.
+        """Validate one data unit and write it into the cache; the returned Ack goes to the sender.
 
         data=None means the sender already wrote the blocks in place (shm): verify them instead.
         """
@@ -130,19 +282,17 @@ class ReceiveTable:
         if refusal is not None:
             return self._nack(header, refusal)
         payload: torch.Tensor | None = None
-        if header.sender_error:
-            return self._refuse(header, f"sender did not write: {header.sender_error}")
         try:
             if data is None:
-                idx = torch.tensor(header.block_ids, dtype=torch.long)
-                actual = checksum(self.cache.tensor[header.layer].index_select(1, idx))
+                actual = (checksum_blocks(self.cache.tensor[header.layer], header.block_ids)
+                          if self.verify_in_place else header.checksum)
             else:
                 payload = payload_tensor(header, data)
                 actual = checksum(data)
         except MessageError as e:
-            return self._refuse(header, str(e))
+            return self._refuse_unit(header, str(e))
         if actual != header.checksum:
-            return self._refuse(
+            return self._refuse_unit(
                 header, f"checksum mismatch on layer {header.layer}: "
                 f"got {actual:#010x}, header says {header.checksum:#010x}"
             )
@@ -150,75 +300,127 @@ class ReceiveTable:
             refusal = self._admit(header)  # cancelled or failed while we were checksumming?
             if refusal is not None:
                 return self._nack(header, refusal)
-            exp = self._active[header.request_id]
+            exp = self._active[header.transfer_id]
             if payload is not None:
-                idx = torch.tensor(header.block_ids, dtype=torch.long)
-                self.cache.tensor[header.layer].index_copy_(1, idx, payload)
-            missing = exp.missing[header.layer] if header.layer < len(exp.missing) else set()
-            exp.missing_count -= len(missing & set(header.block_ids))
+                self._write(header.layer, header.block_ids, payload)
+            exp.units += 1
+            missing = exp.missing[header.layer]
+            before = len(missing)
             missing.difference_update(header.block_ids)
-            if exp.missing_count == 0:
-                self._close(header.request_id, ReceiveKind.COMPLETE, "")
-        return Ack(header.seq, header.request_id, header.layer, True)
-
-    def refuse_undecodable(self, reason: str) -> None:
-        """A message with no usable header: nobody to blame, nothing to ack."""
-        with self._lock:
-            self.undecodable += 1
-            self.last_undecodable = reason
+            exp.missing_count -= before - len(missing)
+            self._stats.add(bytes=header.payload_nbytes, units=1)
+            self._maybe_complete(exp)
+        return Ack(header.seq, header.transfer_id, header.layer, True)
 
     # -- internals (lock held unless noted) ---------------------------------------------------
 
+    def _write(self, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor) -> None:
+        dst = self.cache.tensor[layer]
+        for src, start, length in block_runs(range(len(block_ids)), block_ids):
+            dst[:, start:start + length].copy_(payload[:, src:src + length])
+
+    def _grant(self, exp: _Expectation, sender_id: str) -> None:
+        if not exp.grantee:
+            exp.grantee = sender_id
+            self._stats.add(skipped_blocks=exp.skip_blocks)
+        self._deliver(sender_id, Grant(exp.transfer_id, True, "", exp.skip_blocks, exp.block_ids,
+                                       exp.num_layers))
+
+    def _refuse(self, sender_id: str, transfer_id: str, reason: str) -> None:
+        self._deliver(sender_id, Grant(transfer_id, False, reason))
+
+    def _unknown(self, rid: str) -> str:
+        if rid in self._closed:
+            return f"transfer {rid} already {self._closed[rid]}"
+        if rid in self._revoking:
+            return f"transfer {rid} already cancelled"
+        return f"unexpected transfer {rid}"
+
     def _admit(self, header: KVHeader) -> str | None:
-        rid = header.request_id
+        rid = header.transfer_id
         exp = self._active.get(rid)
         if exp is None:
-            if rid in self._closed:
-                return f"request {rid} already {self._closed[rid]}"
-            reason = f"unexpected request {rid}"
-            self._remember(rid, f"failed: {reason}")
-            self._events.append(ReceiveEvent(rid, ReceiveKind.FAILED, reason))
-            return reason
+            return self._unknown(rid)
+        if exp.grantee != header.sender_id:
+            return f"transfer {rid} is not granted to this sender"
         try:
             header.check_against(self.layout, self.cache.num_blocks)
         except MessageError as e:
-            return self._fail_locked(rid, str(e))
-        foreign = [b for b in header.block_ids if b not in exp.block_ids]
+            return self._fail_locked(exp, str(e))
+        foreign = [b for b in header.block_ids if b not in exp.block_set]
         if foreign:
-            return self._fail_locked(rid, f"blocks {foreign} are not owned by request {rid}")
-        if header.layer >= len(exp.missing):
-            return self._fail_locked(rid, f"layer {header.layer} beyond the {len(exp.missing)} expected")
+            return self._fail_locked(exp, f"blocks {foreign} are not granted to transfer {rid}")
+        if header.layer >= exp.num_layers:
+            return self._fail_locked(exp, f"layer {header.layer} beyond the {exp.num_layers} expected")
         return None
 
-    def _refuse(self, header: KVHeader, reason: str) -> Ack:
-        """Fail the request for a payload that passed admission but not the checks (no lock)."""
+    def _maybe_complete(self, exp: _Expectation) -> None:
+        if not exp.finished:
+            return
+        if exp.missing_count == 0:
+            self._close(exp, ReceiveKind.COMPLETE, "")
+        elif exp.units >= exp.finish_units:  # every unit the sender sent is in: some never will be
+            self._close(exp, ReceiveKind.FAILED,
+                        f"sender finished with {exp.missing_count} block-layers missing")
+
+    def _refuse_unit(self, header: KVHeader, reason: str) -> Ack:
+        """Fail the transfer for a unit that passed admission but not the checks (no lock)."""
         with self._lock:
-            if header.request_id in self._active:
-                self._fail_locked(header.request_id, reason)
+            exp = self._active.get(header.transfer_id)
+            if exp is not None and exp.grantee == header.sender_id:
+                self._fail_locked(exp, reason)
         return self._nack(header, reason)
 
     def _nack(self, header: KVHeader, reason: str) -> Ack:
-        return Ack(header.seq, header.request_id, header.layer, False, reason)
+        return Ack(header.seq, header.transfer_id, header.layer, False, reason)
 
-    def _fail_locked(self, rid: str, reason: str) -> str:
-        self._close(rid, ReceiveKind.FAILED, reason)
+    def _fail_locked(self, exp: _Expectation, reason: str) -> str:
+        self._close(exp, ReceiveKind.FAILED, reason)
         return reason
 
-    def _close(self, rid: str, kind: ReceiveKind | None, reason: str) -> None:
-        exp = self._active.pop(rid)
+    def _close(self, exp: _Expectation, kind: ReceiveKind | None, reason: str) -> None:
+        rid = exp.transfer_id
+        del self._active[rid]
         if self._on_release is not None:
-            self._on_release(exp.ordered_blocks)
-        if kind is None:
-            self._remember(rid, "cancelled")
-        else:
+            self._on_release(exp.block_ids)  # shm: owner checks fail from here on
+        elapsed = time.monotonic() - exp.started
+        if kind is ReceiveKind.COMPLETE:
+            self._events.append(ReceiveEvent(rid, kind, first_token=exp.first_token))
+            self._remember(rid, "complete")
+            self._stats.add(transfers_done=1, seconds=elapsed)
+            return
+        if kind is ReceiveKind.FAILED:
             self._events.append(ReceiveEvent(rid, kind, reason))
-            self._remember(rid, "complete" if kind is ReceiveKind.COMPLETE else f"failed: {reason}")
+            self._stats.add(transfers_failed=1, seconds=elapsed)
+        self._remember(rid, "cancelled" if kind is None else f"failed: {reason}")
+        if exp.grantee and not exp.sender_stopped:
+            self._deliver(exp.grantee, Revoke(rid, reason))
+            if self.one_sided:  # it may be writing right now: wait for its word
+                self._revoking[rid] = exp
+                return
+        self._release(exp)
+
+    def _release(self, exp: _Expectation) -> None:
+        self._events.append(ReceiveEvent(exp.transfer_id, ReceiveKind.RELEASED))
+
+    def _sender_gone(self, sender_id: str, reason: str) -> None:
+        for exp in [e for e in self._active.values() if e.grantee == sender_id]:
+            exp.sender_stopped = True
+            self._close(exp, ReceiveKind.FAILED, reason)
+        for rid in [r for r, e in self._revoking.items() if e.grantee == sender_id]:
+            self._release(self._revoking.pop(rid))
+        for rid in [r for r, s in self._asks.items() if s == sender_id]:
+            del self._asks[rid]
 
     def _remember(self, rid: str, outcome: str) -> None:
-        self._closed[rid] = outcome
-        self._closed.move_to_end(rid)
-        while len(self._closed) > CLOSED_MEMORY:
-            self._closed.popitem(last=False)
+        _bounded_put(self._closed, rid, outcome, CLOSED_MEMORY)
+
+
+def _bounded_put(d: OrderedDict[str, str], key: str, value: str, limit: int) -> None:
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > limit:
+        d.popitem(last=False)
 
 
 class TableReceiver(KVReceiver):
@@ -233,11 +435,17 @@ class TableReceiver(KVReceiver):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def expect(self, request_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self.table.expect(request_id, block_ids, num_layers, deadline_s)
+    def expect(
+        self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float,
+        skip_blocks: int = 0,
+    ) -> None:
+        self.table.expect(transfer_id, block_ids, num_layers, deadline_s, skip_blocks)
 
     def poll(self) -> list[ReceiveEvent]:
         return self.table.poll()
 
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
+    def cancel(self, transfer_id: str) -> None:
+        self.table.cancel(transfer_id)
+
+    def stats(self) -> TransferStats:
+        return self.table.stats()

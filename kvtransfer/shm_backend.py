@@ -1,66 +1,102 @@
-"""Same-host transport: the sender writes straight into the receiver's cache.
+"""Same-host transport: the sender's I/O thread writes straight into the receiver's cache.
 
 The receiver's cache lives in a named POSIX shared-memory segment (allocate_cache(...,
-shared_memory_name=...)). Control messages use the zmq framing of zmq_backend.py over an ipc
-socket; only headers cross it, never payload bytes:
+shared_memory_name=...)). Control uses the frames of zmq_backend.py over an ipc socket; only
+headers cross it, never payload bytes:
 
-    sender                                        receiver
-    [b"H", layout]                         --->
-                                           <---   [b"W", layout, shm name, owner-table name]
+    sender (its I/O thread = the writer)          receiver
+    [H, pid + start time]                  --->   remember them for the fence
+                                           <---   [W, layout, shm name, owner-table name]
     map the cache segment and the owner table
-    owner[block_ids] == tag(request)? ----- no --> [b"N", header with sender_error]  (nothing written)
+    [G, transfer]                          --->
+                                           <---   [g, skip_blocks, block ids]
+    owner[block ids] == tag(transfer)? --- no --> abort unit, nothing written
       | yes
-    kv_cache[layer, :, block_ids] = payload (one memcpy, the whole transfer)
-    [b"N", header with crc32 of payload]   --->   validate the header (expected request, owned
-                                                  blocks, fingerprint, dtype, shape), crc32 the
-                                           <---   blocks in place, [b"A", ack]
+    (pre_write_hook: tests hold the writer here)
+    per chunk of a run of ids (~384 KiB, so it stays in L2):
+      crc32c(source chunk); memmove into kv_cache[layer, kv, ids]; crc32c(written chunk)
+      the two must agree (else the unit fails): the copy is verified while both are hot
+    [N, header with the crc]               --->   validate the header (owner, shape, layout);
+                                           <---   verify="receiver": crc32c the blocks in
+                                                  place too; [A, ack]
 
-Trust boundary. Writes are one-sided: the receiver cannot refuse bytes before they land, only
-refuse to accept them. So:
-- The owner table (int64 per block, the owning request's tag, 0 = free; in its own small segment
-  that the receiver writes in expect() and clears when a request closes) lets an honest sender
-  refuse a misdirected write *before* writing: a foreign or unexpected block id never touches
-  the cache, and the notification carries the sender's refusal so the request fails.
-- The receiver still validates every notification as if the table did not exist; a failed
-  validation or checksum fails the request, and its blocks stay owned by that request until the
-  engine frees them, so bad bytes can only ever sit in blocks of a request that is failing.
-- Residual window: a sender that passed the owner check just before cancel()/deadline expiry
-  may finish that one memcpy afterwards. Engines using shm should therefore keep a cancelled or
-  failed request's blocks out of the free pool for a grace period longer than one layer's
-  memcpy (milliseconds). The sender is trusted not to ignore the table: shm is for peers in the
-  same trust domain (same host, same deployment); use zmq when that does not hold.
+Integrity. By default (verify="sender") the writer checks its own copy, each chunk's crc32c
+before and after the memmove, both from cache: a copy that went wrong fails the unit, and the
+whole transfer costs about one memory copy. verify="receiver" (ShmReceiver(verify=...)) adds
+the receiver's own crc32c of the blocks in place, an end-to-end check by the other process,
+at the price of a second full read of the bytes on the other core, concurrent with the copy
+(about half the bandwidth on a 2-core host: kvtransfer.bench prints both).
+
+Block reuse after a cancel or failure (the reason for the revocation round trip). Writes are
+one-sided: the receiver cannot stop bytes that a sender has decided to write. The owner table
+(int64 per block, the owning transfer's tag, 0 = free; its own small segment) stops an honest
+sender *before* it writes: the receiver clears a transfer's entries the moment it closes. But a
+writer that passed the check an instant earlier still completes its memcpy afterwards, however
+long it was descheduled in between. So the receiver does not report RELEASED on closing:
+
+    receiver: clear owner[blocks]; [R, revoke]  --->  writer thread, between two writes (so
+                                                      any write that passed the check is done):
+                                                      drop the transfer's queued units,
+                                           <---       [r, revoked]
+    receiver: RELEASED (the engine may reuse the blocks)
+
+The writer's finish, abort or goodbye (close) is equally final: it is sent by the same thread
+after its last write. If the sender process is gone (pid and start time from its handshake,
+checked every ~100 ms while anything is held), it writes nothing more either: RELEASED. There
+is no timer: a live sender that never answers keeps the blocks held, which is a leak to
+investigate, never a corruption. The receiver still validates every notification (header and
+crc32c in place); a failed check fails the transfer, and its blocks stay held until RELEASED,
+so bad bytes only ever sit in blocks of a transfer that is failing.
+
+Trust: the sender is trusted to honour the owner table and to answer revocations; shm is for
+peers in the same trust domain (same host, same deployment); use zmq when that does not hold.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import time
 from dataclasses import replace
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import torch
 
 from .base import KVTransferError
-from .layout import KVCacheBuffer, KVLayout, AttachedSegment, map_shared_tensor
-from .message import HandshakeReply, KVHeader
+from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor
+from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
 from .receiving import ReceiveTable
+from .sending import _Transfer
 from .zmq_backend import NOTIFY, ZmqReceiver, ZmqSender, default_ipc_endpoint
 
+FENCE_INTERVAL_S = 0.1
+CHUNK_BYTES = 384 << 10  # copy granule: fits L2 beside the next one
 
-def owner_tag(request_id: str) -> int:
-    """A request's non-zero 63-bit tag in the owner table."""
-    tag = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+def owner_tag(transfer_id: str) -> int:
+    """A transfer's non-zero 63-bit tag in the owner table."""
+    tag = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
     return (tag & (2**63 - 1)) or 1
 
 
+VERIFY_MODES = ("sender", "receiver")
+
+
 class ShmReceiver(ZmqReceiver):
-    def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str | None = None) -> None:
+    def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str | None = None,
+                 verify: str = "sender") -> None:
         if cache.shm_name is None:
             raise ValueError("shm receiver needs a cache allocated with shared_memory_name=...")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.verify = verify
         self._owner_shm = shared_memory.SharedMemory(
             name=f"{cache.shm_name}-own", create=True, size=8 * cache.num_blocks
         )
         self._owners = map_shared_tensor(self._owner_shm, torch.int64, (cache.num_blocks,))
         self._owners.zero_()
+        self._next_fence = 0.0
         try:
             super().__init__(cache, layout, endpoint or default_ipc_endpoint("tandem-kv-shm"))
         except BaseException:
@@ -68,18 +104,28 @@ class ShmReceiver(ZmqReceiver):
             raise
 
     def _make_table(self) -> ReceiveTable:
-        return ReceiveTable(self.cache, self.layout, on_claim=self._claim, on_release=self._release)
+        return ReceiveTable(self.cache, self.layout, self._deliver, "shm", one_sided=True,
+                            on_claim=self._claim, on_release=self._unclaim,
+                            verify_in_place=self.verify == "receiver")
 
-    def _claim(self, request_id: str, block_ids: tuple[int, ...]) -> None:
-        self._owners[torch.tensor(block_ids, dtype=torch.long)] = owner_tag(request_id)
+    def _claim(self, transfer_id: str, block_ids: tuple[int, ...]) -> None:
+        if block_ids:
+            self._owners[torch.tensor(block_ids, dtype=torch.long)] = owner_tag(transfer_id)
 
-    def _release(self, block_ids: tuple[int, ...]) -> None:
-        self._owners[torch.tensor(block_ids, dtype=torch.long)] = 0
+    def _unclaim(self, block_ids: tuple[int, ...]) -> None:
+        if block_ids:
+            self._owners[torch.tensor(block_ids, dtype=torch.long)] = 0
 
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(
             self.layout, self.cache.num_blocks, self.cache.shm_name or "", self._owner_shm.name
         )
+
+    def _on_idle(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_fence:
+            self._next_fence = now + FENCE_INTERVAL_S
+            self.table.check_fences()
 
     def close(self) -> None:
         if self._closed:
@@ -97,8 +143,19 @@ class ShmReceiver(ZmqReceiver):
 
 
 class ShmSender(ZmqSender):
-    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
+    """`pre_write_hook` is a test seam: called on the writer thread with the unit's header (its
+    checksum still 0: it is computed during the copy) after the owner-table check passed and
+    before the memcpy, so a test can hold a writer inside the window that the revocation
+    protocol closes."""
+
+    backend = "shm"
+
+    def __init__(
+        self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+        pre_write_hook: Callable[[KVHeader], None] | None = None,
+    ) -> None:
         super().__init__(ack_timeout_s, connect_timeout_s)
+        self.pre_write_hook = pre_write_hook
         self._segments: list[AttachedSegment] = []
         self._cache: torch.Tensor | None = None
         self._owners: torch.Tensor | None = None
@@ -118,18 +175,57 @@ class ShmSender(ZmqSender):
         self._cache = map_shared_tensor(cache_shm, reply.layout.torch_dtype, shape)
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
 
-    def _frames(self, header: KVHeader, payload: torch.Tensor) -> list:
-        assert self._cache is not None and self._owners is not None  # set by connect()
-        bad = [b for b in header.block_ids if not 0 <= b < self._owners.numel()]
+    def _io_transmit(
+        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...], seq: int,
+    ) -> str:
+        cache, owners = self._cache, self._owners
+        assert cache is not None and owners is not None  # set by connect()
+        bad = [b for b in dst_ids if not 0 <= b < owners.numel()]
         if bad:
-            return [NOTIFY, _with_error(header, f"block ids {bad} out of range")]
-        idx = torch.tensor(header.block_ids, dtype=torch.long)
-        tag = owner_tag(header.request_id)
-        if not bool((self._owners[idx] == tag).all()):
-            foreign = [b for b, t in zip(header.block_ids, self._owners[idx].tolist()) if t != tag]
-            return [NOTIFY, _with_error(header, f"owner table: blocks {foreign} not owned by {header.request_id}")]
-        self._cache[header.layer].index_copy_(1, idx, payload)
-        return [NOTIFY, header.encode()]
+            return f"granted block ids {bad} out of range"
+        if source.device.type != "cpu" or not source.is_contiguous():
+            source = self.gather(source, src_ids)  # rare: a source the runs cannot slice
+            src_ids = tuple(range(len(src_ids)))
+        runs = _chunked(list(block_runs(src_ids, dst_ids)), self._blocks_per_chunk(source))
+        tag = owner_tag(t.transfer_id)
+        # The owner check, then (nothing but the test hook) the write: the revocation protocol
+        # covers whatever time passes in between.
+        held = owners[torch.tensor(dst_ids, dtype=torch.long)].tolist()
+        foreign = [b for b, owner in zip(dst_ids, held) if owner != tag]
+        if foreign:
+            return f"owner table: blocks {foreign} not owned by {t.transfer_id}"
+        header = self.data_header(t, layer, dst_ids, None, seq, crc=0)
+        if self.pre_write_hook is not None:
+            self.pre_write_hook(header)
+        # crc32c of the source chunk by chunk, each chunk copied right after its crc so that the
+        # memmove reads it from cache, not memory: one memory read of the source, not two.
+        # (ctypes.memmove and crc32c both release the GIL; bounds were checked against both
+        # tensors: dst ids above, src ids by send().)
+        block_bytes = source[0, 0].numel() * source.element_size()
+        crc = written = 0
+        for kv in (0, 1):
+            src_bytes = tensor_bytes(source[kv])  # sliced per chunk: no tensor op in the loop
+            dst_bytes = tensor_bytes(cache[layer, kv])
+            src_base, dst_base = source[kv].data_ptr(), cache[layer, kv].data_ptr()
+            for src, dst, length in runs:
+                offset, at, nbytes = src * block_bytes, dst * block_bytes, length * block_bytes
+                crc = checksum(src_bytes[offset:offset + nbytes], crc)
+                ctypes.memmove(dst_base + at, src_base + offset, nbytes)
+                written = checksum(dst_bytes[at:at + nbytes], written)  # still in cache
+        if written != crc:
+            return f"layer {layer}: the copy into the shared cache does not read back"
+        header = replace(header, checksum=crc)
+        self._send([NOTIFY, header.encode()])
+        return ""
+
+    @staticmethod
+    def _blocks_per_chunk(source: torch.Tensor) -> int:
+        return max(1, CHUNK_BYTES // (source[0, 0].numel() * source.element_size()))
+
+    def _io_close(self) -> None:
+        super()._io_close()
+        self._unmap()
 
     def close(self) -> None:
         super().close()
@@ -145,5 +241,7 @@ class ShmSender(ZmqSender):
         self._segments.clear()
 
 
-def _with_error(header: KVHeader, error: str) -> bytes:
-    return replace(header, sender_error=error).encode()
+def _chunked(runs: list[tuple[int, int, int]], most: int) -> list[tuple[int, int, int]]:
+    """Split (src, dst, length) runs into pieces of at most `most` blocks."""
+    return [(src + k, dst + k, min(most, length - k))
+            for src, dst, length in runs for k in range(0, length, most)]

@@ -1,18 +1,26 @@
 """ZeroMQ transport: `tcp://host:port` across hosts, `ipc:///path` on one host.
 
-Sockets and frames (the receiver binds a ROUTER, each sender connects a DEALER):
+Sockets and frames (the receiver binds a ROUTER, each sender connects a DEALER; each socket is
+owned by one I/O thread, woken by a self-pipe registered in the same zmq.Poller):
 
     sender                                   receiver
-    [b"H", HandshakeRequest]          --->   (checks nothing; the sender decides)
-                                      <---   [b"W", HandshakeReply]  its layout (+ shm names)
-    [b"D", KVHeader, payload bytes]   --->   validate, write kv_cache[layer, :, block_ids]
-                                      <---   [b"A", Ack]             one per unit (seq)
+    [H, HandshakeRequest]             --->   remember the sender (id, pid, start time)
+                                      <---   [W, HandshakeReply]     its layout (+ shm names)
+    [G, GrantRequest]                 --->   at once if expected, else when expect() comes
+                                      <---   [g, GrantReply]         skip_blocks, block ids
+    [D, KVHeader, payload bytes]      --->   validate, crc32c, write kv_cache[layer, :, ids]
+                                      <---   [A, Ack]                one per unit (seq)
+    [C, KVHeader finish | abort]      --->   finish: COMPLETE when every block is in (acked);
+                                             abort: FAILED, RELEASED
+                                      <---   [R, Revoke]             cancelled/failed: stop
+    [r, Revoked]                      --->   (shm: only now RELEASED)
+    [P]  (heartbeat while waiting)    --->
+                                      <---   [p]
+    [B, sender id]  (closing)         --->   its transfers fail, their blocks are released
 
-Zero copy: the payload frame is a memoryview of the contiguous tensor sent with copy=False, so
-libzmq reads the tensor's memory directly; the receiver views the received frame as a tensor
-and copies it once, into the cache. The sender never blocks: sends are NOBLOCK with no
-high-water mark (libzmq's I/O thread does the writing; the payloads are ours anyway), and acks
-are drained by poll(). The receiver owns its socket on one background thread.
+Zero copy: the payload frame is a memoryview of the gathered tensor sent with copy=False, so
+libzmq reads it directly; the receiver views the received frame as a tensor and copies it once,
+into the cache. No high-water marks: the payloads are ours anyway, and the engine never waits.
 """
 
 from __future__ import annotations
@@ -22,23 +30,25 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections import deque
 
 import torch
 import zmq
 
-from .base import KVTransferError, TransferStatus
+from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
-    Ack, HandshakeReply, KVHeader, MessageError, encode_handshake_request, tensor_bytes,
+    Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
+    Revoked, tensor_bytes,
 )
 from .receiving import ReceiveTable, TableReceiver
-from .sending import TrackedSender
+from .sending import IOSender, Waker, _Transfer
 
 log = logging.getLogger(__name__)
 
-HELLO, WELCOME, DATA, NOTIFY, ACK = b"H", b"W", b"D", b"N", b"A"
-_POLL_MS = 50  # receiver thread wake-up for the stop flag; messages wake it at once
+HELLO, WELCOME, ASK, GRANT, DATA, NOTIFY, CONTROL, ACK = b"H", b"W", b"G", b"g", b"D", b"N", b"C", b"A"
+REVOKE, REVOKED, PING, PONG, BYE = b"R", b"r", b"P", b"p", b"B"
+_POLL_MS = 100  # receiver thread wake-up when idle (stop flag, fences); messages wake it at once
 _IPC_IDS = itertools.count()
 
 
@@ -47,17 +57,24 @@ def default_ipc_endpoint(prefix: str) -> str:
     return f"ipc://{path}"
 
 
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    return sock
+
+
 class ZmqReceiver(TableReceiver):
+    one_sided = False
+
     def __init__(
         self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*"
     ) -> None:
         self.cache, self.layout = cache, layout
         self.table = self._make_table()
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock = _socket(self._ctx, zmq.ROUTER)
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -65,6 +82,9 @@ class ZmqReceiver(TableReceiver):
             self._ctx.term()
             raise KVTransferError(f"cannot bind {endpoint}: {e}") from e
         self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._outbox: deque[tuple[str, Grant | Revoke]] = deque()  # from any thread
+        self._waker = Waker()
+        self._idents: dict[str, bytes] = {}  # sender id -> zmq routing id (I/O thread)
         self._stop = threading.Event()
         self._closed = False
         # The socket now belongs to the I/O thread; this thread touches it again only after join.
@@ -72,19 +92,26 @@ class ZmqReceiver(TableReceiver):
         self._thread.start()
 
     def _make_table(self) -> ReceiveTable:
-        return ReceiveTable(self.cache, self.layout)
+        return ReceiveTable(self.cache, self.layout, self._deliver, "zmq")
 
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(self.layout, self.cache.num_blocks)
+
+    def _deliver(self, sender_id: str, message: Grant | Revoke) -> None:
+        """Called by the table (any thread, its lock held): hand the frame to the I/O thread."""
+        self._outbox.append((sender_id, message))
+        self._waker.wake()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        self._thread.join(timeout=5 * _POLL_MS / 1000 + 5.0)
+        self._waker.wake()
+        self._thread.join(timeout=5.0)
         self._sock.close(linger=0)
         self._ctx.term()
+        self._waker.close()
         if self._endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
             try:
                 os.unlink(self._endpoint[len("ipc://"):])
@@ -95,9 +122,13 @@ class ZmqReceiver(TableReceiver):
 
     def _serve(self) -> None:
         sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
         while not self._stop.is_set():
-            if not sock.poll(_POLL_MS):
-                continue
+            poller.poll(_POLL_MS)
+            self._waker.drain()
+            self._flush_outbox()
             while True:
                 try:
                     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -111,42 +142,75 @@ class ZmqReceiver(TableReceiver):
                     continue
                 if reply is not None:
                     sock.send_multipart([frames[0].bytes, *reply], flags=zmq.NOBLOCK)
+                self._flush_outbox()  # grants given while handling come out in order
+            self._on_idle()
+
+    def _on_idle(self) -> None:
+        """Once per loop (shm checks its fences)."""
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            sender_id, message = self._outbox.popleft()
+            ident = self._idents.get(sender_id)
+            if ident is None:
+                log.warning("KV receiver at %s: no route to sender %s", self._endpoint, sender_id)
+                continue
+            kind = GRANT if isinstance(message, Grant) else REVOKE
+            self._sock.send_multipart([ident, kind, message.encode()], flags=zmq.NOBLOCK)
 
     def _handle(self, frames: list[zmq.Frame]) -> list[bytes] | None:
+        ident = frames[0].bytes
         kind = frames[1].bytes if len(frames) > 1 else b""
-        if kind == HELLO:
-            return [WELCOME, self._handshake_reply().encode()]
-        if (kind, len(frames)) not in ((DATA, 4), (NOTIFY, 3)):
-            self.table.refuse_undecodable(f"bad frame kind {kind[:8]!r} or count {len(frames)}")
-            return None
         try:
+            if kind == HELLO and len(frames) == 3:
+                request = HandshakeRequest.decode(frames[2].buffer)
+                self._idents[request.sender_id] = ident
+                self.table.register_sender(request)
+                return [WELCOME, self._handshake_reply().encode()]
+            if kind == PING:
+                return [PONG]
+            if kind == ASK and len(frames) == 3:
+                ask = GrantRequest.decode(frames[2].buffer)
+                self._idents[ask.sender_id] = ident
+                self.table.ask(ask.sender_id, ask.transfer_id)
+                return None
+            if kind == REVOKED and len(frames) == 3:
+                done = Revoked.decode(frames[2].buffer)
+                self.table.revoked(done.sender_id, done.transfer_id)
+                return None
+            if kind == BYE and len(frames) == 3:
+                self.table.sender_gone(frames[2].bytes.decode(), "sender closed")
+                return None
+            if (kind, len(frames)) not in ((DATA, 4), (NOTIFY, 3), (CONTROL, 3)):
+                self.table.refuse_undecodable(f"bad frame kind {kind[:8]!r} or count {len(frames)}")
+                return None
             header = KVHeader.decode(frames[2].buffer)
         except MessageError as e:
             self.table.refuse_undecodable(str(e))
             return None
+        if kind == CONTROL:
+            ack = self.table.control(header)
+            return None if ack is None else [ACK, ack.encode()]
         data = frames[3].buffer if kind == DATA else None
         return [ACK, self.table.ingest(header, data).encode()]
 
 
-class ZmqSender(TrackedSender):
+class ZmqSender(IOSender):
+    backend = "zmq"
+    heartbeat = True
+
     def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
         super().__init__(ack_timeout_s, connect_timeout_s)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._backlog: list[list] = []  # frames libzmq refused for now (EAGAIN)
-        self.endpoint = ""
+        self._poller: zmq.Poller | None = None
 
-    def connect(self, endpoint: str, layout: KVLayout) -> None:
-        if self._sock is not None:
-            raise KVTransferError(f"already connected to {self.endpoint}")
+    def _handshake(self, endpoint: str, layout: KVLayout) -> None:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = _socket(ctx, zmq.DEALER)
         try:
             sock.connect(endpoint)
-            sock.send_multipart([HELLO, encode_handshake_request(layout)])
+            sock.send_multipart([HELLO, self._handshake_request(layout).encode()])
             if not sock.poll(int(self.connect_timeout_s * 1000)):
                 raise KVTransferError(f"no handshake reply from {endpoint} within {self.connect_timeout_s}s")
             frames = sock.recv_multipart()
@@ -159,55 +223,75 @@ class ZmqSender(TrackedSender):
             sock.close(linger=0)
             ctx.term()
             raise
-        self._ctx, self._sock, self.layout, self.endpoint = ctx, sock, layout, endpoint
+        self._ctx, self._sock = ctx, sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._waker.fd, zmq.POLLIN)
 
     def _on_handshake(self, reply: HandshakeReply, endpoint: str) -> None:
         """Backend-specific use of the reply (shm maps the segment)."""
 
-    def send(self, request_id: str, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        header, payload = self._prepare(request_id, layer, block_ids, payload)
-        self._backlog.append(self._frames(header, payload))
-        self._flush()
+    # -- I/O thread -------------------------------------------------------------------------
 
-    def _frames(self, header: KVHeader, payload: torch.Tensor) -> list:
-        # The memoryview keeps `payload` alive until libzmq has sent it (copy=False).
-        return [DATA, header.encode(), tensor_bytes(payload)]
-
-    def poll(self, request_id: str) -> TransferStatus:
-        self._flush()
-        self._drain_acks()
-        return super().poll(request_id)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._backlog.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._ctx.term()
-        self._sock = self._ctx = None
-
-    def _flush(self) -> None:
-        if self._sock is None:
-            return
-        while self._backlog:
-            try:
-                self._sock.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._backlog.pop(0)
-
-    def _drain_acks(self) -> None:
-        if self._sock is None:
-            return
+    def _io_wait(self, timeout: float) -> None:
+        assert self._poller is not None and self._sock is not None
+        self._poller.poll(int(timeout * 1000) if timeout > 0 else 0)
+        self._waker.drain()
         while True:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) == 2 and frames[0] == ACK:
-                try:
-                    self.tracker.on_ack(Ack.decode(frames[1]))
-                except MessageError:
-                    continue  # a garbled ack: that unit's deadline will fail it
+            self._heard()
+            try:
+                self._dispatch(frames)
+            except MessageError as e:
+                log.warning("garbled message from %s: %s", self.endpoint, e)  # its deadline fails it
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        kind = frames[0]
+        if kind == ACK and len(frames) == 2:
+            self._on_ack(Ack.decode(frames[1]))
+        elif kind == GRANT and len(frames) == 2:
+            self._on_grant(Grant.decode(frames[1]))
+        elif kind == REVOKE and len(frames) == 2:
+            self._on_revoke(Revoke.decode(frames[1]))
+        elif kind != PONG:
+            log.warning("unexpected frame %r from %s", kind[:8], self.endpoint)
+
+    def _send(self, frames: list, copy: bool = True) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart(frames, copy=copy)  # no HWM: never blocks
+
+    def _io_ask(self, t: _Transfer) -> None:
+        self._send([ASK, GrantRequest(t.transfer_id, self.sender_id).encode()])
+
+    def _io_transmit(
+        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...], seq: int,
+    ) -> str:
+        payload = self.gather(source, src_ids)
+        header = self.data_header(t, layer, dst_ids, payload, seq)
+        # The memoryview keeps `payload` (our gathered copy) alive until libzmq has sent it.
+        self._send([DATA, header.encode(), tensor_bytes(payload)], copy=False)
+        return ""
+
+    def _io_control(self, t: _Transfer, header: KVHeader) -> None:
+        self._send([CONTROL, header.encode()])
+
+    def _io_revoked(self, transfer_id: str) -> None:
+        self._send([REVOKED, Revoked(transfer_id, self.sender_id).encode()])
+
+    def _io_ping(self) -> None:
+        self._send([PING])
+
+    def _io_close(self) -> None:
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = self._poller = None
+        if sock is None or ctx is None:
+            return
+        try:
+            sock.send_multipart([BYE, self.sender_id.encode()], flags=zmq.NOBLOCK)
+            sock.close(linger=200)  # libzmq's I/O thread sends the goodbye within the linger
+        finally:
+            ctx.term()

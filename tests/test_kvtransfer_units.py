@@ -1,4 +1,5 @@
-"""kvtransfer in one process: layout, messages, the registry, and the fake backend's faults."""
+"""kvtransfer in one process: layout, messages, checksums, the fence, the registry, and the fake
+backend's faults. The contract itself, for every backend, is in test_kvtransfer_backends.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 import kvtransfer as kt
 from kvtransfer.fake import FakeFault, FakeSender
-from kvtransfer.message import KVHeader, MessageError, checksum
+from kvtransfer.message import KVHeader, MessageError, block_runs, checksum, checksum_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = kt.KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", model_id="tiny")
@@ -119,8 +120,13 @@ def test_allocate_cache_in_shared_memory_and_unlink():
 
 def test_header_roundtrip_and_named_mismatches():
     p = payload(LAYOUT, 2, 0)
-    h = KVHeader.for_payload("r", 1, (4, 9), p, LAYOUT, seq=7)
+    h = KVHeader.for_payload("r", 1, (4, 9), p, LAYOUT, seq=7, sender_id="s")
     assert KVHeader.decode(h.encode()) == h
+    assert h.is_data and not h.is_abort
+    fin = KVHeader("r", seq=8, sender_id="s", finish=True, first_token=-3, num_units=12)
+    assert KVHeader.decode(fin.encode()) == fin and not fin.is_data
+    abort = fin.with_error("prefill failed")
+    assert KVHeader.decode(abort.encode()).is_abort
     assert h.checksum == checksum(p)
     h.check_against(LAYOUT, 16)
     other = kt.KVLayout(3, 2, 8, 4, "float32", "other-model")
@@ -164,105 +170,172 @@ def test_registry_is_lazy_and_model_agnostic():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_checksum_is_crc32c_and_block_checksums_need_no_gather():
+    assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+    assert checksum(b"6789", checksum(b"12345")) == checksum(b"123456789")
+    layer = payload(LAYOUT, 10, 1)
+    for ids in ([3], [0, 1, 2], [7, 2, 3, 4, 9], [5, 4, 3]):
+        assert checksum_blocks(layer, ids) == checksum(layer[:, ids].contiguous())
+    assert list(block_runs([7, 2, 3, 4, 9])) == [(7, 7, 1), (2, 2, 3), (9, 9, 1)]
+    assert list(block_runs([0, 1, 2, 5], [4, 5, 9, 10])) == [(0, 4, 2), (2, 9, 1), (5, 10, 1)]
+
+
+def test_fence_sees_live_recycled_and_zombie_processes():
+    from kvtransfer.fence import own_identity, process_start_time, same_process_alive
+
+    pid, start = own_identity()
+    assert start > 0 and same_process_alive(pid, start)
+    assert not same_process_alive(pid, start + 1)  # a recycled pid has another start time
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while process_start_time(child.pid) is not None:  # exits into a zombie: gone already
+        time.sleep(0.01)
+        if child.poll() is not None:
+            break
+    child.wait()
+    assert process_start_time(child.pid) is None
+
+
+def test_crc32c_releases_the_gil_on_large_buffers():
+    """The reason the I/O threads can checksum beside the engine thread."""
+    import threading
+
+    import crc32c
+
+    data = bytes(64 << 20)
+    ticks = []
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(1)
+            time.sleep(0)
+
+    t = threading.Thread(target=count)
+    t.start()
+    time.sleep(0.01)
+    before = len(ticks)
+    for _ in range(3):
+        crc32c.crc32c(data, gil_release_mode=-1)  # -1: release for buffers >= 32 KiB
+    during = len(ticks) - before
+    done.set()
+    t.join()
+    assert during > 10, "the other thread did not run while crc32c ran"
+
+
 # -- fake backend ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fake_chunked_delivery_completes_only_when_every_block_arrived(fake_pair, dtype):
-    layout = replace(LAYOUT, dtype=dtype)
-    sender, receiver, cache = fake_pair(layout)
+def test_fake_out_of_order_delivery_and_events(fake_pair):
+    """A delayed unit arrives after the finish: COMPLETE waits for it."""
+    sender, receiver, cache = fake_pair(faults=[FakeFault("delay", layer=1, delay_s=0.3)])
     receiver.expect("r", [2, 5, 7], num_layers=3, deadline_s=5)
-    parts = {}
-    for layer in range(3):  # chunk 1: blocks 2, 5
-        parts[layer, 0] = payload(layout, 2, layer)
-        sender.send("r", layer, [2, 5], parts[layer, 0])
-    assert receiver.poll() == []
-    for layer in range(3):  # chunk 2: block 7
-        parts[layer, 1] = payload(layout, 1, 10 + layer)
-        sender.send("r", layer, [7], parts[layer, 1])
-    assert receiver.poll() == [kt.ReceiveEvent("r", kt.ReceiveKind.COMPLETE)]
-    assert sender.poll("r").done
-    assert cache.tensor.dtype == layout.torch_dtype
-    for layer in range(3):  # bit-exact: compare the raw bytes
-        assert torch.equal(cache.tensor[layer][:, [2, 5]].view(torch.uint8), parts[layer, 0].view(torch.uint8))
-        assert torch.equal(cache.tensor[layer][:, [7]].view(torch.uint8), parts[layer, 1].view(torch.uint8))
-    untouched = [b for b in range(16) if b not in (2, 5, 7)]
-    assert not cache.tensor[:, :, untouched].any()
+    source = torch.stack([payload(LAYOUT, 4, layer) for layer in range(3)])  # a 3-layer cache
+    for layer in range(3):
+        sender.send("r", layer, 0, source[layer], [0, 1])
+        sender.send("r", layer, 2, source[layer], [3])
+    sender.finish("r", 77)
+    time.sleep(0.1)
+    assert receiver.poll() == []  # finish is in, layer 1 is not
+    assert wait_status(sender, "r").done
+    assert receiver.poll() == [kt.ReceiveEvent("r", kt.ReceiveKind.COMPLETE, first_token=77)]
+    for layer in range(3):
+        assert torch.equal(cache.tensor[layer][:, [2, 5, 7]], source[layer][:, [0, 1, 3]])
     with pytest.raises(KeyError):
         sender.poll("r")  # a terminal status is reported once
 
 
 @pytest.mark.parametrize("kind, reason", [("corrupt", "checksum mismatch"), ("fingerprint", "fingerprint mismatch")])
-def test_fake_refused_payload_fails_only_its_request(fake_pair, kind, reason):
-    sender, receiver, cache = fake_pair(faults=[FakeFault(kind, request_id="bad", layer=1)])
+def test_fake_refused_unit_fails_only_its_transfer(fake_pair, kind, reason):
+    sender, receiver, cache = fake_pair(faults=[FakeFault(kind, transfer_id="bad", layer=1)])
     receiver.expect("good", [0, 1], 3, 5)
     receiver.expect("bad", [2, 3], 3, 5)
+    source = payload(LAYOUT, 2, 1)
     for layer in range(3):
-        sender.send("good", layer, [0, 1], payload(LAYOUT, 2, layer))
-        sender.send("bad", layer, [2, 3], payload(LAYOUT, 2, 10 + layer))
-    events = {e.request_id: e for e in receiver.poll()}
-    assert events["good"].kind is kt.ReceiveKind.COMPLETE
-    assert events["bad"].kind is kt.ReceiveKind.FAILED and reason in events["bad"].reason
-    assert sender.poll("good").done
-    status = sender.poll("bad")
+        sender.send("good", layer, 0, source, [0, 1])
+        sender.send("bad", layer, 0, source, [0, 1])
+    sender.finish("good", 1)
+    sender.finish("bad", 1)
+    assert wait_status(sender, "good").done
+    status = wait_status(sender, "bad")
     assert status.failed and reason in status.reason
+    events = receiver.poll()
+    assert kt.ReceiveEvent("good", kt.ReceiveKind.COMPLETE, first_token=1) in events
+    bad = [e for e in events if e.request_id == "bad"]
+    assert [e.kind for e in bad] == [kt.ReceiveKind.FAILED, kt.ReceiveKind.RELEASED]
+    assert reason in bad[0].reason
     assert not cache.tensor[1:, :, [2, 3]].any()  # the refused layer and later ones never written
 
 
 def test_fake_drop_fails_both_sides_by_deadline(fake_pair):
-    sender, receiver, _ = fake_pair(faults=[FakeFault("drop", layer=2)], ack_timeout_s=1.5)
-    receiver.expect("r", [0], 3, deadline_s=1.0)  # passed by the time the sender gives up
+    sender, receiver, _ = fake_pair(faults=[FakeFault("drop", layer=2)], ack_timeout_s=1.0)
+    receiver.expect("r", [0], 3, deadline_s=1.5)
+    source = payload(LAYOUT, 1, 0)
     for layer in range(3):
-        sender.send("r", layer, [0], payload(LAYOUT, 1, layer))
+        sender.send("r", layer, 0, source, [0])
+    sender.finish("r", 0)
     assert sender.poll("r").state is kt.TransferState.IN_FLIGHT
     status = wait_status(sender, "r")
     assert status.failed and "no ack for layers [2]" in status.reason
-    time.sleep(0.05)
-    [event] = receiver.poll()
-    assert event.kind is kt.ReceiveKind.FAILED and "deadline" in event.reason and "2/3" in event.reason
+    [failed, released] = receiver.poll()  # the sender's abort reached the receiver
+    assert failed.kind is kt.ReceiveKind.FAILED and "no ack in time" in failed.reason
+    assert released.kind is kt.ReceiveKind.RELEASED
 
 
-def test_fake_delay_delivers_late(fake_pair):
-    sender, receiver, cache = fake_pair(faults=[FakeFault("delay", delay_s=1.0)])
-    receiver.expect("r", [4], 1, 5)
-    p = payload(LAYOUT, 1, 0)
-    sender.send("r", 0, [4], p)
-    assert receiver.poll() == [] and sender.poll("r").state is kt.TransferState.IN_FLIGHT
+def test_fake_slow_transfer_runs_off_the_engine_thread(fake_pair):
+    sender, receiver, cache = fake_pair(faults=[FakeFault("slow", delay_s=0.15)])
+    receiver.expect("r", [4], 3, 5)
+    source = payload(LAYOUT, 1, 0)
+    start = time.monotonic()
+    for layer in range(3):
+        sender.send("r", layer, 0, source, [0])
+    sender.finish("r", 2)
+    assert time.monotonic() - start < 0.1, "send() waited for the transfer"
+    assert sender.poll("r").state is kt.TransferState.IN_FLIGHT
     assert wait_status(sender, "r").done
-    assert receiver.poll() == [kt.ReceiveEvent("r", kt.ReceiveKind.COMPLETE)]
-    assert torch.equal(cache.tensor[0][:, [4]], p)
+    assert time.monotonic() - start >= 0.45
+    assert receiver.poll() == [kt.ReceiveEvent("r", kt.ReceiveKind.COMPLETE, first_token=2)]
 
 
-def test_fake_unexpected_foreign_cancel_and_bad_arguments(fake_pair):
-    sender, receiver, cache = fake_pair()
+def test_fake_no_grant_fails_by_ack_timeout_and_receiver_deadline(fake_pair):
+    sender, receiver, _ = fake_pair(faults=[FakeFault("no_grant", transfer_id="r")], ack_timeout_s=0.5)
+    receiver.expect("r", [0], 3, deadline_s=3)
+    sender.send("r", 0, 0, payload(LAYOUT, 1, 0), [0])
+    status = wait_status(sender, "r")
+    assert status.failed and "no grant for r within 0.5s" in status.reason
+    [failed, released] = receiver.poll()  # the sender told the receiver it gave up
+    assert (failed.kind, released.kind) == (kt.ReceiveKind.FAILED, kt.ReceiveKind.RELEASED)
+
+
+def test_fake_expect_and_send_argument_checks(fake_pair):
+    sender, receiver, _ = fake_pair()
     receiver.expect("r", [0, 1], 3, 5)
-    sender.send("ghost", 0, [5], payload(LAYOUT, 1, 0))
-    sender.send("r", 0, [1, 6], payload(LAYOUT, 2, 1))  # block 6 is not r's
-    events = {e.request_id: e.reason for e in receiver.poll()}
-    assert "unexpected request ghost" in events["ghost"]
-    assert "blocks [6] are not owned by request r" in events["r"]
-    assert "unexpected" in sender.poll("ghost").reason and sender.poll("r").failed
-    assert not cache.tensor.any()
-
-    receiver.expect("c", [2], 3, 5)
-    sender.send("c", 0, [2], payload(LAYOUT, 1, 2))
-    receiver.cancel("c")
-    sender.send("c", 1, [2], payload(LAYOUT, 1, 3))
-    assert receiver.poll() == []
-    assert "cancelled" in sender.poll("c").reason
-    assert cache.tensor[0, :, 2].any() and not cache.tensor[1:, :, 2].any()
-
-    with pytest.raises(ValueError, match="already expected by r2"):
-        receiver.expect("r2", [7], 3, 5)
-        receiver.expect("r3", [7, 8], 3, 5)
+    with pytest.raises(ValueError, match="blocks \\[1\\] expected by r"):
+        receiver.expect("r2", [1, 2], 3, 5)
+    with pytest.raises(ValueError, match="already expected"):
+        receiver.expect("r", [5], 3, 5)
+    with pytest.raises(ValueError, match="duplicate"):
+        receiver.expect("r3", [5, 5], 3, 5)
     with pytest.raises(ValueError, match="out of range"):
         receiver.expect("r4", [99], 3, 5)
     with pytest.raises(ValueError, match="num_layers"):
         receiver.expect("r5", [9], 4, 5)
-    with pytest.raises(ValueError, match="payload shape"):
-        sender.send("x", 0, [9, 10], payload(LAYOUT, 1, 0))
-    with pytest.raises(ValueError, match="payload dtype"):
-        sender.send("x", 0, [9], payload(LAYOUT, 1, 0).half())
+    with pytest.raises(ValueError, match="skip_blocks"):
+        receiver.expect("r6", [9], 3, 5, skip_blocks=-1)
+    source = payload(LAYOUT, 4, 0)
+    with pytest.raises(ValueError, match="source shape"):
+        sender.send("x", 0, 0, source[0], [0])
+    with pytest.raises(ValueError, match="source dtype"):
+        sender.send("x", 0, 0, source.half(), [0])
+    with pytest.raises(ValueError, match="out of range"):
+        sender.send("x", 0, 0, source, [4])
+    with pytest.raises(ValueError, match="layer 3"):
+        sender.send("x", 3, 0, source, [0])
+    with pytest.raises(ValueError, match="first_block"):
+        sender.send("x", 0, -1, source, [0])
+    with pytest.raises(ValueError, match="empty"):
+        sender.send("x", 0, 0, source, [])
+    with pytest.raises(KeyError):
+        sender.poll("never-sent")
 
 
 def test_fake_layout_mismatch_refused_at_connect():
@@ -275,5 +348,6 @@ def test_fake_layout_mismatch_refused_at_connect():
     with pytest.raises(kt.KVLayoutMismatch, match="dtype: 'bfloat16' != 'float32'"):
         sender.connect(receiver.endpoint, replace(LAYOUT, dtype="bfloat16"))
     with pytest.raises(kt.KVTransferError, match="before connect"):
-        sender.send("r", 0, [0], payload(other, 1, 0))
+        sender.send("r", 0, 0, payload(LAYOUT, 1, 0), [0])
+    sender.close()
     receiver.close()

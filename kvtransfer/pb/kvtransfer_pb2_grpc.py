@@ -39,6 +39,11 @@ class KVTransferStub:
                 request_serializer=kvtransfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvtransfer__pb2.HandshakeReply.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/tandem.kvtransfer.KVTransfer/Grant',
+                request_serializer=kvtransfer__pb2.GrantRequest.SerializeToString,
+                response_deserializer=kvtransfer__pb2.GrantReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/tandem.kvtransfer.KVTransfer/Push',
                 request_serializer=kvtransfer__pb2.PushChunk.SerializeToString,
@@ -55,8 +60,17 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Grant(self, request, context):
+        """Long poll: answered as soon as the receiver expects the transfer, or with ok = false and
+        reason "pending" when the call's deadline is near.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Push(self, request_iterator, context):
-        """One call per transfer unit; big payloads are split into chunks under the message limit.
+        """One call per unit (data, finish or abort); big payloads are split into chunks under the
+        message limit. Calls run concurrently, so units may arrive out of order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,6 +83,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvtransfer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvtransfer__pb2.HandshakeReply.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=kvtransfer__pb2.GrantRequest.FromString,
+                    response_serializer=kvtransfer__pb2.GrantReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -103,6 +122,33 @@ class KVTransfer:
             '/tandem.kvtransfer.KVTransfer/Handshake',
             kvtransfer__pb2.HandshakeRequest.SerializeToString,
             kvtransfer__pb2.HandshakeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.kvtransfer.KVTransfer/Grant',
+            kvtransfer__pb2.GrantRequest.SerializeToString,
+            kvtransfer__pb2.GrantReply.FromString,
             options,
             channel_credentials,
             insecure,
