@@ -3,7 +3,7 @@ options go through engine.wire, which the workers use to read them back)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.rpc import worker_pb2 as pb
 from engine.sampling_params import SamplingParams
@@ -21,6 +21,23 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet prefilled
     max_num_batched_tokens: int = 0  # per-forward-pass token budget; 0 = not reported
     block_size: int = 16
+    # Chain hashes of the full blocks its prefix cache holds (engine.block_manager.block_hashes),
+    # for prefix-aware placement. A new frozenset per heartbeat, never mutated, so a snapshot
+    # taken for one placement stays consistent while the next heartbeat lands.
+    cached_hashes: frozenset[bytes] = field(default=frozenset(), repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class KVCounters:
+    """A worker's KV transfer counters since it started (WorkerStatus.kv), as last reported."""
+
+    backend: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    transfer_seconds: float = 0.0  # sum over finished transfers of their duration
+    skipped_blocks: int = 0  # blocks not moved because the receiver had them cached
 
 
 def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
@@ -32,12 +49,25 @@ def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
         queued_prefill_tokens=status.queued_prefill_tokens,
         max_num_batched_tokens=status.max_num_batched_tokens,
         block_size=status.block_size or 16,
+        cached_hashes=frozenset(status.cached_block_hashes),
     )
+
+
+def kv_from_status(status: pb.WorkerStatus) -> KVCounters | None:
+    """None when the worker reported no counters (an older worker, or none yet)."""
+    if not status.HasField("kv"):
+        return None
+    kv = status.kv
+    return KVCounters(backend=kv.backend, bytes_sent=kv.bytes_sent,
+                      bytes_received=kv.bytes_received, transfers_done=kv.transfers_done,
+                      transfers_failed=kv.transfers_failed,
+                      transfer_seconds=kv.transfer_seconds, skipped_blocks=kv.skipped_blocks)
 
 
 def generate_request(request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop_token_ids: frozenset[int], max_tokens: int,
-                     remote_prefill: bool, max_chunk_tokens: int = 0) -> pb.GenerateRequest:
+                     remote_prefill: bool, max_chunk_tokens: int = 0,
+                     transfer_id: str = "", num_prior_output_tokens: int = 0) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -46,16 +76,21 @@ def generate_request(request_id: str, prompt_ids: list[int], params: SamplingPar
         max_tokens=max_tokens,
         remote_prefill=remote_prefill,
         max_chunk_tokens=max_chunk_tokens,
+        transfer_id=transfer_id,
+        num_prior_output_tokens=num_prior_output_tokens,
     )
 
 
-def prefill_request(request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    reserved: pb.Reserved, max_chunk_tokens: int = 0) -> pb.PrefillRequest:
+def prefill_request(transfer_id: str, prompt_ids: list[int], params: SamplingParams,
+                    kv_endpoint: str, kv_backend: str, max_chunk_tokens: int = 0,
+                    num_prior_output_tokens: int = 0) -> pb.PrefillRequest:
+    """The prefill worker's request id is the transfer id: unique per attempt of a request."""
     return pb.PrefillRequest(
-        request_id=request_id,
+        request_id=transfer_id,
+        transfer_id=transfer_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling_to_proto(params),
-        destination=pb.KVDestination(endpoint=reserved.kv_endpoint, backend=reserved.kv_backend,
-                                     block_ids=list(reserved.block_ids)),
+        destination=pb.KVDestination(endpoint=kv_endpoint, backend=kv_backend),
         max_chunk_tokens=max_chunk_tokens,
+        num_prior_output_tokens=num_prior_output_tokens,
     )

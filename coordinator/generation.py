@@ -81,7 +81,11 @@ class Generation:
             self.timings.prefill_worker_s = self.outcome.prefill_seconds
             outcome = self.done_reason or ("error" if self.error else "cancelled")
             self._metrics.observe_request(self.timings, outcome)
-            log.info("request %s: %s, %d prompt + %d output tokens, decode %s, prefill %s (%s)",
-                     self.request.request_id, outcome, self.timings.prompt_tokens,
-                     self.timings.output_tokens, self.outcome.decode_worker or "-",
-                     self.outcome.prefill_worker or "local", self.outcome.placement_reason)
+            flow = self.outcome
+            self._metrics.observe_transfer(flow.decode_worker, flow.kv_bytes,
+                                           bool(flow.prefill_worker), flow.migrations)
+            log.info("request %s: %s, %d prompt + %d output tokens, decode %s, prefill %s (%s), "
+                     "%d KV bytes moved, %d migrations", self.request.request_id, outcome,
+                     self.timings.prompt_tokens, self.timings.output_tokens,
+                     flow.decode_worker or "-", flow.prefill_worker or "local",
+                     flow.placement_reason, flow.kv_bytes, flow.migrations)

@@ -1,14 +1,47 @@
 """Where a request runs: pure functions over worker snapshots, so policy is testable alone.
 
-    decode worker   the one with the most free KV blocks left after this prompt's need,
-                    then the fewest running requests (our own count when a heartbeat lags)
-    prefill         remote on the prefill worker with the fewest queued prefill tokens, or
-                    local on the decode worker (Generate with remote_prefill=false) when:
+Prefix-aware, after Dynamo's KV router: each worker publishes the chain hashes of the blocks its
+prefix cache holds (WorkerLoad.cached_hashes); a prompt's `overlap` on a worker is how many of
+its leading full blocks that worker holds. Costs are in KV blocks, lowest wins (scaled by the
+worker's block size, i.e. counted in token slots, so that workers of different block sizes
+compare):
+
+    decode worker   cost = W * (queued prefill + uncached prompt blocks)     work to compute
+                         + used blocks + (unseen + 1) * new blocks            KV it will hold
+                    among those with room for the prompt first (a worker without room is still
+                    chosen when none has any: its scheduler queues the request); ties: fewest
+                    running requests
+    prefill worker  cost = queued prefill blocks + prompt blocks it lacks; among the ones that
+                    can write into the decode worker's KV layout
+    prefill         remote on that prefill worker, or local on the decode worker (Generate with
+                    remote_prefill=false) when:
                       - the decode worker is colocated (it prefills everything), or
                       - no live prefill worker can write into its KV layout, or
-                      - the prompt is short (<= prefill_threshold tokens) and the decode
-                        worker's token budget has room for it beside its running decodes
-                        (conditional disaggregation: moving KV costs more than it saves)
+                      - the prompt's part the decode worker has not cached is short
+                        (<= prefill_threshold tokens) and its token budget has room for that
+                        beside its running decodes (conditional disaggregation: moving KV
+                        costs more than it saves)
+
+The terms, per worker (block size `bs` its own):
+    uncached     the prompt's blocks minus the overlap: computed, and moved to a decode worker
+    new blocks   fresh blocks the request takes there: blocks(prompt + 1 token) - overlap
+    used         num_blocks - num_free_blocks, the KV its running requests hold
+    unseen       requests this coordinator sent it that its last heartbeat did not count yet
+                 (assigned - reported running and waiting), each guessed as large as this
+                 one: heartbeats are up to an interval old, and a burst sharing one hot prefix
+                 must not all land on the worker that holds it before its load shows
+    queued       prompt tokens it has accepted and not prefilled yet (its report plus ours) / bs
+
+W (OVERLAP_WEIGHT = 1, Dynamo's default `kv-overlap-score-weight`) weighs a block to compute
+against a block of KV held. Every cached block also saves a fresh block, so a block of overlap
+is worth W + 1 = 2 blocks of load: a worker holding 32 of the prompt's blocks wins over a cold
+one unless it holds 64 blocks more of other requests' KV (four 256-token conversations at block
+size 16), or as much in requests its heartbeat has not shown yet. A larger W favours cache
+hits (TTFT), a smaller one even load (ITL); 0 leaves only the saved fresh blocks.
+
+A worker's cache can serve at most the full blocks before the prompt's last token (the engine
+always computes the last token for its logits, BlockManager._lookup), so only those are hashed,
+once per block size per placement, and only when some worker publishes hashes.
 
 A prefill worker is compatible with a decode worker only when their kv_layout_fingerprint and
 kv_backend are equal: the sender must write exactly the receiver's cache layout through a
@@ -21,38 +54,105 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.registry import WorkerSnapshot
+from engine.block_manager import block_hashes
+
+OVERLAP_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
 class Placement:
     decode: WorkerSnapshot
     prefill: WorkerSnapshot | None  # None = prefill locally on the decode worker
-    reason: str  # why local or remote prefill, for logs and tests
+    reason: str  # why local or remote prefill and what was cached, for logs and tests
+    overlap_blocks: int = 0  # prompt blocks the decode worker's prefix cache holds
+    prefill_overlap_blocks: int = 0  # ... and the prefill worker's; 0 for a local prefill
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class Prompt:
+    """A prompt's token ids and, computed on first use per block size, its blocks' chain
+    hashes: one placement hashes the prompt once however many workers it scores."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._hashes: dict[int, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def cacheable_blocks(self, block_size: int) -> int:
+        """Full blocks before the last token: the most a prefix cache can serve."""
+        return max(0, len(self.token_ids) - 1) // block_size
+
+    def overlap(self, w: WorkerSnapshot) -> int:
+        """Leading blocks of the prompt that `w`'s prefix cache holds."""
+        cached = w.load.cached_hashes
+        if not cached:
+            return 0
+        bs = w.load.block_size
+        hashes = self._hashes.get(bs)
+        if hashes is None:
+            hashes = self._hashes[bs] = block_hashes(self.token_ids[:-1], bs)
+        n = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+
 def _running(w: WorkerSnapshot) -> int:
     return max(w.load.num_running + w.load.num_waiting, w.assigned_requests)
 
 
-def _free_after(w: WorkerSnapshot, prompt_tokens: int) -> int:
-    """KV blocks left after this prompt (+1 token for the first output); unknown pool = 0."""
+def _has_room(w: WorkerSnapshot, prompt_tokens: int) -> bool:
+    """Free blocks for the whole prompt (+1 token for the first output). Cached blocks do not
+    count against it: a cached block that sits free is taken from the free list all the same.
+    A pool not reported yet counts as having room."""
     if w.load.num_blocks <= 0:
-        return 0
-    return w.load.num_free_blocks - blocks_needed(prompt_tokens + 1, w.load.block_size)
+        return True
+    return w.load.num_free_blocks >= blocks_needed(prompt_tokens + 1, w.load.block_size)
 
 
-def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int) -> WorkerSnapshot | None:
-    """Most free blocks after the prompt's need, then fewest running. A worker without room is
-    still chosen when none has any: its scheduler queues the request until blocks free up."""
-    candidates = [w for w in workers if w.role in ("decode", "colocated")]
-    if not candidates:
+def _queued_blocks(w: WorkerSnapshot) -> float:
+    return (w.load.queued_prefill_tokens + w.assigned_prefill_tokens) / w.load.block_size
+
+
+def decode_cost(w: WorkerSnapshot, prompt_tokens: int, overlap: int,
+                overlap_weight: float = OVERLAP_WEIGHT) -> float:
+    """In KV blocks times the block size; see the module docstring."""
+    bs = w.load.block_size
+    uncached = blocks_needed(prompt_tokens, bs) - overlap
+    new = blocks_needed(prompt_tokens + 1, bs) - overlap
+    used = w.load.num_blocks - w.load.num_free_blocks if w.load.num_blocks > 0 else 0
+    unseen = max(0, w.assigned_requests - (w.load.num_running + w.load.num_waiting))
+    return bs * (overlap_weight * (_queued_blocks(w) + uncached) + used + (unseen + 1) * new)
+
+
+def prefill_cost(w: WorkerSnapshot, prompt_tokens: int, overlap: int) -> float:
+    """Blocks of prefill ahead of and in this prompt on `w`, times the block size."""
+    bs = w.load.block_size
+    return bs * (_queued_blocks(w) + blocks_needed(prompt_tokens, bs) - overlap)
+
+
+def choose_decode(workers: Sequence[WorkerSnapshot], prompt: Prompt,
+                  overlap_weight: float = OVERLAP_WEIGHT) -> tuple[WorkerSnapshot, int] | None:
+    """The decode-capable worker of lowest cost and the prompt's overlap there."""
+    scored = []
+    n = len(prompt)
+    for w in workers:
+        if w.role in ("decode", "colocated"):
+            overlap = prompt.overlap(w)
+            key = (not _has_room(w, n), decode_cost(w, n, overlap, overlap_weight),
+                   _running(w), w.worker_id)
+            scored.append((key, w, overlap))
+    if not scored:
         return None
-    return min(candidates, key=lambda w: (-_free_after(w, prompt_tokens), _running(w),
-                                          w.worker_id))
+    _, w, overlap = min(scored, key=lambda s: s[0])
+    return w, overlap
 
 
 def compatible_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
@@ -63,39 +163,55 @@ def compatible_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot
             and w.kv_backend == decode.kv_backend]
 
 
-def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
-                   exclude: Collection[str] = ()) -> WorkerSnapshot | None:
-    """Fewest queued prefill tokens (its report plus what we sent since), among compatible ones."""
-    candidates = compatible_prefill(workers, decode, exclude)
-    if not candidates:
+def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot, prompt: Prompt,
+                   exclude: Collection[str] = ()) -> tuple[WorkerSnapshot, int] | None:
+    """The compatible prefill worker with the least prefill ahead of and in this prompt (its
+    queue, reported plus what we sent since, and the blocks it has not cached), and the
+    prompt's overlap there."""
+    scored = []
+    for w in compatible_prefill(workers, decode, exclude):
+        overlap = prompt.overlap(w)
+        scored.append(((prefill_cost(w, len(prompt), overlap), w.worker_id), w, overlap))
+    if not scored:
         return None
-    return min(candidates, key=lambda w: (w.load.queued_prefill_tokens + w.assigned_prefill_tokens,
-                                          w.worker_id))
+    _, w, overlap = min(scored, key=lambda s: s[0])
+    return w, overlap
 
 
 def has_spare_budget(decode: WorkerSnapshot, prompt_tokens: int, default_budget: int) -> bool:
     """Whether one forward pass of the decode worker fits its decodes, its queued prefill and
-    this prompt: then prefilling here costs the running requests at most one larger step."""
+    this prompt (its uncached part): then prefilling here costs the running requests at most
+    one larger step."""
     budget = decode.load.max_num_batched_tokens or default_budget
     used = _running(decode) + decode.load.queued_prefill_tokens + decode.assigned_prefill_tokens
     return used + prompt_tokens <= budget
 
 
-def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, *, prefill_threshold: int,
-          default_budget: int) -> Placement | None:
+def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
+          prefill_threshold: int, default_budget: int,
+          overlap_weight: float = OVERLAP_WEIGHT) -> Placement | None:
     """None when no decode-capable worker is alive."""
-    decode = choose_decode(workers, prompt_tokens)
-    if decode is None:
+    prompt = Prompt(prompt_ids)
+    chosen = choose_decode(workers, prompt, overlap_weight)
+    if chosen is None:
         return None
+    decode, overlap = chosen
+    n, bs = len(prompt), decode.load.block_size
+    cached = f"{overlap} of {prompt.cacheable_blocks(bs)} blocks cached on {decode.worker_id}"
     if decode.role == "colocated":
-        return Placement(decode, None, "colocated worker")
-    prefill = choose_prefill(workers, decode)
-    if prefill is None:
-        return Placement(decode, None, "no compatible prefill worker")
-    if prompt_tokens <= prefill_threshold and has_spare_budget(decode, prompt_tokens,
-                                                               default_budget):
-        return Placement(decode, None, "short prompt, decode worker has spare budget")
-    return Placement(decode, prefill, "remote prefill")
+        return Placement(decode, None, "colocated worker" + (f", {cached}" if overlap else ""),
+                         overlap)
+    remote = choose_prefill(workers, decode, prompt)
+    if remote is None:
+        return Placement(decode, None, "no compatible prefill worker", overlap)
+    uncached_tokens = n - overlap * bs
+    if uncached_tokens <= prefill_threshold and has_spare_budget(decode, uncached_tokens,
+                                                                 default_budget):
+        return Placement(decode, None, f"short uncached part ({uncached_tokens} tokens), decode "
+                         f"worker has spare budget; {cached}", overlap)
+    prefill, prefill_overlap = remote
+    return Placement(decode, prefill, f"remote prefill on {prefill.worker_id} ({prefill_overlap} "
+                     f"blocks cached there), {cached}", overlap, prefill_overlap)
 
 
 def concurrency_limit(workers: Sequence[WorkerSnapshot], per_worker: int) -> int:

@@ -8,6 +8,9 @@ while it is alive:
                           alive --(an RPC to it fails with UNAVAILABLE)-----------> dead
                           dead  --(Register again)----------------------------------> alive
 
+A worker silent for half the deadline is probed with its Status RPC; an answer counts as a
+heartbeat (a worker whose heartbeats are lost but which serves stays routable).
+
 Silence is measured on the coordinator's own responsive time, not the wall clock: if its event
 loop stalls (a long GC pause, a blocking call), the heartbeats that workers sent meanwhile wait
 unread in the socket, and a stall must not be blamed on them. The sweeper ticks every half
@@ -17,6 +20,10 @@ does not count as any worker's silence (`responsive_now`).
 A dead worker's Heartbeat answers known=false, so a worker that was only cut off for a while
 registers again and is revived with a fresh channel. Records of dead workers are kept so that
 /internal/workers can show them.
+
+Each status (Register's, every Heartbeat's) replaces the worker's load, the hashes of the blocks
+its prefix cache holds (a fresh frozenset, for prefix-aware placement) and its KV transfer
+counters (for /metrics).
 
 The coordinator also counts what it has itself sent to each worker (`assigned_*`): heartbeats
 are up to one interval old, and placement must not send a burst of requests to one worker
@@ -29,12 +36,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.convert import WorkerLoad, load_from_status
+from coordinator.convert import KVCounters, WorkerLoad, kv_from_status, load_from_status
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 
@@ -74,6 +81,7 @@ class WorkerRecord:
     assigned_requests: int = 0
     assigned_prefill_tokens: int = 0
     registrations: int = 1
+    kv: KVCounters | None = None  # its KV transfer counters, as last reported
     prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
     decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
 
@@ -93,7 +101,9 @@ class WorkerRecord:
             "num_blocks": load.num_blocks, "num_free_blocks": load.num_free_blocks,
             "num_running": load.num_running, "num_waiting": load.num_waiting,
             "queued_prefill_tokens": load.queued_prefill_tokens,
+            "cached_blocks": len(load.cached_hashes),
             "assigned_requests": self.assigned_requests,
+            "kv": asdict(self.kv) if self.kv is not None else None,
         }
 
 
@@ -107,6 +117,8 @@ class WorkerRegistry:
         self._listeners: list[Callable[[], None]] = []
         self._tick_at: float | None = None  # clock() at the sweeper's last tick
         self.stalled_s = 0.0  # the coordinator's own stalls so far, not counted as silence
+        self._probing: set[str] = set()  # workers with a Status probe in flight
+        self.probes_answered = 0  # silent workers that answered a Status probe (a metric)
 
     # ---- the coordinator's responsive time ------------------------------------------------------
 
@@ -158,7 +170,7 @@ class WorkerRegistry:
             model_fingerprint=info.model_fingerprint,
             kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
             load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
-            registrations=old.registrations + 1 if old else 1,
+            registrations=old.registrations + 1 if old else 1, kv=kv_from_status(info.status),
         )
         if info.role == "prefill":
             record.prefill_stub = pb_grpc.PrefillWorkerStub(channel)
@@ -178,6 +190,7 @@ class WorkerRegistry:
         record.last_heartbeat = self.responsive_now()
         if request.HasField("status"):
             record.load = load_from_status(request.status)
+            record.kv = kv_from_status(request.status)
         self._notify()
         return pb.HeartbeatResponse(known=True)
 
@@ -220,6 +233,39 @@ class WorkerRegistry:
             await asyncio.sleep(self.config.heartbeat_interval_s / 2)
             self.tick()
             self.sweep()
+            self._probe_quiet()
+
+    def _probe_quiet(self) -> None:
+        """A live worker silent for half its deadline is asked for its Status directly: a
+        worker whose heartbeats are lost or late (its registration channel, not its server)
+        stays routable while it answers; one that does not is declared dead at the deadline
+        as before. At most one probe per worker at a time, each with a deadline."""
+        half = self.config.heartbeat_deadline_s / 2
+        now = self.responsive_now()
+        for record in self._workers.values():
+            if (record.alive and now - record.last_heartbeat > half
+                    and record.worker_id not in self._probing):
+                self._probing.add(record.worker_id)
+                asyncio.get_running_loop().create_task(self._probe(record))
+
+    async def _probe(self, record: WorkerRecord) -> None:
+        stub = record.prefill_stub or record.decode_stub
+        try:
+            status = await stub.Status(pb.StatusRequest(),
+                                       timeout=min(self.config.control_timeout_s,
+                                                   self.config.heartbeat_deadline_s / 2))
+        except grpc.aio.AioRpcError as exc:
+            log.info("worker %s is silent and its Status probe failed: %s", record.worker_id,
+                     exc.code().name)
+            return
+        finally:
+            self._probing.discard(record.worker_id)
+        if self._workers.get(record.worker_id) is record and record.alive:
+            record.last_heartbeat = self.responsive_now()
+            record.load = load_from_status(status)
+            record.kv = kv_from_status(status)
+            self.probes_answered += 1
+            self._notify()
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         """An RPC to the worker failed as if it were gone (UNAVAILABLE)."""

@@ -1,44 +1,43 @@
 """Drives one request through the workers and yields its token ids as they arrive.
 
-Remote prefill (the 3-step flow of proto/worker.proto):
+Remote prefill: two concurrent calls with one transfer id, no third leg (proto/worker.proto):
 
     coordinator                     decode worker                 prefill worker
-    Generate(remote_prefill) -----> reserve blocks
-               <----------------- event `reserved` (block ids, KV endpoint, backend)
-    Prefill(destination) ---------------------------------------> compute, stream KV layers
-                                    <==== KV over kvtransfer ====
+    Generate(remote, T) ----------> reserve blocks (prefix cache first), grant them to T
+    Prefill(T, decode's KV endpoint) ---------------------------> compute; the sender asks for
+                                    <----- grant over kvtransfer --- T's grant, then streams
+                                    <==== KV layer by layer ======   each layer as it is done
                <------------------------------------------------ PrefillResult(first token)
     yield first token (TTFT does not wait for the decode worker)
-    StartDecode(first token) -----> join the batch once all KV arrived
+                                    <==== first token with the last layer's KV
                <----------------- events `tokens` ... finished
 
 Local prefill (colocated worker, short prompt, or no prefill worker): Generate(remote_prefill=
 false) alone; its `tokens` events start with the first token.
 
-Failures: a Prefill failing UNAVAILABLE (worker gone) is retried once on another compatible
-prefill worker, into the same reserved blocks; any other Prefill failure, or no worker left,
-sends StartDecode(error) so the decode worker frees the reservation, and ends the request with
-a WorkerError. A failing Generate stream ends the request with a WorkerError naming the worker;
-UNAVAILABLE also marks the worker dead in the registry. Every RPC has a deadline.
+Failures and migration: a worker that dies (UNAVAILABLE, or a stream cut before it finished) is
+marked dead, and the request is placed again, on the other workers, with the prompt plus the
+tokens generated so far and what is left of max_tokens: the client's stream goes on where it
+was, with the same text for greedy (and seeded) sampling. At most config.max_migrations times
+per request; each attempt has its own transfer id. Any other failure (a worker's own error, a
+deadline) ends the request with a WorkerError naming the worker. Every RPC has a deadline.
 
 Cancellation: closing the generator (client disconnect, stop string) cancels the open calls;
-cancelling the Generate stream aborts the request and frees its blocks on the decode worker.
-If the first token already ends the request (a stop token, or max_tokens == 1), the Generate
-stream is cancelled instead of sending StartDecode.
+each worker then aborts the request, and its blocks are freed once no transfer touches them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 import grpc
 
 from coordinator import convert
 from coordinator.config import CoordinatorConfig
-from coordinator.placement import Placement, choose_prefill, place
+from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
 from engine.errors import TandemError
 from engine.rpc import worker_pb2 as pb
@@ -74,6 +73,16 @@ class FlowOutcome:
     placement_reason: str = ""
     cached_tokens: int = 0
     prefill_seconds: float = 0.0  # on the prefill worker, as it reported
+    kv_bytes: int = 0  # KV bytes moved to the decode worker (its uncached blocks)
+    migrations: int = 0  # times the request moved to another worker after one died
+
+
+class _WorkerDied(Exception):
+    """A worker went away mid-request (the request may move elsewhere)."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
 class RequestFlow:
@@ -81,8 +90,9 @@ class RequestFlow:
         self.registry = registry
         self.config = config
 
-    def place(self, prompt_tokens: int) -> Placement:
-        placement = place(self.registry.snapshots(), prompt_tokens,
+    def place(self, prompt_ids: list[int], exclude: Collection[str] = ()) -> Placement:
+        workers = [w for w in self.registry.snapshots() if w.worker_id not in exclude]
+        placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
                           default_budget=self.config.chunk_size)
         if placement is None:
@@ -90,121 +100,138 @@ class RequestFlow:
         return placement
 
     async def stream(self, req: FlowRequest, out: FlowOutcome) -> AsyncIterator[list[int]]:
-        placement = self.place(len(req.prompt_ids))
+        generated: list[int] = []
+        dead: list[str] = []
+        while True:
+            attempt = out.migrations
+            transfer_id = req.request_id if attempt == 0 else f"{req.request_id}~{attempt}"
+            try:
+                async for token_ids in self._attempt(req, transfer_id, req.prompt_ids + generated,
+                                                     len(generated), out, dead):
+                    generated.extend(token_ids)
+                    yield token_ids
+                return
+            except _WorkerDied as exc:
+                if out.migrations >= self.config.max_migrations:
+                    raise WorkerError(f"{exc} (request moved {out.migrations} times already)") from None
+                dead.append(exc.worker_id)
+                try:
+                    self.place(req.prompt_ids + generated, dead)
+                except NoWorkers:
+                    raise WorkerError(f"{exc}; no live worker left to move the request to") from None
+                out.migrations += 1
+                log.warning("request %s: %s; placing it again with %d generated tokens (move %d)",
+                            req.request_id, exc, len(generated), out.migrations)
+
+    # ---- one placement ----------------------------------------------------------------------
+
+    async def _attempt(self, req: FlowRequest, transfer_id: str, prompt_ids: list[int],
+                       prior: int, out: FlowOutcome,
+                       dead: Collection[str]) -> AsyncIterator[list[int]]:
+        """One placement. `prior`: trailing tokens of prompt_ids that earlier placements
+        generated (0 on the first), counted against max_tokens and shown to the grammar."""
+        max_tokens = req.max_tokens - prior
+        placement = self.place(prompt_ids, dead)
         decode = self.registry.get(placement.decode.worker_id)
         remote = placement.prefill is not None
         out.decode_worker, out.placement_reason = decode.worker_id, placement.reason
-        local_tokens = 0 if remote else len(req.prompt_ids)
+        local_tokens = 0 if remote else len(prompt_ids)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
-            convert.generate_request(req.request_id, req.prompt_ids, req.params,
-                                     req.stop_token_ids, req.max_tokens, remote,
-                                     0 if remote else self.config.local_chunk_size),
+            convert.generate_request(transfer_id, prompt_ids, req.params, req.stop_token_ids,
+                                     max_tokens, remote,
+                                     0 if remote else self.config.local_chunk_size,
+                                     transfer_id=transfer_id if remote else "",
+                                     num_prior_output_tokens=prior),
             timeout=self.config.request_timeout_s)
+        read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
         try:
             if remote:
-                first = await self._remote_prefill(call, decode, placement, req, out)
-                ends = self._ends_at(first, req)
+                first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
+                                                   transfer_id, prompt_ids, prior, req.params, out)
+                ends = self._ends_at(first, req.stop_token_ids, max_tokens)
+                yield [first]
                 if ends:
                     out.finish_reason = ends
-                    yield [first]
                     return
-                start = asyncio.ensure_future(self._start_decode(decode, req.request_id, first))
-                try:
-                    yield [first]
-                    await start
-                finally:
-                    start.cancel()
-            async for token_ids in self._tokens(call, decode, out, remote):
+            async for token_ids in self._tokens(read, call, decode, out, remote):
                 if local_tokens:  # the local prefill is done once tokens flow
                     self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
                     local_tokens = 0
                 yield token_ids
         finally:
+            read.cancel()
             call.cancel()  # a no-op once the stream has ended
             self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
 
-    # ---- steps ----------------------------------------------------------------------------------
-
-    async def _remote_prefill(self, call, decode: WorkerRecord, placement: Placement,
-                              req: FlowRequest, out: FlowOutcome) -> int:
-        event = await self._read(call, decode, self.config.reserve_timeout_s)
-        if event is None or not event.HasField("reserved"):
-            detail = event.tokens.error if event is not None and event.tokens.error else ""
-            raise WorkerError(f"decode worker {decode.worker_id} did not reserve KV blocks"
-                              + (f": {detail}" if detail else ""))
-        reserved = event.reserved
-        tried: list[str] = []
-        prefill_id = placement.prefill.worker_id
-        while True:
-            tried.append(prefill_id)
+    async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
+                              transfer_id: str, prompt_ids: list[int], prior: int,
+                              params: SamplingParams, out: FlowOutcome) -> int:
+        """The first token from the prefill worker, while watching the decode stream: a decode
+        worker that fails or dies meanwhile ends the wait at once."""
+        record = self.registry.get(prefill_id)
+        n = len(prompt_ids)
+        self.registry.assign(prefill_id, prefill_tokens=n)
+        call = record.prefill_stub.Prefill(
+            convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
+                                    decode.kv_backend, self.config.chunk_size, prior),
+            timeout=self.config.prefill_timeout_s)
+        prefill = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({prefill, read}, return_when=asyncio.FIRST_COMPLETED)
+            if read in done:
+                # The decode stream spoke before the first token: a failure or a worker gone
+                # ends the wait (an early token, unlikely, is kept for _tokens).
+                self._check_early(read, decode)
+                await asyncio.wait({prefill})
             try:
-                result = await self._prefill(prefill_id, req, reserved)
-                break
+                result = prefill.result()
             except grpc.aio.AioRpcError as exc:
-                message = _rpc_message("prefill", self.registry.get(prefill_id), exc)
+                message = _rpc_message("prefill", record, exc)
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_dead(prefill_id, f"Prefill failed: {exc.details()}")
-                    retry = choose_prefill(self.registry.snapshots(("prefill",)),
-                                           placement.decode, exclude=tried)
-                    if retry is not None and len(tried) == 1:
-                        log.warning("request %s: %s; retrying on prefill worker %s",
-                                    req.request_id, message, retry.worker_id)
-                        prefill_id = retry.worker_id
-                        continue
-            await self._abort_decode(decode, req.request_id, message)
-            raise WorkerError(message)
+                    raise _WorkerDied(prefill_id, message) from None
+                raise WorkerError(message) from None
+        finally:
+            prefill.cancel()
+            call.cancel()  # reached early only on failure or cancellation: abort the prefill
+            self.registry.assign(prefill_id, prefill_tokens=-n)
         out.prefill_worker = prefill_id
         out.cached_tokens = result.num_cached_tokens
         out.prefill_seconds = result.prefill_seconds
         return result.first_token
 
-    async def _prefill(self, worker_id: str, req: FlowRequest,
-                       reserved: pb.Reserved) -> pb.PrefillResult:
-        record = self.registry.get(worker_id)
-        n = len(req.prompt_ids)
-        self.registry.assign(worker_id, prefill_tokens=n)
-        call = record.prefill_stub.Prefill(
-            convert.prefill_request(req.request_id, req.prompt_ids, req.params, reserved,
-                                    self.config.chunk_size),
-            timeout=self.config.prefill_timeout_s)
-        try:
-            return await call
-        finally:
-            call.cancel()  # reached early only on cancellation: abort the prefill
-            self.registry.assign(worker_id, prefill_tokens=-n)
+    def _check_early(self, read: asyncio.Future, decode: WorkerRecord) -> None:
+        """An event the decode worker sent before the first token: raises for a failure."""
+        if not read.done():
+            return
+        event = read.result()  # raises what _read raised (worker gone, deadline)
+        if event is None:
+            raise _WorkerDied(decode.worker_id, f"decode worker {decode.worker_id} closed the "
+                              "stream before the request finished")
+        tokens = event.tokens
+        if tokens.finished and tokens.finish_reason in ("error", "abort"):
+            detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
+            raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
 
-    async def _start_decode(self, decode: WorkerRecord, request_id: str, first: int) -> None:
-        try:
-            await decode.decode_stub.StartDecode(
-                pb.StartDecodeRequest(request_id=request_id, first_token=first),
-                timeout=self.config.control_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            self._decode_failed(decode, exc)
-
-    async def _abort_decode(self, decode: WorkerRecord, request_id: str, error: str) -> None:
-        """Best effort: the Generate stream is cancelled right after, which frees the blocks too."""
-        try:
-            await decode.decode_stub.StartDecode(
-                pb.StartDecodeRequest(request_id=request_id, error=error),
-                timeout=self.config.control_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("request %s: StartDecode(error) to %s failed: %s", request_id,
-                        decode.worker_id, exc.code().name)
-
-    async def _tokens(self, call, decode: WorkerRecord, out: FlowOutcome,
+    async def _tokens(self, read: asyncio.Future, call, decode: WorkerRecord, out: FlowOutcome,
                       remote: bool) -> AsyncIterator[list[int]]:
+        """`read` is the pending read of the stream's first event."""
+        event = await read
+        first = True
         while True:
-            event = await self._read(call, decode, self.config.token_timeout_s)
             if event is None:
-                raise WorkerError(f"decode worker {decode.worker_id} closed the stream before "
-                                  "the request finished")
+                raise _WorkerDied(decode.worker_id, f"decode worker {decode.worker_id} closed "
+                                  "the stream before the request finished")
             if not event.HasField("tokens"):
                 raise WorkerError(f"decode worker {decode.worker_id} sent an unexpected "
                                   f"{event.WhichOneof('event')!r} event")
             tokens = event.tokens
-            if tokens.num_cached_tokens and not remote:
-                out.cached_tokens = tokens.num_cached_tokens
+            if first:
+                first = False
+                out.kv_bytes += tokens.kv_bytes_received
+                if not remote and tokens.num_cached_tokens:
+                    out.cached_tokens = tokens.num_cached_tokens
             if tokens.finished and tokens.finish_reason in ("error", "abort"):
                 detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
                 raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
@@ -213,6 +240,7 @@ class RequestFlow:
             if tokens.finished:
                 out.finish_reason = tokens.finish_reason or "stop"
                 return
+            event = await self._read(call, decode, self.config.token_timeout_s)
 
     async def _read(self, call, decode: WorkerRecord, timeout: float) -> pb.GenerateEvent | None:
         """The next Generate event; None at the end of the stream."""
@@ -222,19 +250,18 @@ class RequestFlow:
             raise WorkerError(f"decode worker {decode.worker_id} sent nothing for "
                               f"{timeout:g} s") from None
         except grpc.aio.AioRpcError as exc:
-            self._decode_failed(decode, exc)
+            message = _rpc_message("decode", decode, exc)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_dead(decode.worker_id, f"Generate failed: {exc.details()}")
+                raise _WorkerDied(decode.worker_id, message) from None
+            raise WorkerError(message) from None
         return None if event is grpc.aio.EOF else event
 
-    def _decode_failed(self, decode: WorkerRecord, exc: grpc.aio.AioRpcError) -> None:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self.registry.mark_dead(decode.worker_id, f"Generate failed: {exc.details()}")
-        raise WorkerError(_rpc_message("decode", decode, exc)) from None
-
     @staticmethod
-    def _ends_at(first: int, req: FlowRequest) -> str | None:
-        if first in req.stop_token_ids:
+    def _ends_at(first: int, stop_token_ids: frozenset[int], max_tokens: int) -> str | None:
+        if first in stop_token_ids:
             return "stop"
-        if req.max_tokens <= 1:
+        if max_tokens <= 1:
             return "length"
         return None
 

@@ -15,6 +15,7 @@ from engine.model_runner import kv_cache_bytes_per_block
 from engine.node_server import (
     NodeIdentity,
     build_engine,
+    kv_counters,
     kv_layout,
     new_worker_id,
     node_main,
@@ -61,7 +62,8 @@ async def main_async(args) -> None:
     worker.start()
 
     def status():
-        return worker_status(worker_id, args.role, worker)
+        return worker_status(worker_id, args.role, worker,
+                             kv_counters(args.kv_backend, [receiver.stats()], sending=False))
 
     identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
                             fingerprint, layout.description)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
+from decode_node.worker import DecodeJob, DecodeWorker
 from engine.errors import TandemError
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
@@ -27,7 +27,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
         job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
                         frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
-                        request.remote_prefill, request.max_chunk_tokens)
+                        request.remote_prefill, request.max_chunk_tokens, request.transfer_id,
+                        request.num_prior_output_tokens)
         try:
             events = self.worker.open(job)
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
@@ -36,23 +37,14 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         try:
             while not finished:
                 event = await events.get()
-                if isinstance(event, Reserved):
-                    yield pb.GenerateEvent(reserved=pb.Reserved(
-                        block_ids=event.block_ids, kv_endpoint=event.kv_endpoint, kv_backend=event.kv_backend))
-                    continue
-                assert isinstance(event, Tokens)
                 finished = event.finished
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
-                    error=event.error, num_cached_tokens=event.num_cached_tokens))
+                    error=event.error, num_cached_tokens=event.num_cached_tokens,
+                    kv_bytes_received=event.kv_bytes_received))
         finally:
             if not finished:
                 self.worker.close_stream(job.request_id)
-
-    async def StartDecode(self, request: pb.StartDecodeRequest, context) -> pb.Ack:
-        first = None if request.error else request.first_token
-        self.worker.start_decode(request.request_id, first, request.error)
-        return pb.Ack()
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()

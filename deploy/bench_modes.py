@@ -14,8 +14,10 @@ Load: --chat-clients closed-loop clients, each streaming short chat turns (num_p
 plus one long prompt (~--long-words words) every --long-every seconds. Reported per mode:
 ITL p50/p99 of the short streams (what a long prefill stalls), TTFT p50/p99 of short and of
 long requests, and output tokens/s. Then KV transfer throughput per backend next to a memory
-copy (kvtransfer.bench). On a 2-core host the disaggregated mode runs two engine processes
-against the colocated mode's one: the figures say what this machine does, not a GPU cluster.
+copy (kvtransfer.bench). Every mode gets the same cores: the disaggregated pair is two engine
+processes of --threads-per-worker torch threads each, a colocated worker one process of twice
+that many, so the comparison measures the design, not the core count. The figures say what
+this machine does, not a GPU cluster.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ WORDS = ("the of and to in is was for on that with as by it at from his an were 
 # chunk_size: every worker's per-pass token budget. The coordinator's chunk plan sends local
 # prefills (all of a colocated worker's) in chunks of --local-chunk-size: set per mode so the
 # colocated baselines chunk at 256 and not at all.
+# workers: engine processes of the mode (threads are shared out so every mode uses the same cores).
 MODES = {
     "disaggregated": dict(prefill=1, decode=1, chunk_size=256),
     "colocated-chunked": dict(colocated=True, chunk_size=256, coordinator_args=("--local-chunk-size", "256")),
     "colocated-unchunked": dict(colocated=True, chunk_size=4096, coordinator_args=("--local-chunk-size", "4096")),
 }
+WORKERS = {"disaggregated": 2, "colocated-chunked": 1, "colocated-unchunked": 1}
 
 
 @dataclass
@@ -120,8 +124,10 @@ def run_load(url: str, model: str, duration: float, clients: int, long_every: fl
 
 
 def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) -> dict:
+    cores = args.threads_per_worker * WORKERS["disaggregated"]
     topology = Topology(model=model, model_path=model_path, log_dir=log_root / name, port=free_port(),
-                        prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"), **MODES[name])
+                        prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"),
+                        threads=cores // WORKERS[name], **MODES[name])
     topology.log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)
     with LocalCluster(specs, ready, start_timeout_s=300) as cluster:
@@ -132,7 +138,7 @@ def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) ->
     short = [s for s in samples if s.kind == "short"]
     long = [s for s in samples if s.kind == "long"]
     itl = [x for s in short for x in s.itls]
-    return {"mode": name, "requests": len(samples), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+    return {"mode": name, "threads": f"{WORKERS[name]}x{cores // WORKERS[name]}", "requests": len(samples), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
             "itl_max": max(itl, default=float("nan")),
             "ttft_short_p50": pct([s.ttft for s in short], 50), "ttft_short_p99": pct([s.ttft for s in short], 99),
             "ttft_long_p50": pct([s.ttft for s in long], 50), "ttft_long_p99": pct([s.ttft for s in long], 99),
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-every", type=float, default=3.0)
     p.add_argument("--long-words", type=int, default=1100)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--threads-per-worker", type=int, default=1,
+                   help="torch threads of each disaggregated worker; a colocated worker gets the pair's total")
     p.add_argument("--skip-transfer", action="store_true", help="skip the KV transfer table")
     args = p.parse_args(argv)
     model_path = ModelStore(default_home()).resolve(args.model)
@@ -159,10 +167,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(bench_mode(name, args.model, model_path, args, Path(tmp)))
     print(f"\nload: {args.chat_clients} streaming chat clients (48 tokens each) + a ~{args.long_words}-word "
           f"prompt every {args.long_every:.1f} s, {args.duration:.0f} s per mode; times in ms")
-    print(f"{'mode':22} {'reqs':>5} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'TTFT short p50':>15} {'p99':>7} "
+    print(f"{'mode':22} {'procs x threads':>15} {'reqs':>5} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'TTFT short p50':>15} {'p99':>7} "
           f"{'TTFT long p50':>14} {'p99':>7} {'tok/s':>7}")
     for r in rows:
-        print(f"{r['mode']:22} {r['requests']:5d} {1e3 * r['itl_p50']:8.1f} {1e3 * r['itl_p99']:8.1f} "
+        print(f"{r['mode']:22} {r['threads']:>15} {r['requests']:5d} {1e3 * r['itl_p50']:8.1f} {1e3 * r['itl_p99']:8.1f} "
               f"{1e3 * r['itl_max']:8.1f} "
               f"{1e3 * r['ttft_short_p50']:15.1f} {1e3 * r['ttft_short_p99']:7.1f} "
               f"{1e3 * r['ttft_long_p50']:14.1f} {1e3 * r['ttft_long_p99']:7.1f} {r['tok_s']:7.1f}")

@@ -52,6 +52,17 @@ def _chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 _ROOT = b""  # parent hash of a table's first block
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain hashes of the full blocks of `token_ids`, as a BlockManager registers them:
+    the coordinator matches them against what workers publish (prefix-aware routing)."""
+    hashes: list[bytes] = []
+    parent = _ROOT
+    for i in range(len(token_ids) // block_size):
+        parent = _chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
@@ -71,6 +82,9 @@ class BlockManager:
         # Chain hashes of each owner's leading full blocks whose KV is committed: commit's
         # progress, so a second commit of the same tokens does no work.
         self._hashes: dict[str, list[bytes]] = {}
+        # Bumped whenever the set of registered hashes changes, so a publisher (heartbeats
+        # for prefix-aware routing) copies cached_hashes() only when there is news.
+        self.cache_version = 0
 
     # ---- sizes ----
 
@@ -114,6 +128,11 @@ class BlockManager:
         this ignores prefix hits, so it is an upper bound."""
         have = len(self._tables.get(owner, ()))
         return max(0, self._blocks_for(num_tokens) - have)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Chain hashes of every registered block (in use or free): what the prefix cache can
+        serve. See block_hashes() for computing a prompt's."""
+        return list(self._hash_to_block)
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` an owner's first `allocate` would reuse now (read-only), so a
@@ -176,6 +195,7 @@ class BlockManager:
             if digest not in self._hash_to_block and block not in self._block_to_hash:
                 self._hash_to_block[digest] = block
                 self._block_to_hash[block] = digest
+                self.cache_version += 1
 
     def free(self, owner: str) -> None:
         """Drop the owner's references. Unknown owners are a no-op (see module docstring)."""
@@ -198,6 +218,7 @@ class BlockManager:
         their KV and owners; they just can no longer be shared."""
         self._hash_to_block.clear()
         self._block_to_hash.clear()
+        self.cache_version += 1
         self._free_plain.update(self._free_cached)
         self._free_cached.clear()
 
@@ -267,5 +288,6 @@ class BlockManager:
         else:
             block, _ = self._free_cached.popitem(last=False)
             del self._hash_to_block[self._block_to_hash.pop(block)]
+            self.cache_version += 1
         self._refcount[block] = 1
         return block

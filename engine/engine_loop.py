@@ -42,13 +42,20 @@ class LoadSnapshot:
     num_running: int
     num_waiting: int
     queued_prefill_tokens: int  # prompt tokens not yet computed, waiting or mid-prefill
+    cache_version: int = -1  # BlockManager.cache_version when cached_hashes was copied
+    cached_hashes: tuple[bytes, ...] = ()  # the prefix cache's block hashes (routing)
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> "LoadSnapshot":
+    def of(cls, engine: LLMEngine, previous: "LoadSnapshot | None" = None) -> "LoadSnapshot":
         sched, bm = engine.scheduler, engine.block_manager
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_output_tokens == 0)
-        return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued)
+        if previous is not None and previous.cache_version == bm.cache_version:
+            hashes = previous.cached_hashes  # unchanged: no copy on the engine thread
+        else:
+            hashes = tuple(bm.cached_hashes())
+        return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued,
+                   bm.cache_version, hashes)
 
 
 class EngineLoop:
@@ -127,7 +134,7 @@ class EngineLoop:
                     stalled = not self.engine.last_step_ran and not outputs
                     if outputs:
                         self.on_outputs(outputs)
-                self.snapshot = LoadSnapshot.of(self.engine)
+                self.snapshot = LoadSnapshot.of(self.engine, self.snapshot)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             log.exception("engine loop died")
             self.fatal = exc

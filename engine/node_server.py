@@ -119,9 +119,11 @@ def kv_layout(config, block_size: int, kv_dtype: str, model_id: str):
                                dtype=KV_DTYPE_TORCH_NAMES[kv_dtype], model_id=model_id)
 
 
-def worker_status(worker_id: str, role: str, loop: EngineLoop) -> pb.WorkerStatus:
+def worker_status(worker_id: str, role: str, loop: EngineLoop,
+                  kv: pb.KVTransferCounters | None = None) -> pb.WorkerStatus:
     """From the engine thread's last published snapshot: the scheduler's own queues belong to
-    the engine thread and must not be iterated from here."""
+    the engine thread and must not be iterated from here. `kv`: the worker's transfer
+    counters (kv_counters)."""
     snap = loop.snapshot
     config = loop.engine.config
     return pb.WorkerStatus(
@@ -129,7 +131,24 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop) -> pb.WorkerStatu
         num_running=snap.num_running, num_waiting=snap.num_waiting,
         queued_prefill_tokens=snap.queued_prefill_tokens,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        block_size=config.cache.block_size)
+        block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv)
+
+
+def kv_counters(backend: str, stats, sending: bool) -> pb.KVTransferCounters:
+    """kvtransfer.TransferStats (one, or the sum of several) as the heartbeat's counters."""
+    stats = list(stats)
+    total = dict(bytes=0, done=0, failed=0, seconds=0.0, skipped=0)
+    for st in stats:
+        total["bytes"] += st.bytes
+        total["done"] += st.transfers_done
+        total["failed"] += st.transfers_failed
+        total["seconds"] += st.seconds
+        total["skipped"] += st.skipped_blocks
+    return pb.KVTransferCounters(
+        backend=backend, bytes_sent=total["bytes"] if sending else 0,
+        bytes_received=0 if sending else total["bytes"], transfers_done=total["done"],
+        transfers_failed=total["failed"], transfer_seconds=total["seconds"],
+        skipped_blocks=total["skipped"])
 
 
 class NodeFailure(TandemError):

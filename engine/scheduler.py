@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.kv_connector import ConnectorEvents, KVConnector, KVTransferState
 from engine.request import Request, RequestStatus
 
 
@@ -51,15 +52,19 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 hold_finished_blocks: bool = False) -> None:
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
-        # Prefill role: a request that finishes keeps its blocks (owner = request id) until
-        # the worker has seen its KV transfer acknowledged and frees them itself.
-        self.hold_finished_blocks = hold_finished_blocks
+        # The engine's KV connector (engine/kv_connector.py), or None: no request transfers.
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # WAITING_FOR_REMOTE_KV: blocks reserved, the connector reports when the KV is in.
+        self.waiting_for_kv: dict[str, Request] = {}
+        # Ended requests whose blocks a transfer may still touch (kv_state DRAINING): they
+        # keep their blocks, owned under their id, until the connector reports them released.
+        self.draining: dict[str, Request] = {}
 
     # -- queue management ----------------------------------------------------------------
 
@@ -70,47 +75,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def reserve_remote(self, request: Request) -> list[int] | None:
-        """Decode side of a disaggregated request: reserves blocks for its whole prompt,
-        which a prefill worker will fill, and parks it in WAITING_FOR_REMOTE_KV. The blocks
-        come fresh, never from the prefix cache: a remote writer must not write into blocks
-        that other requests share. Returns the block table, or None when the pool is full.
-        """
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        # +1: room for the first decoded token's KV, so admission never preempts at once.
-        alloc = self.block_manager.allocate(request.request_id, request.prompt_token_ids,
-                                            request.num_prompt_tokens + 1, use_prefix_cache=False)
-        if alloc is None:
-            return None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.request_id] = request
-        return alloc.block_ids
-
-    def admit_prefilled(self, request_id: str, first_token: int) -> Request | None:
-        """The request's prompt KV has arrived and the prefill worker sampled `first_token`:
-        it joins the running batch, its next pass a one-token decode."""
-        request = self.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-            return None
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.block_manager.commit(request_id, request.token_ids, request.num_computed_tokens)
-        request.append_token(first_token)
-        request.status = RequestStatus.RUNNING
-        status = request.check_stop()
-        if status is not None:
-            self.finish_request(request_id, status)
-        else:
-            self.running.append(request)
-        return request
-
-    def finish_request(self, request_id: str, status: RequestStatus,
-                       free_blocks: bool = True) -> Request | None:
-        """Ends a request in any state and, unless told otherwise, frees every block it holds.
-        Unknown or already finished ids are ignored (an abort may race with a natural finish).
-        free_blocks=False leaves the blocks with the request id as owner: the prefill worker
-        keeps them until the decode worker has acknowledged their transfer, then frees them.
-        """
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request in any state and frees every block it holds, unless the connector
+        says a transfer may still touch them: then they stay owned by the request id
+        (kv_state DRAINING) until update_from_connector sees it released. Unknown or already
+        finished ids are ignored (an abort may race with a natural finish)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -118,9 +87,16 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.waiting_for_kv.pop(request_id, None)
         request.status = status
-        if free_blocks:
+        if (self.connector is not None and request.kv_transfer is not None
+                and self.connector.request_finished(request)):
+            request.kv_state = KVTransferState.DRAINING
+            self.draining[request_id] = request
+        else:
             self.block_manager.free(request_id)
+            if request.kv_state is not KVTransferState.NONE:
+                request.kv_state = KVTransferState.RELEASED
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -128,6 +104,44 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_transfers(self) -> bool:
+        """Requests whose progress only the connector can report (KV landing, or blocks held
+        while a transfer drains)."""
+        return bool(self.waiting_for_kv or self.draining)
+
+    def update_from_connector(self, events: ConnectorEvents) -> list[tuple[Request, str]]:
+        """Applies what the connector reported since the last step: a request whose KV and
+        first token arrived joins the running batch (its next pass a one-token decode, or it
+        finishes at once if that token ends it); a failed transfer ends its request; a
+        released request's blocks are freed. Returns the requests this ended, with the error
+        ("" for a natural finish)."""
+        ended: list[tuple[Request, str]] = []
+        for request_id, first_token in events.received.items():
+            request = self.waiting_for_kv.pop(request_id, None)
+            if request is None:
+                continue  # aborted meanwhile; its blocks drain
+            request.kv_state = KVTransferState.RECEIVED
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.block_manager.commit(request_id, request.token_ids, request.num_computed_tokens)
+            request.append_token(first_token)
+            request.status = RequestStatus.RUNNING
+            status = request.check_stop()
+            if status is not None:
+                self.finish_request(request_id, status)
+                ended.append((request, ""))
+            else:
+                self.running.append(request)
+        for request_id, reason in events.failed.items():
+            request = self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            if request is not None:
+                ended.append((request, reason))
+        for request_id in events.released:
+            request = self.draining.pop(request_id, None)
+            if request is not None:
+                self.block_manager.free(request_id)
+                request.kv_state = KVTransferState.RELEASED
+        return ended
 
     def has_schedulable(self) -> bool:
         """Work a pass could do now (requests waiting for remote KV have none)."""
@@ -189,6 +203,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if (request.kv_transfer is not None and self.connector is not None
+                    and request.status is RequestStatus.WAITING and not bm.has(request.request_id)):
+                remote = self.connector.get_num_new_matched_tokens(
+                    request, bm.cached_prefix_len(request.token_ids))
+                if remote > 0:
+                    if not self._reserve_remote(request):
+                        break  # in arrival order: it waits for blocks, and so do those behind it
+                    continue
             if not bm.has(request.request_id):
                 # First allocation looks up the prefix cache: cached tokens need no compute.
                 probe = bm.allocate(request.request_id, request.token_ids,
@@ -210,6 +232,22 @@ class Scheduler:
             budget -= n
         return out
 
+    def _reserve_remote(self, request: Request) -> bool:
+        """Blocks for the whole prompt (+1 slot: the first decoded token's KV, so admission
+        never preempts at once), the leading ones from the prefix cache when they are there:
+        shared blocks are read-only, so the remote writes only the fresh ones after them."""
+        alloc = self.block_manager.allocate(request.request_id, request.token_ids,
+                                            request.num_prompt_tokens + 1)
+        if alloc is None:
+            return False
+        self.waiting.popleft()
+        request.num_cached_tokens = alloc.num_cached_tokens
+        request.num_computed_tokens = alloc.num_cached_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv[request.request_id] = request
+        self.connector.update_state_after_alloc(request, alloc.block_ids, alloc.num_cached_tokens)
+        return True
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Applies a finished pass: advances computed counts, registers full blocks in the
         prefix cache, appends sampled tokens, and finishes requests that hit a stop.
@@ -227,6 +265,6 @@ class Scheduler:
             request.append_token(token)
             status = request.check_stop()
             if status is not None:
-                self.finish_request(request.request_id, status, free_blocks=not self.hold_finished_blocks)
+                self.finish_request(request.request_id, status)
                 finished.append(request)
         return finished

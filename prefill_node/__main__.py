@@ -11,6 +11,7 @@ from engine.model_identity import model_fingerprint
 from engine.node_server import (
     NodeIdentity,
     build_engine,
+    kv_counters,
     kv_layout,
     new_worker_id,
     node_main,
@@ -39,7 +40,8 @@ async def main_async(args) -> None:
     senders = SenderPool(layout)
 
     def status():
-        return worker_status(worker_id, "prefill", worker)
+        return worker_status(worker_id, "prefill", worker,
+                             kv_counters(args.kv_backend, senders.stats(), sending=True))
 
     identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
                             args.kv_backend, fingerprint, layout.description)

@@ -7,9 +7,12 @@ compute is spent on a request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import kvtransfer
 from engine.errors import TandemError
+
+log = logging.getLogger(__name__)
 
 
 class SenderPool:
@@ -19,14 +22,24 @@ class SenderPool:
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._senders: dict[tuple[str, str], kvtransfer.KVSender] = {}
+        # Evicted senders: transfers of theirs may still be draining on the engine thread
+        # (their poll() turns FAILED), so they are closed at shutdown, not at eviction.
+        self._retired: list[kvtransfer.KVSender] = []
         self._lock = asyncio.Lock()
 
     async def get(self, backend: str, endpoint: str) -> kvtransfer.KVSender:
         key = (backend, endpoint)
         async with self._lock:
             sender = self._senders.get(key)
-            if sender is not None:
+            if sender is not None and not sender.failed_peer:
                 return sender
+            if sender is not None:
+                # The receiver died or became unreachable: this connection is done for, and a
+                # restarted decode worker at the same endpoint needs a fresh handshake.
+                log.warning("evicting the KV sender to %s (%s): %s", endpoint, backend,
+                            sender.failed_peer)
+                del self._senders[key]
+                self._retired.append(sender)
             try:
                 sender = kvtransfer.create_sender(backend, ack_timeout_s=self.ack_timeout_s,
                                                   connect_timeout_s=self.connect_timeout_s)
@@ -38,7 +51,12 @@ class SenderPool:
             self._senders[key] = sender
             return sender
 
+    def stats(self) -> list:
+        """Every sender's counters, evicted ones included (the counters are monotonic)."""
+        return [s.stats() for s in [*self._senders.values(), *self._retired]]
+
     def close(self) -> None:
-        for sender in self._senders.values():
+        for sender in [*self._senders.values(), *self._retired]:
             sender.close()
         self._senders.clear()
+        self._retired.clear()

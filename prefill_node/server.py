@@ -30,8 +30,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             sender = await self.senders.get(dest.backend, dest.endpoint)
         except TandemError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        job = PrefillJob(request.request_id, list(request.prompt_token_ids), params, list(dest.block_ids),
-                         request.max_chunk_tokens)
+        job = PrefillJob(request.request_id, list(request.prompt_token_ids), params,
+                         request.transfer_id or request.request_id, request.max_chunk_tokens,
+                         request.num_prior_output_tokens)
         try:
             outcome = await self.worker.prefill(job, sender)
         except (TandemError, ValueError) as exc:

@@ -1,25 +1,28 @@
-"""The prefill worker: an engine in the prefill role. It only sends KV; it never decodes.
+"""The prefill worker: an engine in the prefill role with a PrefillConnector. It only sends KV;
+it never decodes. Transfer state lives on the requests and in the engine's scheduler and
+connector (engine/kv_connector.py, prefill_node/connector.py), not here.
 
 A request's life cycle on this node:
 
   prefill(job)      -> asyncio side: a KVSender connected to the decode worker's endpoint
                        (connect handshakes the layout; a mismatch fails the request before any
-                       compute); engine thread: add_request with max_tokens = 1
+                       compute); engine thread: add_request with max_tokens = 1 and
+                       kv_transfer(transfer id, that sender). The decode worker reserves its
+                       blocks at the same time and grants them to the transfer; the sender asks
+                       for the grant itself, so compute starts without waiting for it.
   each pass         -> the request's chunk is packed with others under the token budget
                        (chunked prefill / split-fuse). Right after each layer's K/V is written,
-                       the blocks that chunk completed are gathered and handed to the sender,
-                       so the transfer of layer i overlaps the compute of layer i+1.
-                       Block rule: a non-final chunk sends only the blocks it filled completely;
-                       the final chunk sends the rest, the partial last block included. So
-                       every destination block is written exactly once per layer, and the
-                       receiver's "all blocks of all layers arrived" means the KV is complete.
+                       the connector hands the blocks that chunk completed to the sender, whose
+                       own thread gathers and transmits them while layer i+1 computes.
   first token       -> sampled after the last chunk and returned at once (TTFT does not wait
-                       for the transfer). The request is finished but its blocks stay held.
-  transfer acked    -> sender.poll DONE or FAILED: the blocks are freed.
-  sampling failed   -> (no valid distribution for the first token) the blocks are freed at once
-                       and Prefill fails INVALID_ARGUMENT with the reason; the batch goes on.
-  abort (RPC cancelled) in any state: the request ends and its blocks are freed at once (the
-                       payloads in flight are copies, so nothing reads those blocks again).
+                       for the transfer); it also goes to the decode worker with the last
+                       layer's KV (sender.finish). The request is finished; its blocks stay
+                       held (kv_state DRAINING) until the sender reports the transfer terminal.
+  sampling failed   -> (no valid distribution for the first token) the transfer is aborted,
+                       Prefill fails INVALID_ARGUMENT with the reason; the batch goes on.
+  abort (RPC cancelled) in any state: the request ends, the transfer is aborted (the decode
+                       worker learns it at once) and the blocks are freed once the sender
+                       reads them no more.
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import torch
-
 from engine.engine_loop import EngineLoop
 from engine.errors import SamplingError, TandemError
+from engine.kv_connector import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from prefill_node.connector import PrefillConnector
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,9 @@ class PrefillJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    dst_block_ids: list[int]
+    transfer_id: str = ""  # "" = request_id
     max_chunk_tokens: int = 0  # the coordinator's chunk plan; 0 = this worker's limit
+    num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
 
 
 @dataclass(frozen=True)
@@ -54,26 +57,18 @@ class PrefillOutcome:
     seconds: float
 
 
-@dataclass
-class _Transfer:
-    sender: object  # KVSender
-    dst_block_ids: list[int]
-    blocks_sent: int = 0  # leading destination blocks already handed to the sender
-
-
 class PrefillWorker(EngineLoop):
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 on_transfer_end=None) -> None:
         if engine.config.role == "decode":
             raise ValueError("a prefill worker needs an engine in the prefill (or colocated) role, "
                              "not one holding only the decode format")
         super().__init__(engine, loop, name="prefill-engine")
-        engine.scheduler.hold_finished_blocks = True
-        engine.layer_hook = self._layer_hook
+        self.connector = PrefillConnector(engine.runner.kv_cache, engine.config.cache.block_size,
+                                          engine.block_manager.block_table, on_transfer_end)
+        engine.set_connector(self.connector)
         self._futures: dict[str, asyncio.Future] = {}  # asyncio thread only
         self._started: dict[str, float] = {}
-        # engine thread only:
-        self._transfers: dict[str, _Transfer] = {}  # computing: sends happen per layer
-        self._draining: dict[str, _Transfer] = {}  # finished: waiting for acks, blocks held
 
     # -- asyncio side --------------------------------------------------------------------
 
@@ -86,7 +81,7 @@ class PrefillWorker(EngineLoop):
         try:
             return await future
         except asyncio.CancelledError:
-            self.call(lambda: self._abort(job.request_id))
+            self.call(lambda: self.engine.abort_request(job.request_id))
             raise
         finally:
             self._futures.pop(job.request_id, None)
@@ -106,80 +101,27 @@ class PrefillWorker(EngineLoop):
     # -- engine thread -------------------------------------------------------------------
 
     def _admit(self, job: PrefillJob, sender) -> None:
-        bs = self.engine.config.cache.block_size
-        needed = -(-len(job.prompt_token_ids) // bs)
-        if len(job.dst_block_ids) < needed:
-            self.post(self._resolve, job.request_id, TandemError(
-                f"destination has {len(job.dst_block_ids)} blocks, the prompt needs {needed}"))
-            return
         try:
-            self.engine.add_request(job.prompt_token_ids, job.params, job.request_id,
-                                    stop_token_ids=frozenset(), max_tokens=1,
-                                    max_chunk_tokens=job.max_chunk_tokens)
+            request = self.engine.make_request(job.prompt_token_ids, job.params, job.request_id,
+                                               stop_token_ids=frozenset(), max_tokens=1,
+                                               max_chunk_tokens=job.max_chunk_tokens,
+                                               num_prior_output_tokens=job.num_prior_output_tokens)
+            request.kv_transfer = KVTransferParams(job.transfer_id or job.request_id, peer=sender)
+            self.engine.submit(request)
         except (TandemError, ValueError) as exc:
+            # Tell the decode worker at once rather than let its reservation wait out.
+            sender.abort(job.transfer_id or job.request_id, f"prefill refused the request: {exc}")
             self.post(self._resolve, job.request_id, exc)
-            return
-        self._transfers[job.request_id] = _Transfer(sender, list(job.dst_block_ids))
-
-    def _layer_hook(self, plan: SchedulerOutput):
-        """Which blocks each remote chunk of this pass sends, fixed before the pass runs."""
-        bs = self.engine.config.cache.block_size
-        sends = []
-        for chunk in plan.chunks:
-            transfer = self._transfers.get(chunk.request_id)
-            if transfer is None:
-                continue
-            end = chunk.start_pos + chunk.num_tokens
-            upto = -(-end // bs) if chunk.samples else end // bs
-            if upto <= transfer.blocks_sent:
-                continue
-            src = self.engine.block_manager.block_table(chunk.request_id)[transfer.blocks_sent:upto]
-            dst = transfer.dst_block_ids[transfer.blocks_sent:upto]
-            transfer.blocks_sent = upto
-            sends.append((chunk.request_id, transfer.sender, torch.tensor(src), dst))
-        if not sends:
-            return None
-        kv = self.engine.runner.kv_cache
-
-        def on_layer_done(layer: int) -> None:
-            for request_id, sender, src, dst in sends:
-                # Advanced indexing copies: the payload stays valid whatever the cache does next.
-                sender.send(request_id, layer, dst, kv[layer, :, src])
-        return on_layer_done
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            transfer = self._transfers.pop(out.request_id, None)
             if out.error:
-                # The engine has freed the blocks already (payloads in flight are copies);
-                # layers already handed to the sender still drain, as after an abort.
-                if transfer is not None and transfer.blocks_sent:
-                    self._draining[out.request_id] = transfer
                 self.post(self._resolve, out.request_id, SamplingError(out.error))
-                continue
-            if transfer is not None:
-                self._draining[out.request_id] = transfer
-            if out.new_token_ids:
+            elif out.new_token_ids:
                 self.post(self._resolve, out.request_id,
                           PrefillOutcome(out.new_token_ids[0], out.num_cached_tokens, 0.0))
-
-    def poll(self) -> None:
-        for request_id, transfer in list(self._draining.items()):
-            status = transfer.sender.poll(request_id)
-            if status.state.value != "in_flight":
-                del self._draining[request_id]
-                self.engine.block_manager.free(request_id)
-
-    def _abort(self, request_id: str) -> None:
-        # A request already draining has returned its token; its blocks go when the acks do.
-        if request_id in self._draining:
-            return
-        transfer = self._transfers.pop(request_id, None)
-        self.engine.abort_request(request_id, RequestStatus.FINISHED_ABORTED)
-        if transfer is not None and transfer.blocks_sent:
-            # Layers already handed to the sender: poll until it settles, so its bookkeeping
-            # for this id ends. The blocks are already free (payloads are copies).
-            self._draining[request_id] = transfer
+            elif out.status is RequestStatus.FINISHED_ERROR:
+                self.post(self._resolve, out.request_id, TandemError("prefill failed"))
 
     def on_fatal(self, exc: BaseException) -> None:
         def fail_all() -> None:

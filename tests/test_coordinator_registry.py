@@ -75,7 +75,7 @@ def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_reviv
             quiet = await h.add_worker("d1", "decode", Script(tokens=tokens))
             await h.add_worker("d2", "decode", Script(tokens=tokens))
             registry = h.coordinator.registry
-            quiet.heartbeating = False
+            quiet.heartbeating = quiet.status_answers = False  # hung
             await wait_until(lambda: not registry.get("d1").alive, "d1 to be declared dead")
             reason = registry.get("d1").dead_reason
             routed = []
@@ -85,7 +85,7 @@ def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_reviv
                         "model": "tiny", "messages": MESSAGES, "stream": False})
                     routed.append(r.json()["tandem"]["decode_worker"])
             # The worker speaks again: Heartbeat answers known=false and it registers anew.
-            quiet.heartbeating = True
+            quiet.heartbeating = quiet.status_answers = True
             await wait_until(lambda: registry.get("d1").alive, "d1 to come back")
             return reason, routed, quiet, registry.get("d1").registrations
 
@@ -93,6 +93,25 @@ def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_reviv
     assert "no heartbeat" in reason
     assert routed == ["d2", "d2", "d2"] and quiet.requests == []
     assert registrations == 2
+
+
+def test_a_worker_whose_heartbeats_stop_but_that_answers_status_stays_routable(model, tokens):
+    """Silent for half its deadline, a worker is probed with Status; answering counts as a
+    heartbeat (its registration channel broke, not its server)."""
+    async def scenario():
+        async with coordinator_harness(model, heartbeat_misses=5) as h:
+            quiet = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            registry = h.coordinator.registry
+            quiet.heartbeating = False
+            await wait_until(lambda: registry.probes_answered >= 3, "three answered probes")
+            alive = registry.get("d1").alive
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                r = await client.post(f"{h.url}/api/chat", json={
+                    "model": "tiny", "messages": MESSAGES, "stream": False})
+            return alive, r.json()["tandem"]["decode_worker"]
+
+    alive, routed = run(scenario())
+    assert alive and routed == "d1"
 
 
 def test_heartbeat_updates_load_and_unknown_worker_is_told_to_register():

@@ -11,7 +11,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import WorkerLoad
 from coordinator.metrics import RequestTimings
 from coordinator.placement import (
-    blocks_needed, choose_decode, choose_prefill, concurrency_limit, place,
+    Prompt, blocks_needed, choose_decode, choose_prefill, concurrency_limit, place,
 )
 from coordinator.registry import WorkerSnapshot
 from coordinator.text_stream import TextStream
@@ -27,19 +27,33 @@ def worker(wid, role="decode", free=100, blocks=100, running=0, queued=0, budget
                           assigned, assigned_tokens)
 
 
-# ---- placement -----------------------------------------------------------------------------------
+# ---- placement (the prefix-aware scoring: tests/test_placement.py) -------------------------------
+
+def ids(n):
+    return list(range(n))
+
+
+def decode_of(ws, n):
+    chosen = choose_decode(ws, Prompt(ids(n)))
+    return chosen[0].worker_id if chosen else None
+
+
+def prefill_of(ws, d, exclude=()):
+    chosen = choose_prefill(ws, d, Prompt(ids(100)), exclude)
+    return chosen[0].worker_id if chosen else None
+
 
 def test_decode_choice_prefers_free_blocks_then_fewest_running():
     a, b = worker("a", free=50), worker("b", free=80)
-    assert choose_decode([a, b], 100).worker_id == "b"
+    assert decode_of([a, b], 100) == "b"
     a, b = worker("a", free=80, running=5), worker("b", free=80, running=2)
-    assert choose_decode([a, b], 100).worker_id == "b"
+    assert decode_of([a, b], 100) == "b"
     # Our own count wins over a stale heartbeat that still reports the worker idle.
     a, b = worker("a", free=80, running=0, assigned=6), worker("b", free=80, running=2)
-    assert choose_decode([a, b], 100).worker_id == "b"
-    assert choose_decode([worker("p", role="prefill")], 10) is None
+    assert decode_of([a, b], 100) == "b"
+    assert decode_of([worker("p", role="prefill")], 10) is None
     # No worker has room: still the one closest to fitting (its scheduler queues the request).
-    assert choose_decode([worker("a", free=1), worker("b", free=3)], 1000).worker_id == "b"
+    assert decode_of([worker("a", free=1), worker("b", free=3)], 1000) == "b"
     assert blocks_needed(17, 16) == 2 and blocks_needed(16, 16) == 1
 
 
@@ -48,41 +62,44 @@ def test_prefill_choice_fewest_queued_tokens_and_compatible_layout():
     ps = [worker("p1", "prefill", queued=300), worker("p2", "prefill", queued=100),
           worker("p3", "prefill", queued=0, layout="other"),
           worker("p4", "prefill", queued=0, backend="shm")]
-    assert choose_prefill(ps, d).worker_id == "p2"
-    assert choose_prefill(ps, d, exclude={"p2"}).worker_id == "p1"
-    assert choose_prefill([worker("p1", "prefill", queued=100, assigned_tokens=500),
-                           worker("p2", "prefill", queued=300)], d).worker_id == "p2"
-    assert choose_prefill(ps[2:], d) is None
+    assert prefill_of(ps, d) == "p2"
+    assert prefill_of(ps, d, exclude={"p2"}) == "p1"
+    assert prefill_of([worker("p1", "prefill", queued=100, assigned_tokens=500),
+                       worker("p2", "prefill", queued=300)], d) == "p2"
+    assert prefill_of(ps[2:], d) is None
 
 
 @pytest.mark.parametrize("prompt,expected", [(64, None), (65, "p")])
 def test_conditional_disaggregation_threshold(prompt, expected):
     ws = [worker("d"), worker("p", "prefill")]
-    got = place(ws, prompt, prefill_threshold=64, default_budget=512)
+    got = place(ws, ids(prompt), prefill_threshold=64, default_budget=512)
     assert got.decode.worker_id == "d"
     assert (got.prefill.worker_id if got.prefill else None) == expected
 
 
 def test_short_prompt_goes_remote_when_decode_budget_is_full():
     busy = worker("d", running=500, budget=512)
-    got = place([busy, worker("p", "prefill")], 20, prefill_threshold=64, default_budget=512)
+    got = place([busy, worker("p", "prefill")], ids(20), prefill_threshold=64,
+                default_budget=512)
     assert got.prefill.worker_id == "p"
     # A worker that reports no budget is judged with the configured chunk size.
     idle = worker("d", budget=0)
-    got = place([idle, worker("p", "prefill")], 20, prefill_threshold=64, default_budget=16)
+    got = place([idle, worker("p", "prefill")], ids(20), prefill_threshold=64,
+                default_budget=16)
     assert got.prefill.worker_id == "p"
 
 
 def test_colocated_and_no_prefill_worker_prefill_locally():
-    got = place([worker("c", "colocated"), worker("p", "prefill")], 5000, prefill_threshold=0,
-                default_budget=512)
+    got = place([worker("c", "colocated"), worker("p", "prefill")], ids(5000),
+                prefill_threshold=0, default_budget=512)
     assert got.prefill is None and got.reason == "colocated worker"
-    got = place([worker("d")], 5000, prefill_threshold=0, default_budget=512)
+    got = place([worker("d")], ids(5000), prefill_threshold=0, default_budget=512)
     assert got.prefill is None and got.reason == "no compatible prefill worker"
-    got = place([worker("d"), worker("p", "prefill", layout="other")], 5000,
+    got = place([worker("d"), worker("p", "prefill", layout="other")], ids(5000),
                 prefill_threshold=0, default_budget=512)
     assert got.prefill is None
-    assert place([worker("p", "prefill")], 10, prefill_threshold=0, default_budget=512) is None
+    assert place([worker("p", "prefill")], ids(10), prefill_threshold=0,
+                 default_budget=512) is None
 
 
 def test_concurrency_limit_follows_decode_workers():

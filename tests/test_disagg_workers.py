@@ -1,22 +1,27 @@
 """The prefill and decode workers in one process, joined by the in-process fake KV transport:
 the disaggregated request flow step by step, its failure paths, and the KV pools after each.
 
-The flow is the coordinator's (proto/worker.proto): the decode worker reserves blocks, the
-prefill worker computes the prompt in chunks and streams each layer's KV into them, returns
-the first token, and the decode worker continues once all KV has landed.
+The flow is the coordinator's (proto/worker.proto): both workers get the request at once with
+one transfer id; the decode worker reserves blocks and grants them to the transfer, the prefill
+worker computes the prompt in chunks and streams each layer's KV into them, returns the first
+token (which also travels with the last layer), and the decode worker continues once all KV
+and that token have landed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import os
+import threading
 import time
 
 import pytest
 import torch
 
 import kvtransfer
-from decode_node.worker import DecodeJob, DecodeWorker, Reserved, Tokens
+from decode_node.worker import DecodeJob, DecodeWorker, Tokens
 from engine.config import SchedulerConfig
 from engine.errors import SamplingError, TandemError
 from engine.llm_engine import LLMEngine, kv_dtype_name
@@ -31,6 +36,7 @@ from tests.sampling_faults import PoisonedSampler, unchecked
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16
+_PAIRS = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,7 @@ class Pair:
 
     def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
                  kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0,
-                 kv_dtype="fp32") -> None:
+                 kv_dtype="fp32", backend="fake") -> None:
         self.prefill_engine = LLMEngine.from_path(
             model_dir, role="prefill", num_blocks=256, block_size=BLOCK, load_tokenizer=False,
             scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget), kv_dtype=kv_dtype)
@@ -66,16 +72,21 @@ class Pair:
         # the decode side before allocating the cache its engine then uses.
         self.layout = kv_layout(cfg, BLOCK, kv_dtype_name(self.prefill_engine.runner.kv_cache.dtype),
                                 model_fingerprint(model_dir, cfg))
+        shm_name = f"tandem-test-kv-{os.getpid()}-{next(_PAIRS)}" if backend == "shm" else None
         self.cache = kvtransfer.allocate_cache(kv_layout(cfg, BLOCK, kv_dtype, self.layout.model_id),
-                                               decode_blocks)
-        self.receiver = FakeReceiver(self.cache, self.cache.layout)
+                                               decode_blocks, shared_memory_name=shm_name)
+        if backend == "fake":
+            self.receiver = FakeReceiver(self.cache, self.cache.layout)
+        else:
+            self.receiver = kvtransfer.create_receiver(backend, self.cache, self.cache.layout)
         self.decode_engine = LLMEngine.from_path(model_dir, role="decode", num_blocks=decode_blocks,
                                                  block_size=BLOCK, load_tokenizer=False,
                                                  kv_cache=self.cache.tensor, kv_dtype=kv_dtype)
         self.prefill = PrefillWorker(self.prefill_engine, loop)
-        self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, "fake", kv_deadline_s=kv_deadline_s,
+        self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, backend, kv_deadline_s=kv_deadline_s,
                                    reserve_timeout_s=reserve_timeout_s)
-        self.sender = FakeSender(faults=faults, ack_timeout_s=ack_timeout_s)
+        self.sender = (FakeSender(faults=faults, ack_timeout_s=ack_timeout_s) if backend == "fake"
+                       else kvtransfer.create_sender(backend, ack_timeout_s=ack_timeout_s))
         self.sender.connect(self.receiver.endpoint, self.layout)
         self.prefill.start()
         self.decode.start()
@@ -85,6 +96,7 @@ class Pair:
         self.decode.stop()
         self.sender.close()
         self.receiver.close()
+        self.cache.close()
 
     def pools_full(self) -> bool:
         return all(e.block_manager.num_free_blocks == e.block_manager.num_blocks
@@ -96,27 +108,38 @@ class Pair:
             await asyncio.sleep(0.01)
         return self.pools_full()
 
-    async def reserve(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
-        events = self.decode.open(DecodeJob(rid, prompt, params, frozenset(), max_tokens, True))
-        first = await asyncio.wait_for(events.get(), 10)
-        return events, first
+    def open(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY) -> asyncio.Queue:
+        """The decode half of a disaggregated request (transfer id = request id)."""
+        return self.decode.open(DecodeJob(rid, prompt, params, frozenset(), max_tokens, True,
+                                          transfer_id=rid))
+
+    async def prefill_job(self, rid: str, prompt: list[int], params=GREEDY):
+        return await self.prefill.prefill(PrefillJob(rid, prompt, params, rid), self.sender)
 
     async def run(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
-        """The whole disaggregated flow; returns (tokens, final Tokens event)."""
-        events, reserved = await self.reserve(rid, prompt, max_tokens, params)
-        assert isinstance(reserved, Reserved), reserved
+        """The whole disaggregated flow, both halves at once, as the coordinator drives it;
+        returns (tokens, final Tokens event). A failed prefill raises after the decode half
+        ended (the sender's abort tells it)."""
+        events = self.open(rid, prompt, max_tokens, params)
         try:
-            outcome = await self.prefill.prefill(PrefillJob(rid, prompt, params, reserved.block_ids), self.sender)
-        except TandemError as exc:
-            self.decode.start_decode(rid, None, str(exc))
+            outcome = await self.prefill_job(rid, prompt, params)
+        except TandemError:
+            final = await self.final(events)
+            assert final.finish_reason == "error", final
             raise
         tokens = [outcome.first_token]
-        self.decode.start_decode(rid, outcome.first_token)
         while True:
             event = await asyncio.wait_for(events.get(), 30)
             tokens += event.token_ids
             if event.finished:
                 return tokens, event
+
+    @staticmethod
+    async def final(events: asyncio.Queue) -> Tokens:
+        while True:
+            event = await asyncio.wait_for(events.get(), 30)
+            if event.finished:
+                return event
 
 
 def run_async(fn):
@@ -200,7 +223,7 @@ async def test_local_prefill_on_the_decode_worker(pair_factory, reference):
 
 @run_async
 async def test_corrupted_payload_fails_only_its_request(pair_factory, reference):
-    pair = pair_factory(faults=[FakeFault("corrupt", request_id="bad", layer=1)])
+    pair = pair_factory(faults=[FakeFault("corrupt", transfer_id="bad", layer=1)])
     good, bad = prompts([50, 50], seed=2)
     (g_tokens, g_final), (b_tokens, b_final) = await asyncio.gather(
         pair.run("good", good, 8), pair.run("bad", bad, 8))
@@ -224,9 +247,8 @@ async def test_mismatched_layout_is_refused_before_any_compute(pair_factory):
 async def test_abort_mid_decode_frees_both_pools(pair_factory):
     pair = pair_factory()
     prompt = prompts([30], seed=3)[0]
-    events, reserved = await pair.reserve("d", prompt, 1000)
-    outcome = await pair.prefill.prefill(PrefillJob("d", prompt, GREEDY, reserved.block_ids), pair.sender)
-    pair.decode.start_decode("d", outcome.first_token)
+    events = pair.open("d", prompt, 1000)
+    await pair.prefill_job("d", prompt)
     got = 0
     while got < 5:
         got += len((await asyncio.wait_for(events.get(), 10)).token_ids)
@@ -239,8 +261,8 @@ async def test_abort_mid_decode_frees_both_pools(pair_factory):
 async def test_abort_mid_prefill_frees_both_pools(pair_factory):
     pair = pair_factory(prefill_budget=8)
     prompt = prompts([2000], seed=4)[0]  # 250 chunks of 8 tokens: long enough to catch mid-way
-    events, reserved = await pair.reserve("p", prompt, 10)
-    task = asyncio.create_task(pair.prefill.prefill(PrefillJob("p", prompt, GREEDY, reserved.block_ids), pair.sender))
+    events = pair.open("p", prompt, 10)
+    task = asyncio.create_task(pair.prefill_job("p", prompt))
     deadline = time.monotonic() + 10
     while pair.prefill_engine.block_manager.num_used_blocks < 3 and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
@@ -249,19 +271,23 @@ async def test_abort_mid_prefill_frees_both_pools(pair_factory):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    pair.decode.close_stream("p")  # the coordinator cancels the decode side too
+    # The sender's abort reaches the decode worker: its half ends by itself, with the reason.
+    final = await pair.final(events)
+    assert final.finish_reason == "error" and "KV transfer failed" in final.error
     assert await pair.wait_pools_full()
 
 
 @run_async
-async def test_abort_while_kv_is_landing_frees_after_quarantine(pair_factory):
-    pair = pair_factory(faults=[FakeFault("delay", delay_s=0.3)], ack_timeout_s=5)
+async def test_abort_while_kv_is_landing_frees_once_released(pair_factory):
+    pair = pair_factory(faults=[FakeFault("slow", delay_s=0.05)], ack_timeout_s=5)
     prompt = prompts([64], seed=5)[0]
-    events, reserved = await pair.reserve("t", prompt, 10)
-    await pair.prefill.prefill(PrefillJob("t", prompt, GREEDY, reserved.block_ids), pair.sender)
-    assert pair.decode_engine.block_manager.num_used_blocks > 0  # KV still in flight
+    events = pair.open("t", prompt, 10)
+    await pair.prefill_job("t", prompt)  # returns at once; 2 layers x 0.05 s still to land
+    request = pair.decode_engine.scheduler.requests["t"]
+    assert request.kv_state.value == "receiving"
     pair.decode.close_stream("t")
     assert await pair.wait_pools_full()
+    assert request.kv_state.value == "released"
 
 
 @run_async
@@ -275,7 +301,7 @@ async def test_kv_that_never_arrives_fails_at_the_deadline(pair_factory):
 @run_async
 async def test_prompt_larger_than_the_decode_pool_is_refused_at_once(pair_factory):
     pair = pair_factory(decode_blocks=4)  # 64 slots: the context this worker can hold
-    events, event = await pair.reserve("big", prompts([100], seed=7)[0], 10)
+    event = await asyncio.wait_for(pair.open("big", prompts([100], seed=7)[0], 10).get(), 10)
     assert isinstance(event, Tokens) and event.finish_reason == "error" and "context window of 64" in event.error
     assert pair.pools_full()
 
@@ -284,19 +310,28 @@ async def test_prompt_larger_than_the_decode_pool_is_refused_at_once(pair_factor
 async def test_reservation_waits_for_blocks_then_proceeds_or_times_out(pair_factory, reference):
     pair = pair_factory(decode_blocks=8, reserve_timeout_s=3.0)  # 128 slots
     first, second = prompts([100, 100], seed=9)
-    events_a, reserved_a = await pair.reserve("a", first, 4)
-    assert isinstance(reserved_a, Reserved)
-    events_b = pair.decode.open(DecodeJob("b", second, GREEDY, frozenset(), 4, True))
+    sched = pair.decode_engine.scheduler
+    events_a = pair.open("a", first, 4)
+    await wait_for_state(lambda: "a" in sched.waiting_for_kv)
+    events_b = pair.open("b", second, 4)
     await asyncio.sleep(0.1)
-    assert events_b.empty()  # parked: the pool cannot hold both prompts
-    pair.decode.close_stream("a")  # a's blocks come back (after the quarantine) ...
-    reserved_b = await asyncio.wait_for(events_b.get(), 10)
-    assert isinstance(reserved_b, Reserved)  # ... and b's reservation goes through
-    events_c = pair.decode.open(DecodeJob("c", first, GREEDY, frozenset(), 4, True))
+    # b waits, in arrival order, for blocks: the pool cannot hold both prompts
+    assert events_b.empty() and [r.request_id for r in sched.waiting] == ["b"]
+    pair.decode.close_stream("a")  # a's blocks come back once released ...
+    await wait_for_state(lambda: "b" in sched.waiting_for_kv)  # ... and b's reservation goes through
+    events_c = pair.open("c", first, 4)
     timed_out = await asyncio.wait_for(events_c.get(), 10)
     assert timed_out.finish_reason == "error" and "no free KV blocks for" in timed_out.error
     pair.decode.close_stream("b")
     assert await pair.wait_pools_full()
+    assert events_a.empty()
+
+
+async def wait_for_state(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
 
 
 @run_async
@@ -355,4 +390,100 @@ async def test_a_sampling_failure_fails_only_its_request_on_either_worker(pair_f
     assert await pair.wait_pools_full()
     tokens, final = await pair.run("after", good, 8)
     assert tokens == expected(reference, good, 8) and final.finish_reason == "length"
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_kv_transfer_overlaps_the_prefill_compute(pair_factory, reference):
+    """With every KV unit slowed on the sender's I/O thread, layer i's KV moves while later
+    layers and chunks compute: units arrive between the first and the last layer's compute,
+    and the whole prefill-to-decode time stays below compute plus transfer."""
+    delay = 0.005
+    pair = pair_factory(prefill_budget=32, faults=[FakeFault("slow", delay_s=delay)])
+    computed: list[float] = []  # after each layer of each pass, on the engine thread
+    arrived: list[float] = []  # each unit written into the decode cache
+    bind = pair.prefill.connector.bind_pass
+
+    def timed_bind(plan):
+        save = bind(plan)
+        if save is None:
+            return None
+
+        def timed(layer: int) -> None:
+            save(layer)
+            computed.append(time.monotonic())
+        return timed
+    pair.prefill.connector.bind_pass = timed_bind
+    ingest = pair.receiver.table.ingest
+
+    def timed_ingest(*args, **kwargs):
+        ack = ingest(*args, **kwargs)
+        arrived.append(time.monotonic())
+        return ack
+    pair.receiver.table.ingest = timed_ingest
+
+    prompt = prompts([1200], seed=13)[0]  # 38 chunks of 32 tokens
+    start = time.monotonic()
+    tokens, final = await pair.run("o", prompt, 2)
+    admitted = time.monotonic()
+    assert tokens == expected(reference, prompt, 2)
+    units = len(computed)
+    assert len(arrived) >= units - 1  # every chunk's layers (the last may carry the rest)
+    compute = computed[-1] - start
+    transfer = len(arrived) * delay  # the sleeps alone, serial on the sender's thread
+    # Units land while later layers and chunks still compute (a serial design would deliver
+    # none before computed[-1]) ...
+    during = [t for t in arrived if computed[0] < t < computed[-1]]
+    assert len(during) >= 2, (len(during), len(arrived), compute)
+    # ... so the transfer's time hides under the compute's instead of adding to it.
+    assert admitted - start < compute + transfer, (admitted - start, compute, transfer)
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_shm_cancel_mid_prefill_never_lets_a_late_write_hit_a_reused_block(pair_factory, reference):
+    """The reuse race, made deterministic: the shm sender is held between its owner-table check
+    and its memcpy; the request is cancelled on both workers, and a flood of local requests
+    that need the whole pool arrives at once. The cancelled request's blocks are not reused
+    until the sender acknowledges the revocation (it can, only after its held write lands), so
+    every flood answer equals the single-process one and both pools end full. Without the
+    acknowledgement the late write would land in a flood request's block."""
+    pair = pair_factory(backend="shm", prefill_budget=16, decode_blocks=14)  # 224 slots
+    held, release = threading.Event(), threading.Event()
+    seen = []
+
+    def hook(header) -> None:
+        seen.append(header)
+        if len(seen) == 5:  # mid-prefill: chunk 3's first layer
+            held.set()
+            release.wait(10)
+    pair.sender.pre_write_hook = hook
+    long_prompt = prompts([200], seed=14)[0]  # 13 blocks of the decode pool's 14
+    events = pair.open("victim", long_prompt, 10)
+    prefill = asyncio.create_task(pair.prefill_job("victim", long_prompt))
+    assert await asyncio.to_thread(held.wait, 10)
+    pair.decode.close_stream("victim")
+    prefill.cancel()
+    flood = prompts([60, 60, 60], seed=15)  # 4 blocks each at least: they need victim's blocks
+    streams = [pair.decode.open(DecodeJob(f"f{i}", p, GREEDY, frozenset(), 6, False))
+               for i, p in enumerate(flood)]
+    await asyncio.sleep(0.3)
+    victim_blocks = pair.decode_engine.block_manager.num_used_blocks
+    assert victim_blocks >= 13  # still held: a writer may remain
+    assert all(q.empty() for q in streams)
+    release.set()  # the held write lands in victim's (still unreleased) blocks; then the ack
+    results = []
+    for q in streams:
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(q.get(), 30)
+            tokens += event.token_ids
+            if event.finished:
+                break
+        results.append(tokens)
+    for prompt, tokens in zip(flood, results):
+        assert tokens == expected(reference, prompt, 6)
+    with pytest.raises(asyncio.CancelledError):
+        await prefill
+    assert events.empty() or (await events.get()).finished
     assert await pair.wait_pools_full()

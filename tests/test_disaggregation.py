@@ -145,27 +145,33 @@ def serving_decode_worker(cluster, timeout_s: float = 10.0) -> str:
     raise AssertionError("no decode worker reported the running request")
 
 
-def test_killed_decode_worker_fails_its_requests_and_traffic_moves_on(tiny, reference, tmp_path):
+def test_killed_decode_worker_mid_stream_migrates_and_the_stream_completes(tiny, reference, tmp_path):
+    """kill -9 the decode worker serving a stream: the coordinator places the request again on
+    the survivor with the prompt plus the tokens generated so far (re-prefilled on the prefill
+    worker), and the client's stream goes on to the single-process greedy text, no error."""
+    content = text_prompt(30, 1)
+    n = 1500
+    want = expected_text(reference, content, n)
     with running_cluster(tiny, tmp_path / "logs", decode=2, chunk_size=64, worker_args=FP32) as cluster:
-        stream = stream_chat(cluster, text_prompt(30, 1), 3000)
-        assert json.loads(stream.readline())["done"] is False
+        stream = stream_chat(cluster, content, n)
+        first = json.loads(stream.readline())
+        assert first["done"] is False
         victim = serving_decode_worker(cluster)
         survivor = ({"decode-0", "decode-1"} - {victim}).pop()
         kill(cluster, victim)
-        lines = [json.loads(line) for line in stream if line.strip()]
-        assert "error" in lines[-1] and victim in lines[-1]["error"]
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            state = {w["worker_id"]: w["alive"] for w in cluster.workers()}
-            if state.get(victim) is False:
-                break
-            time.sleep(0.2)
+        lines = [first] + [json.loads(line) for line in stream if line.strip()]
+        assert "error" not in lines[-1], lines[-1]
+        assert "".join(line["message"]["content"] for line in lines) == want
+        final = lines[-1]
+        assert final["done"] is True and final["tandem"]["decode_worker"] == survivor
+        assert final["tandem"]["migrations"] == 1
+        state = {w["worker_id"]: w["alive"] for w in cluster.workers()}
         assert state[victim] is False and state[survivor] is True
-        for i in range(3):
-            content = text_prompt(20 + i, seed=100 + i)
-            reply = chat(cluster, content, 6)
-            assert reply["tandem"]["decode_worker"] == survivor
-            assert reply["message"]["content"] == expected_text(reference, content, 6)
+        assert_pools_full(cluster)  # the survivors': prefill-0 and the new decode worker
+        content = text_prompt(20, seed=100)
+        reply = chat(cluster, content, 6)
+        assert reply["tandem"]["decode_worker"] == survivor
+        assert reply["message"]["content"] == expected_text(reference, content, 6)
 
 
 def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
@@ -247,3 +253,40 @@ def test_killed_worker_is_restarted_by_the_supervisor_and_serves_again(tiny, ref
         finally:
             cluster.handle.stop_requested.set()
             supervisor.join(10)
+
+
+def test_shared_prefix_moves_only_new_blocks_and_lands_where_it_is_cached(tiny, reference, tmp_path):
+    """Two requests share a long prefix (a system prompt, an earlier turn). The second goes to
+    the decode worker whose prefix cache holds it (workers publish their block hashes in
+    heartbeats), which reserves the shared blocks from its cache and is sent only the blocks
+    it lacks; the prefill worker computes only the new part too."""
+    prefix = text_prompt(600, seed=21)
+    first, second = prefix + " and so on", prefix + " then what"
+    ids = [chat_prompt_ids(reference, [{"role": "user", "content": c}]) for c in (first, second)]
+    common = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
+    assert common >= 512
+    cfg = reference.config.model
+    per_block = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 KV
+    blocks = [-(-len(p) // 16) for p in ids]
+    shared = min(common, len(ids[1]) - 1) // 16  # full blocks, the last token always computed
+    with running_cluster(tiny, tmp_path / "logs", decode=2, prefill_threshold=1, chunk_size=256,
+                         worker_args=FP32) as cluster:
+        a = chat(cluster, first, 4)
+        holder = a["tandem"]["decode_worker"]
+        assert a["tandem"]["kv_bytes"] == blocks[0] * per_block  # a cold cache: every block moves
+        deadline = time.monotonic() + 15  # the next heartbeat publishes its cached blocks
+        while not any(w["worker_id"] == holder and w["cached_blocks"] >= shared
+                      for w in cluster.workers()):
+            assert time.monotonic() < deadline, cluster.workers()
+            time.sleep(0.1)
+        b = chat(cluster, second, 4)
+        assert b["tandem"]["decode_worker"] == holder
+        assert b["tandem"]["kv_bytes"] == (blocks[1] - shared) * per_block
+        assert b["message"]["content"] == expected_text(reference, second, 4)
+        assert b["tandem"]["cached_tokens"] >= shared * 16  # the prefill worker's own cache
+        with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        want = f'tandem_kv_transfer_bytes_per_request_sum{{worker="{holder}"}} '
+        line = next(x for x in metrics.splitlines() if x.startswith(want))
+        assert float(line.split()[-1]) == (blocks[0] + blocks[1] - shared) * per_block
+        assert_pools_full(cluster)
