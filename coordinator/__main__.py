@@ -1,12 +1,16 @@
 """`python -m coordinator --model PATH_OR_NAME [--host H] [--port P] [--registry-port P] ...`
 
-The process entry: flags (and TANDEM_HOME, read here only) -> config -> serve.
+The process entry: flags and the environment (read here only) -> config -> serve.
+Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
+environment variable, never a flag, since ps shows every process's command line);
+OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from coordinator.config import CoordinatorConfig
@@ -49,12 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue)
     p.add_argument("--max-running-per-worker", type=int, default=DEFAULTS.max_running_per_worker)
     p.add_argument("--queue-timeout", type=float, default=DEFAULTS.queue_timeout_s)
+    p.add_argument("--load-timeout", type=float, default=DEFAULTS.load_timeout_s,
+                   help="longest wait of a request for a live decode worker (one loading the "
+                        "model) before a 503; 0 = refuse at once")
     p.add_argument("--heartbeat-interval", type=float, default=DEFAULTS.heartbeat_interval_s)
     p.add_argument("--heartbeat-misses", type=int, default=DEFAULTS.heartbeat_misses)
     p.add_argument("--prefill-timeout", type=float, default=DEFAULTS.prefill_timeout_s)
     p.add_argument("--token-timeout", type=float, default=DEFAULTS.token_timeout_s)
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _env(name: str) -> str:
+    """An environment variable trimmed of spaces and quotes, as Ollama's envconfig reads one."""
+    return os.environ.get(name, "").strip().strip("\"'")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,19 +86,28 @@ def main(argv: list[str] | None = None) -> int:
             prefill_threshold=args.prefill_threshold,
             chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
-            queue_timeout_s=args.queue_timeout, heartbeat_interval_s=args.heartbeat_interval,
+            queue_timeout_s=args.queue_timeout, load_timeout_s=args.load_timeout,
+            heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
             token_timeout_s=args.token_timeout,
-            internal_api_from=tuple(args.internal_api_from))
+            internal_api_from=tuple(args.internal_api_from),
+            api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
+            allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
+                                  if o.strip()))
         store = ModelStore(default_home())
         path = store.resolve(args.model)
         entry = store.entry(args.model)
-        aliases = entry.names if entry is not None else ()
+        # Every store name of the same file answers too (copies made by /api/copy).
+        aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
         model = load_served_model(path, args.model_name or args.model, aliases)
     except (TandemError, ValueError) as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1
-    serve(config, model)
+    logging.getLogger("coordinator").info(
+        "client APIs %s; browser origins allowed besides Ollama's defaults: %s",
+        "require the API key (TANDEM_API_KEY)" if config.api_key else "are open (no API key)",
+        ", ".join(config.allowed_origins) or "none")
+    serve(config, model, store)
     return 0
 
 

@@ -11,6 +11,8 @@
 Streams are iterators of the generated messages; the last one has `done` set and carries the
 figures. Leaving an iteration early (break, exception) cancels the request on the server.
 Options take Ollama's names; errors raise grpc.RpcError with the server's status and message.
+A server started with an API key wants it on every call: `TandemClient(target, api_key=KEY)`
+sends it as the metadata `authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ def make_options(options: Mapping[str, Any] | None) -> pb.Options:
 
 
 class TandemClient:
-    def __init__(self, target: str = "127.0.0.1:50051", timeout_s: float | None = None) -> None:
+    def __init__(self, target: str = "127.0.0.1:50051", timeout_s: float | None = None,
+                 api_key: str | None = None) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.TandemStub(self.channel)
         self.timeout_s = timeout_s  # deadline of each call; None = none
+        # Metadata, not call credentials: gRPC sends those over TLS channels only.
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def __enter__(self) -> TandemClient:
         return self
@@ -60,14 +65,16 @@ class TandemClient:
                  context: Sequence[int] = ()) -> Iterator[pb.GenerateResponse]:
         request = pb.GenerateRequest(model=model, prompt=prompt, system=system, raw=raw,
                                      options=make_options(options), context=list(context))
-        return self._stream(self.stub.Generate(request, timeout=self.timeout_s))
+        return self._stream(self.stub.Generate(request, timeout=self.timeout_s,
+                                               metadata=self.metadata))
 
     def chat(self, model: str, messages: Sequence[Mapping[str, str]], *,
              options: Mapping[str, Any] | None = None) -> Iterator[pb.ChatResponse]:
         request = pb.ChatRequest(
             model=model, options=make_options(options),
             messages=[pb.Message(role=m["role"], content=m.get("content", "")) for m in messages])
-        return self._stream(self.stub.Chat(request, timeout=self.timeout_s))
+        return self._stream(self.stub.Chat(request, timeout=self.timeout_s,
+                                           metadata=self.metadata))
 
     def generate_text(self, model: str, prompt: str, **kwargs: Any) -> str:
         return "".join(r.response for r in self.generate(model, prompt, **kwargs))
@@ -76,7 +83,8 @@ class TandemClient:
         return "".join(r.message.content for r in self.chat(model, messages, **kwargs))
 
     def list_models(self) -> list[pb.Model]:
-        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s).models)
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s,
+                                         metadata=self.metadata).models)
 
     def health(self, service: str = "") -> str:
         """"SERVING" while the server has a live decode worker, else "NOT_SERVING"."""

@@ -5,7 +5,7 @@ Only `coordinator/__main__.py` builds it from flags; nothing deeper reads the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,20 @@ class CoordinatorConfig:
     max_queue: int = 64  # requests waiting for a slot; more are refused with 503
     max_running_per_worker: int = 32  # concurrent requests per decode/colocated worker
     queue_timeout_s: float = 30.0  # longest wait for a slot before a 503
+    # Longest wait of a request for a live decode worker before a 503. Workers register only
+    # once their model is loaded, so this is a wait for a model load (a worker starting up, or
+    # restarted after a crash): the request's Ollama load_duration. 0 = refuse at once.
+    load_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
     heartbeat_misses: int = 3  # intervals without a heartbeat before a worker counts as dead
     # Deadlines (seconds) of the RPCs to workers.
-    reserve_timeout_s: float = 30.0  # Generate(remote_prefill) until its `reserved` event
     prefill_timeout_s: float = 300.0  # one Prefill call (queueing + compute on the worker)
-    control_timeout_s: float = 10.0  # StartDecode and Status
+    control_timeout_s: float = 10.0  # Status
     token_timeout_s: float = 300.0  # longest gap between two events of a Generate stream
     request_timeout_s: float = 3600.0  # whole Generate stream
+    # Times one request may move to other workers after the one serving it died (migration:
+    # re-placed with the prompt plus the tokens so far). 0 = a dead worker fails its streams.
+    max_migrations: int = 2
     retry_after_s: int = 1  # Retry-After header of a 503
     # Limits on what one client may ask (each refusal is a one-line error naming the limit).
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
@@ -45,8 +51,22 @@ class CoordinatorConfig:
     # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint) is served to
     # clients on this host only, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
     internal_api_from: tuple[str, ...] = ()
+    # The key of the client APIs (coordinator/access.py): HTTP `Authorization: Bearer KEY` on
+    # every route but `/` and /internal/workers, gRPC metadata `authorization: Bearer KEY` on
+    # all but grpc.health.v1. None = no key. Read from TANDEM_API_KEY, never from a flag (ps
+    # shows a command line); repr=False keeps it out of every log of this config.
+    api_key: str | None = field(default=None, repr=False)
+    # Browser origins allowed besides Ollama's defaults (localhost, app://, ...): OLLAMA_ORIGINS'
+    # entries, each an origin where `*` matches any text; "*" alone allows every origin.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+        for origin in self.allowed_origins:
+            if not origin or any(c.isspace() for c in origin):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin "
+                                 "(such as https://example.com or chrome-extension://*)")
         for name in ("prefill_threshold", "registry_port", "grpc_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -66,7 +86,11 @@ class CoordinatorConfig:
             except ValueError:
                 raise ValueError(f"internal_api_from: {network!r} is not a network "
                                  "(CIDR such as 10.0.0.0/8, or an address)") from None
-        for name in ("queue_timeout_s", "heartbeat_interval_s", "reserve_timeout_s",
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations!r}")
+        if not self.load_timeout_s >= 0:
+            raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
+        for name in ("queue_timeout_s", "heartbeat_interval_s",
                      "prefill_timeout_s", "control_timeout_s", "token_timeout_s",
                      "request_timeout_s"):
             if not getattr(self, name) > 0:
@@ -76,3 +100,11 @@ class CoordinatorConfig:
     def heartbeat_deadline_s(self) -> float:
         """Silence after which a worker is dead."""
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send as `Bearer KEY`: visible ASCII, no spaces. The message never
+    shows the key."""
+    if not key or not all("!" <= c <= "~" for c in key):
+        raise ValueError("the API key (TANDEM_API_KEY) must be a non-empty string of visible "
+                         "ASCII characters without spaces")

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import model_info
+from coordinator.access import ApiKey, ApiKeyInterceptor
 from coordinator.admission import Overloaded
 from coordinator.generation import Generation
 from coordinator.metrics import RequestTimings
@@ -175,8 +176,10 @@ class _Health(health.aio.HealthServicer):
 
 async def start_client_api(coordinator: Coordinator, host: str, port: int
                            ) -> tuple[grpc.aio.Server, int]:
-    """Serve Tandem + health + reflection on host:port (0 = a free port)."""
-    server = grpc.aio.server()
+    """Serve Tandem + health + reflection on host:port (0 = a free port); with an API key,
+    every call but health's must carry it (coordinator/access.py)."""
+    key = coordinator.config.api_key
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(ApiKey(key))] if key else None)
     pb_grpc.add_TandemServicer_to_server(TandemServicer(coordinator), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(coordinator), server)
     reflection.enable_server_reflection(

@@ -4,7 +4,8 @@ Routes stay thin: parse (ollama_request) -> tokenize (prompts) -> check and admi
 (Coordinator) -> shape (ollama_response). Errors before any output are a status with
 {"error": ...} (OpenAI's nested shape under /v1/); errors after the stream started are a last
 NDJSON line {"error": ...}. A client that disconnects has its request cancelled on every worker
-(http_stream.py).
+(http_stream.py). Unknown routes and wrong methods answer in the same shapes (http_errors.py);
+the API key and browser origins are checked before any route runs (access.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from coordinator import model_info
+from coordinator.access import install_http_access
 from coordinator.admission import Overloaded, TooManyStreams
 from coordinator.generation import Generation
+from coordinator.http_errors import error_response
 from coordinator.http_stream import ClientGone, WatchedStream, read_json_body, until_disconnected
 from coordinator.metrics import RequestTimings
 from coordinator.ollama_request import RequestError, parse_chat, parse_generate, parse_show
@@ -29,8 +34,11 @@ from coordinator.ollama_response import (
     chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
     ndjson,
 )
-from coordinator.openai_api import error_body as openai_error
+from coordinator.model_routes import add_model_routes
 from coordinator.openai_routes import add_openai_routes
+from coordinator.tool_calls import (
+    ToolCallParser, call_format, ollama_tool_calls, require_tool_support,
+)
 from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import NoWorkers, WorkerError
@@ -47,19 +55,43 @@ def tandem_version() -> str:
         return "0.0.0"
 
 
-MAX_ERROR_CHARS = 1000  # an error message never echoes more of what the client sent
+# The Ollama release whose API tandem's routes match, for /api/version: clients compare it
+# with the release that brought a feature before they use it, and tandem's own 0.1.0 would
+# read as an Ollama from 2023.
+# 0.12.10: /api/chat, /api/generate, /api/show (capabilities, model_info, template,
+# parameters), /api/tags and /api/ps answer with that release's fields; `think` and `images`
+# are refused as that release refuses them for a model without the capability; `logprobs`
+# arrived in 0.12.11, and tandem refuses it, so a client that gates it on the version will not
+# send it. tandem's own version: the X-Tandem-Version header and /api/version's "tandem".
+OLLAMA_API_VERSION = "0.12.10"
 
 
 def _error(request: Request, status: int, message: str,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    message = shown(message, MAX_ERROR_CHARS)
-    body = (openai_error(status, message) if request.url.path.startswith("/v1/")
-            else error_body(message))
-    return JSONResponse(body, status_code=status, headers=headers)
+    return error_response(request.url.path, status, message, headers)
 
 
 def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
     retry = {"Retry-After": str(coordinator.config.retry_after_s)}
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own: an unknown route (404), a wrong method (405, with its Allow header).
+        if exc.status_code == 404:
+            message = f"{request.method} {shown(request.url.path)}: no such route"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = (f"method {request.method} is not allowed on {shown(request.url.path)}"
+                       + (f" (allowed: {allowed})" if allowed else ""))
+        else:
+            message = str(exc.detail)
+        return _error(request, exc.status_code, message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
+                             for e in exc.errors())
+        return _error(request, 400, f"invalid request: {problems}")
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -150,6 +182,7 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     info = model_info.describe(model)
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
+    install_http_access(app, limits.api_key, limits.allowed_origins, tandem_version())
 
     @app.get("/")
     @app.head("/")
@@ -173,18 +206,18 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
                                         "coordinator's host (or in --internal-api-from)")
         return JSONResponse(coordinator.workers_report())
 
-    @app.get("/api/version")
+    @app.api_route("/api/version", methods=["GET", "HEAD"])  # HEAD too, as Ollama
     async def api_version() -> JSONResponse:
-        return JSONResponse({"version": tandem_version()})
+        return JSONResponse({"version": OLLAMA_API_VERSION, "tandem": tandem_version()})
 
-    @app.get("/api/tags")
+    @app.api_route("/api/tags", methods=["GET", "HEAD"])  # HEAD too, as Ollama
     async def tags() -> JSONResponse:
         return JSONResponse({"models": [model_info.tags_entry(info)]})
 
     @app.get("/api/ps")
     async def ps() -> JSONResponse:
         # The model counts as loaded while a worker that serves it is alive.
-        loaded = bool(coordinator.registry.live_counts())
+        loaded = any(coordinator.registry.live_counts().values())
         return JSONResponse({"models": [model_info.ps_entry(info)] if loaded else []})
 
     @app.post("/api/show")
@@ -200,15 +233,22 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         check_model(coordinator, req.model)
         if not req.messages:
             return JSONResponse(chat_load(model.name, req.unload))
+        template = model.tokenizer.chat_template
+        require_tool_support(req.tools, template, req.model)  # 400 as Ollama's
         prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
                                     req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
+        # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
+        calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
         if req.stream:
-            return WatchedStream(_stream_chat(model.name, generation), generation.close)
+            return WatchedStream(_stream_chat(model.name, generation, calls), generation.close)
         content = await collect(request, generation)
         if content is None:
             return Response(status_code=499)
-        return JSONResponse(chat_final(model.name, generation, content))
+        found = []
+        if calls is not None:
+            content, found = calls.split(content)
+        return JSONResponse(chat_final(model.name, generation, content, ollama_tool_calls(found)))
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
@@ -233,13 +273,32 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         return JSONResponse(generate_final(model.name, generation, text, context()))
 
     add_openai_routes(app, coordinator, collect, check_model)
+    add_model_routes(app, coordinator)
     return app
 
 
-async def _stream_chat(name: str, generation: Generation) -> AsyncIterator[bytes]:
+async def _stream_chat(name: str, generation: Generation,
+                       calls: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+    made = 0  # tool calls sent so far (their indexes)
+
+    def lines(content: str, found: list) -> list[bytes]:
+        nonlocal made
+        out = [ndjson(chat_chunk(name, content))] if content else []
+        if found:  # Ollama sends calls in a chunk of their own, before the final one
+            out.append(ndjson(chat_chunk(name, "", ollama_tool_calls(found, made))))
+            made += len(found)
+        return out
+
     try:
         async for piece in generation.pieces():
-            yield ndjson(chat_chunk(name, piece))
+            if calls is None:
+                yield ndjson(chat_chunk(name, piece))
+                continue
+            for line in lines(*calls.push(piece)):
+                yield line
+        if calls is not None:
+            for line in lines(*calls.finish()):
+                yield line
     except WorkerError as exc:
         yield ndjson(error_body(str(exc)))
         return

@@ -4,6 +4,10 @@ figures (`RequestTimings`) that the final response carries.
 Definitions (DESIGN.md): TTFT = arrival -> first content token leaving the coordinator;
 TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between consecutive output tokens;
 queue time = arrival -> admission slot granted.
+
+KV traffic: the bytes each remotely prefilled request moved to its decode worker (only the
+blocks that worker had not cached) and migrations, from the request flow; the workers' own
+transfer counters, relayed from their heartbeats, per worker, role and backend.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from coordinator.registry import ROLES, WorkerRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# 0 (the whole prompt was cached there), then 4 KiB to 4 GiB by factors of 4
+_BYTE_BUCKETS = (0, *(4096 * 4 ** i for i in range(11)))
 
 OUTCOMES = ("stop", "length", "error", "cancelled", "overloaded", "rejected")
 
@@ -27,6 +33,9 @@ class RequestTimings:
 
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
+    # Seconds this request waited for a live decode worker, i.e. for a model load (workers
+    # register once loaded): Ollama's load_duration. 0.0 exactly when one was live on arrival.
+    load_wait: float = 0.0
     first_token: float | None = None  # first content token sent to the client
     last_token: float | None = None
     finished: float | None = None
@@ -103,6 +112,31 @@ class Metrics:
                              ["worker"], registry=r)
         self.live_workers = Gauge("tandem_live_workers", "Live workers by role", ["role"],
                                   registry=r)
+        self.kv_bytes = Histogram("tandem_kv_transfer_bytes_per_request",
+                                  "KV bytes moved to the decode worker per remotely prefilled "
+                                  "request (its uncached blocks only)", ["worker"], registry=r,
+                                  buckets=_BYTE_BUCKETS)
+        self.migrations = Counter("tandem_request_migrations",
+                                  "Times a request moved to another worker after one died",
+                                  registry=r)
+        # The workers' own KV transfer counters (monotonic since each worker started), as of
+        # their last heartbeat: gauges, because the coordinator only relays them.
+        kv_labels = ["worker", "role", "backend"]
+        self.kv_sent = Gauge("tandem_worker_kv_bytes_sent", "KV bytes the worker sent",
+                             kv_labels, registry=r)
+        self.kv_received = Gauge("tandem_worker_kv_bytes_received",
+                                 "KV bytes the worker received", kv_labels, registry=r)
+        self.kv_transfers = Gauge("tandem_worker_kv_transfers_total",
+                                  "KV transfers the worker finished, by outcome",
+                                  [*kv_labels, "outcome"], registry=r)
+        self.kv_seconds = Gauge("tandem_worker_kv_transfer_seconds_sum",
+                                "Sum of the worker's finished KV transfers' durations",
+                                kv_labels, registry=r)
+        self.kv_skipped = Gauge("tandem_worker_kv_skipped_blocks",
+                                "KV blocks not moved because the receiver had them cached",
+                                kv_labels, registry=r)
+        self._kv_gauges = (self.kv_sent, self.kv_received, self.kv_transfers, self.kv_seconds,
+                           self.kv_skipped)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
 
@@ -118,6 +152,15 @@ class Metrics:
         for gap in timings.itl:
             self.itl.observe(gap)
 
+    def observe_transfer(self, decode_worker: str, kv_bytes: int, remote: bool,
+                         migrations: int) -> None:
+        """One finished request's KV traffic: its bytes when it was prefilled remotely (a local
+        prefill moves none and would only dilute the sizes), and its migrations."""
+        if decode_worker and remote:
+            self.kv_bytes.labels(decode_worker).observe(kv_bytes)
+        if migrations:
+            self.migrations.inc(migrations)
+
     def count_refusal(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
@@ -128,6 +171,8 @@ class Metrics:
         live = dict.fromkeys(ROLES, 0)
         self.kv_used.clear()
         self.kv_free.clear()
+        for gauge in self._kv_gauges:
+            gauge.clear()
         for w in workers:
             if not w.alive:
                 continue
@@ -135,6 +180,14 @@ class Metrics:
             if w.load.num_blocks > 0:
                 self.kv_used.labels(w.worker_id).set(w.load.num_blocks - w.load.num_free_blocks)
                 self.kv_free.labels(w.worker_id).set(w.load.num_free_blocks)
+            if w.kv is not None:
+                labels = (w.worker_id, w.role, w.kv.backend or w.kv_backend)
+                self.kv_sent.labels(*labels).set(w.kv.bytes_sent)
+                self.kv_received.labels(*labels).set(w.kv.bytes_received)
+                self.kv_transfers.labels(*labels, "done").set(w.kv.transfers_done)
+                self.kv_transfers.labels(*labels, "failed").set(w.kv.transfers_failed)
+                self.kv_seconds.labels(*labels).set(w.kv.transfer_seconds)
+                self.kv_skipped.labels(*labels).set(w.kv.skipped_blocks)
         for role, count in live.items():
             self.live_workers.labels(role).set(count)
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.model import ServedModel
+from coordinator.tool_calls import supports_tools
 
 # Ollama writes a far-future expiry for a model kept loaded forever (keep_alive -1); tandem's
 # workers keep their model resident for their whole life.
@@ -93,7 +94,8 @@ def show_body(model: ServedModel, info: ModelInfo) -> dict[str, Any]:
     template = model.tokenizer.chat_template or ""
     stops = sorted(model.tokenizer.id_to_token(t) for t in model.tokenizer.stop_token_ids)
     parameters = "\n".join(f'stop "{s}"' for s in stops)
-    capabilities = ["completion"] + (["tools"] if "tools" in template else [])
+    # "tools" only for a template that reads `tools` (coordinator/tool_calls.py), as Ollama.
+    capabilities = ["completion"] + (["tools"] if supports_tools(template) else [])
     return {
         "license": "",
         # FROM names the model as clients know it, never the server's file path.

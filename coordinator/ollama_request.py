@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from coordinator.structured_output import ollama_format
+from coordinator.tool_calls import check_tool_list
 from engine.errors import TandemError
 from engine.sampling_params import SamplingParams
 
@@ -101,7 +103,8 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _stream(body: dict[str, Any]) -> bool:
+def stream_flag(body: dict[str, Any]) -> bool:
+    """Ollama's `stream` field: true unless the body says false."""
     stream = body.get("stream")
     if stream is None:
         return True  # Ollama streams unless told otherwise
@@ -142,12 +145,20 @@ def check_messages(messages: Any, max_messages: int) -> list[dict]:
 
 def _unsupported(body: dict[str, Any], model: str) -> None:
     """Request features the served models cannot honour: refused, never silently dropped."""
-    if body.get("format") not in (None, ""):
-        raise RequestError("format (structured output) is not supported yet")
     if body.get("think") not in (None, False):
         raise RequestError(f'"{model}" does not support thinking')
     if body.get("images"):
         raise RequestError("images are not supported: the served model has no vision input")
+    for field in ("logprobs", "top_logprobs"):  # Ollama 0.12.11's; falsy asks for nothing
+        if body.get(field):
+            raise RequestError(f"{field} is not supported: tandem returns no log probabilities "
+                               f"(got {json.dumps(body[field])[:60]})")
+
+
+def _with_format(params: SamplingParams, body: dict[str, Any]) -> SamplingParams:
+    """`format` ("json" or a JSON schema) -> the grammar the sampler enforces."""
+    grammar = ollama_format(body.get("format"))
+    return params if grammar is None else replace(params, grammar=grammar)
 
 
 def _unload(body: dict[str, Any]) -> bool:
@@ -162,10 +173,11 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError("tools must be a list of objects")
+    check_tool_list(tools)
     _unsupported(body, model)
-    params = SamplingParams.from_options(body.get("options"), warn=log.warning)
+    params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
     return ChatRequest(model=model, messages=messages,
-                       stream=_stream(body), params=params, tools=tools or None,
+                       stream=stream_flag(body), params=params, tools=tools or None,
                        unload=_unload(body))
 
 
@@ -193,9 +205,9 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     if not (isinstance(context, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in context)):
         raise RequestError("context must be a list of token ids")
-    params = SamplingParams.from_options(body.get("options"), warn=log.warning)
+    params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
     return GenerateRequest(model=model, prompt=prompt, system=system, raw=raw, context=context,
-                           stream=_stream(body), params=params, unload=_unload(body))
+                           stream=stream_flag(body), params=params, unload=_unload(body))
 
 
 def parse_show(body: dict[str, Any]) -> str:

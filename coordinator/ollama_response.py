@@ -2,7 +2,8 @@
 figures in integer nanoseconds (see /work/shared/OLLAMA-API.md for the field meanings).
 
 tandem adds one field to final objects, `tandem`, with the request's serving figures (TTFT,
-TPOT, ITL, queue time, workers); Ollama clients ignore fields they do not know.
+TPOT, ITL, queue time, workers, KV bytes moved to the decode worker, migrations); Ollama
+clients ignore fields they do not know.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def figures(t: RequestTimings) -> dict[str, int]:
     included; prompt_eval_duration is arrival to first token (queueing, prefill, KV hand-off)."""
     return {
         "total_duration": _ns(t.e2e),
-        "load_duration": 0,  # the workers keep the model resident
+        # The wait for a worker to load the model (service.py); 0 when one was ready, as it is
+        # for every request once the workers are up: they keep the model resident.
+        "load_duration": _ns(t.load_wait),
         "prompt_eval_count": t.prompt_tokens,
         "prompt_eval_duration": _ns(t.ttft if t.ttft is not None else t.e2e),
         "eval_count": t.output_tokens,
@@ -52,18 +55,28 @@ def serving_figures(g: Generation) -> dict[str, Any]:
         "queue_s": t.queue_time, "cached_tokens": t.cached_tokens,
         "decode_worker": g.outcome.decode_worker or None,
         "prefill_worker": g.outcome.prefill_worker or None,
+        "kv_bytes": g.outcome.kv_bytes, "migrations": g.outcome.migrations,
     }
 
 
-def chat_chunk(model: str, content: str) -> dict[str, Any]:
+def _message(content: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:  # coordinator/tool_calls.py's ollama_tool_calls
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def chat_chunk(model: str, content: str,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"model": model, "created_at": created_at(),
-            "message": {"role": "assistant", "content": content}, "done": False}
+            "message": _message(content, tool_calls), "done": False}
 
 
-def chat_final(model: str, g: Generation, content: str = "") -> dict[str, Any]:
+def chat_final(model: str, g: Generation, content: str = "",
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     g.timings.finish()
     return {"model": model, "created_at": created_at(),
-            "message": {"role": "assistant", "content": content}, "done": True,
+            "message": _message(content, tool_calls), "done": True,
             "done_reason": _with_done_reason(g.done_reason), **figures(g.timings),
             "tandem": serving_figures(g)}
 

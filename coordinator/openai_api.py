@@ -3,9 +3,16 @@ tandem's results -> OpenAI's response, chunk and error shapes. Routes live in ht
 
 Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI layer does:
 `max_tokens` / `max_completion_tokens` -> num_predict, `temperature` (OpenAI's default 1.0),
-`top_p` (default 1.0), `frequency_penalty`, `presence_penalty`, `seed`, `stop`. `top_k` is
-off (0) because OpenAI has none. Fields tandem cannot honour (`n` > 1, `logprobs`,
-`response_format` other than text, `tools` with `tool_choice` "required") are 400 errors.
+`top_p` (default 1.0), `frequency_penalty`, `presence_penalty`, `seed`, `stop`; and vLLM's
+extra sampling fields (the openai client's `extra_body`): `top_k` (off, 0, by default, as OpenAI
+has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty. Fields tandem
+accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
+`logprobs`, `top_logprobs`, `logit_bias`, `echo`, `best_of` > 1, `suffix`, vLLM's
+`min_tokens`, `ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. `response_format`
+is a grammar (coordinator/structured_output.py); `tools` and `tool_choice` are
+coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Fields that change
+nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
+ones are logged and ignored, as vLLM and Ollama do.
 Ranges are SamplingParams' (engine/sampling_params.py): `presence_penalty` and
 `frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
 layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
@@ -18,19 +25,47 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.ollama_request import RequestError, check_json_tree, check_messages
+from coordinator.structured_output import openai_response_format
+from coordinator.tool_calls import (
+    ToolCall, ToolChoice, check_tool_list, forced_grammar, openai_tool_calls, parse_tool_choice,
+)
+from engine.errors import InvalidOptionError
 from engine.sampling_params import MAX_COUNT, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "frequency_penalty": "frequency_penalty",
-                  "presence_penalty": "presence_penalty", "stop": "stop"}
+                  "presence_penalty": "presence_penalty", "stop": "stop",
+                  # vLLM's extra sampling parameters
+                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                      "logit_bias", "suffix", "echo", "best_of", "stream_options", "tool_choice"})
+                      "stream_options"})
+_NO_LOGPROBS = "tandem returns no log probabilities"
+# field: (the values that ask for nothing, why any other is refused)
+_UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((None, False), _NO_LOGPROBS),
+    "top_logprobs": ((None, 0), _NO_LOGPROBS),
+    "prompt_logprobs": ((None, 0), _NO_LOGPROBS),  # vLLM
+    "logit_bias": ((None, {}), "tandem's sampler takes no per-token biases"),
+    "echo": ((None, False), "the answer never repeats the prompt"),
+    "best_of": ((None, 1), "tandem generates one completion per request"),
+    "suffix": ((None, ""), "the served model does not support insert"),
+    "reasoning_effort": ((None, "none"), "the served model does not think"),
+    "modalities": ((None, ["text"]), "the served model answers in text only"),
+    "audio": ((None,), "the served model answers in text only"),
+    "prediction": ((None,), "tandem does no predicted-output decoding"),
+    "web_search_options": ((None,), "tandem does not search the web"),
+    # vLLM's extras that change the answer
+    "min_tokens": ((None, 0), "tandem has no minimum length"),
+    "ignore_eos": ((None, False), "tandem always stops at the model's end of text"),
+    "stop_token_ids": ((None, []), "stop with `stop` strings"),
+    "use_beam_search": ((None, False), "tandem samples; it has no beam search"),
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +77,7 @@ class OpenAIRequest:
     messages: list[dict] | None = None  # chat completions
     prompt: str | list[int] | None = None  # completions
     tools: list[dict] | None = None
+    tool_choice: ToolChoice = ToolChoice("auto")
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -87,6 +123,8 @@ def _params(body: dict[str, Any]) -> SamplingParams:
     for field, option in _OPTION_FIELDS.items():
         if body.get(field) is not None:
             options[option] = body[field]
+    if options["top_k"] == -1:
+        options["top_k"] = 0  # vLLM's "off"
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
@@ -94,7 +132,14 @@ def _params(body: dict[str, Any]) -> SamplingParams:
             raise RequestError(f"max_tokens must be an integer between 1 and {MAX_COUNT}, "
                                f"got {json.dumps(max_tokens)[:60]}")
         options["num_predict"] = max_tokens
-    return SamplingParams.from_options(options)
+    try:
+        params = SamplingParams.from_options(options)
+    except InvalidOptionError as exc:  # name the field as this client sent it
+        raise InvalidOptionError(str(exc).replace("option 'repeat_penalty'",
+                                                  "'repetition_penalty'")) from None
+    # Structured output (coordinator/structured_output.py): response_format -> grammar.
+    grammar = openai_response_format(body.get("response_format"))
+    return params if grammar is None else replace(params, grammar=grammar)
 
 
 def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
@@ -104,11 +149,11 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
     n = body.get("n", 1)
     if n not in (None, 1):
         raise RequestError(f"n must be 1, got {n!r}: tandem returns one choice per request")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise RequestError("logprobs are not supported")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise RequestError("response_format (structured output) is not supported yet")
+    for field, (nothing, why) in _UNIMPLEMENTED.items():
+        value = body.get(field)
+        if not any(value == v and type(value) is type(v) for v in nothing):
+            raise RequestError(f"{field} is not supported: {why} "
+                               f"(got {json.dumps(value)[:60]})")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {json.dumps(stream)}")
@@ -121,9 +166,9 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
     return model, stream, bool(stream_options.get("include_usage"))
 
 
-_KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "logprobs", "top_logprobs",
-                    "response_format", "max_tokens", "max_completion_tokens", "tools",
-                    *_OPTION_FIELDS})
+_KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_format",
+                    "max_tokens", "max_completion_tokens", "tools", "tool_choice", *_OPTION_FIELDS,
+                    *_UNIMPLEMENTED})
 
 
 def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
@@ -136,8 +181,19 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError("tools must be a list of objects")
-    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=_params(body),
-                         messages=messages, tools=tools or None)
+    # Tool calls (coordinator/tool_calls.py): a forced tool_choice is a grammar; "none"
+    # renders no tools, so the model cannot call one.
+    check_tool_list(tools)
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    params = _params(body)
+    if choice.forced:
+        if params.grammar is not None:
+            raise RequestError("response_format and a forced tool_choice cannot be combined")
+        parallel = body.get("parallel_tool_calls") is not False
+        params = replace(params, grammar=forced_grammar(tools, choice, parallel))
+    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
+                         messages=messages, tools=(tools or None) if choice.mode != "none" else None,
+                         tool_choice=choice)
 
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
@@ -161,7 +217,8 @@ def new_id(kind: str) -> str:
 
 
 def finish_reason(done_reason: str | None) -> str:
-    return "length" if done_reason == "length" else "stop"
+    """OpenAI's finish_reason; "tool_calls" is passed in by the routes when calls were made."""
+    return done_reason if done_reason in ("length", "tool_calls") else "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -171,10 +228,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def chat_completion(rid: str, model: str, content: str, reason: str | None,
-                    usage_: dict[str, Any]) -> dict[str, Any]:
+                    usage_: dict[str, Any],
+                    tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:  # OpenAI: content null when the answer is only calls
+        message = {"role": "assistant", "content": content or None,
+                   "tool_calls": openai_tool_calls(tool_calls)}
+        reason = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish_reason(reason)}],
             "usage": usage_}
 
@@ -212,13 +275,16 @@ def model_entry(name: str, created: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "tandem"}
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+# OpenAI answers a wrong or missing key (401) with type invalid_request_error too.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                403: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "server_error"}
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
-                      "param": None, "code": None}}
+                      "param": None, "code": code}}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

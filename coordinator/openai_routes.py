@@ -18,6 +18,9 @@ from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
+from coordinator.tool_calls import (
+    ToolCallParser, call_format, openai_tool_calls, require_tool_support,
+)
 from engine.errors import ModelNotFoundError
 
 
@@ -48,18 +51,28 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
         req = oa.parse_chat_completion(await read_json_body(request, limits.max_body_bytes),
                                        limits.max_messages)
         check_model(coordinator, req.model)
+        template = model.tokenizer.chat_template
+        require_tool_support(req.tools, template, req.model)
         prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
                                     req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
         rid = oa.new_id("chatcmpl")
+        # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
+        # tool_choice makes the whole output the call.
+        calls = (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
+                 if req.tools or req.tool_choice.forced else None)
         if req.stream:
-            return WatchedStream(_stream_chat(rid, req.model, generation, req.include_usage),
+            return WatchedStream(_stream_chat(rid, req.model, generation, req.include_usage,
+                                              calls),
                                  generation.close, media_type=SSE)
         content = await collect(request, generation)
         if content is None:
             return Response(status_code=499)
+        found = []
+        if calls is not None:
+            content, found = calls.split(content)
         return JSONResponse(oa.chat_completion(rid, req.model, content, generation.done_reason,
-                                               _usage(generation)))
+                                               _usage(generation), found))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -81,16 +94,35 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
                                           _usage(generation)))
 
 
-async def _stream_chat(rid: str, name: str, g: Generation,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
+                       calls: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+    made = 0  # tool calls sent so far (their indexes)
+
+    def chunks(content: str, found: list) -> list[bytes]:
+        nonlocal made
+        out = [oa.sse(oa.chat_chunk(rid, name, {"content": content}))] if content else []
+        if found:  # each call whole in one delta, as vLLM's parsers send a finished call
+            out.append(oa.sse(oa.chat_chunk(
+                rid, name, {"tool_calls": openai_tool_calls(found, first_index=made)})))
+            made += len(found)
+        return out
+
     yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
     try:
         async for piece in g.pieces():
-            yield oa.sse(oa.chat_chunk(rid, name, {"content": piece}))
+            if calls is None:
+                yield oa.sse(oa.chat_chunk(rid, name, {"content": piece}))
+                continue
+            for chunk in chunks(*calls.push(piece)):
+                yield chunk
+        if calls is not None:
+            for chunk in chunks(*calls.finish()):
+                yield chunk
     except WorkerError as exc:
         yield oa.sse(oa.error_body(500, str(exc)))
         return
-    yield oa.sse(oa.chat_chunk(rid, name, {}, g.done_reason, done=True))
+    reason = "tool_calls" if made else g.done_reason
+    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True))
     if include_usage:
         yield oa.sse(oa.usage_chunk(rid, name, "chat.completion.chunk", _usage(g)))
     yield oa.sse("[DONE]")

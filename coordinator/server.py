@@ -16,6 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.http_api import create_app
 from coordinator.model import ServedModel
 from coordinator.service import Coordinator
+from engine.model_store import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,6 @@ def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
         timeout_graceful_shutdown=graceful_timeout_s))
 
 
-def serve(config: CoordinatorConfig, model: ServedModel) -> None:
-    """Blocks until SIGINT/SIGTERM."""
-    uvicorn_server(Coordinator(config, model)).run()
+def serve(config: CoordinatorConfig, model: ServedModel, store: ModelStore | None = None) -> None:
+    """Blocks until SIGINT/SIGTERM. `store`: the model store the model routes manage."""
+    uvicorn_server(Coordinator(config, model, store)).run()

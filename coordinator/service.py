@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -17,22 +18,31 @@ from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
 from coordinator.placement import concurrency_limit
+from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow
 from engine.errors import ContextLengthError, InvalidOptionError
+from engine.grammar_compile import check_grammar
+from engine.model_store import ModelStore
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, model: ServedModel) -> None:
+    def __init__(self, config: CoordinatorConfig, model: ServedModel,
+                 store: ModelStore | None = None) -> None:
+        """store: the model store behind /api/pull, /api/copy, /api/create and /api/delete
+        (coordinator/model_routes.py); None answers those with a 501."""
         self.config = config
         self.model = model
+        self.store = store
         self.registry = WorkerRegistry(config, model.fingerprint)
         self.admission = Admission(self._capacity, config.max_queue, config.queue_timeout_s,
                                    config.retry_after_s)
         self.registry.add_listener(self.admission.wake)
+        self._worker_waiters: set[asyncio.Future[None]] = set()  # requests awaiting a worker
+        self.registry.add_listener(self._wake_worker_waiters)
         self.flow = RequestFlow(self.registry, config)
         self.metrics = Metrics()
         self.registry_port: int | None = None
@@ -101,30 +111,81 @@ class Coordinator:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings) -> Generation:
-        """prepare + begin, for every client API; `timings` started when the request arrived."""
+        """prepare + begin, for every client API; `timings` started when the request arrived.
+        A grammar that does not compile is refused here (InvalidOptionError: a 400)."""
         timings.prompt_tokens = len(prompt_ids)
-        return await self.begin(self.prepare(prompt_ids, params), timings)
+        request = self.prepare(prompt_ids, params)
+        if params.grammar is not None:
+            # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
+            await off_loop(check_grammar, params.grammar)
+        return await self.begin(request, timings)
 
     async def begin(self, request: FlowRequest, timings: RequestTimings) -> Generation:
-        """Admit the request (waiting in the queue if need be). Raises NoWorkers or Overloaded."""
-        if not self.registry.live(DECODE_ROLES):
-            self.metrics.count_refusal("overloaded")
-            raise NoWorkers("no live decode worker is registered; retry once workers are up")
+        """Admit the request (waiting for a live decode worker, then in the queue, if need
+        be). Raises NoWorkers or Overloaded."""
         if self.open_requests >= self.config.max_streams:
             self.metrics.count_refusal("overloaded")
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
         try:
+            await self._wait_for_decode_worker(timings)
             await self.admission.acquire()
-        except BaseException as exc:  # Overloaded, or the client left while queued
+        except BaseException as exc:  # NoWorkers, Overloaded, or the client left while waiting
             self.open_requests -= 1
-            if isinstance(exc, Overloaded):
+            if isinstance(exc, (NoWorkers, Overloaded)):
                 self.metrics.count_refusal("overloaded")
             raise
         timings.admitted = time.monotonic()
         return Generation(request, timings, self.flow, self.model.tokenizer, self.metrics,
                           self._release)
+
+    async def _wait_for_decode_worker(self, timings: RequestTimings) -> None:
+        """Return once a decode worker is live, waiting up to config.load_timeout_s.
+
+        Workers register only after loading their model, so this wait is the time the request
+        spent waiting for a model load (a worker starting, or restarted after a crash): Ollama's
+        load_duration (timings.load_wait). It stays exactly 0.0 when a worker was live. Nothing
+        here loads or unloads a model: workers load theirs once, at start-up."""
+        if self.registry.live(DECODE_ROLES):
+            return
+        start = time.monotonic()
+        deadline = start + self.config.load_timeout_s
+        while not self.registry.live(DECODE_ROLES):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waited = (f" (waited {self.config.load_timeout_s:g} s for one to load the model)"
+                          if self.config.load_timeout_s > 0 else "")
+                raise NoWorkers(f"no live decode worker is registered{waited}; retry once "
+                                "workers are up")
+            waiter = asyncio.get_running_loop().create_future()
+            self._worker_waiters.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except asyncio.TimeoutError:
+                pass  # the loop condition decides
+            finally:
+                self._worker_waiters.discard(waiter)
+        timings.load_wait = time.monotonic() - start
+
+    def _wake_worker_waiters(self) -> None:
+        """Registry listener: a worker registered, heartbeat or died; waiters look again."""
+        for waiter in self._worker_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ---- the served model's names (/api/copy, /api/create, /api/delete) -------------------------
+
+    def add_model_name(self, name: str) -> None:
+        """Requests may name the served model `name` too (a copy of it was made)."""
+        self.model = dataclasses.replace(self.model, names=self.model.names | {name})
+
+    def drop_model_name(self, name: str) -> None:
+        """`name` was deleted from the store. The names the model was served under (its name,
+        its path, the path's file name and stem) stay."""
+        path = self.model.path
+        if name not in (self.model.name, str(path), path.name, path.stem):
+            self.model = dataclasses.replace(self.model, names=self.model.names - {name})
 
     def _release(self) -> None:
         self.open_requests -= 1

@@ -1,4 +1,5 @@
-"""`tandem`: the command line. The environment (TANDEM_HOME) is read here and nowhere deeper.
+"""`tandem`: the command line. The environment (TANDEM_HOME, OLLAMA_HOST, TANDEM_API_KEY) is
+read here and nowhere deeper.
 
     tandem pull smollm2                 fetch the default model into the cache
     tandem list                         the server's models, or the cache's without a server
@@ -9,12 +10,16 @@
     tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
                  [--prefill-quant F] [--decode-quant F] [--kv-dtype fp32|bf16] [--threads N]
                  [--num-blocks N] [--chunk-size N] [--local-chunk-size N] [--max-streams N]
-                                        coordinator + workers on this host (Ollama API)
+                 [--host H] [--port P] [--api-key KEY]
+                                        coordinator + workers on this host (Ollama API);
+                                        like `ollama serve`, it listens at $OLLAMA_HOST unless
+                                        --host/--port say otherwise, and logs to stderr
     tandem bench [opts]                 load generator against a tandem/Ollama/OpenAI server
     tandem launch TOPOLOGY.toml         a multi-host topology (deploy/launch_cli.py)
     tandem --version                    the installed package's version
 
-The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI).
+The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI), and
+is sent $TANDEM_API_KEY, if set, as `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -34,20 +39,20 @@ DEFAULT_PREFILL_QUANT = "fp32"
 DEFAULT_DECODE_QUANT = "int4"
 
 
-def _progress(done: int, total: int) -> None:
-    pct = 100.0 * done / total if total else 0.0
-    sys.stderr.write(f"\rpulling: {done / 1e6:7.1f} / {total / 1e6:.1f} MB ({pct:5.1f}%)")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def _store() -> ModelStore:
     return ModelStore(default_home())
 
 
+def _pull(store: ModelStore, name: str):
+    """store.pull with progress bars on stderr (deploy/pull_progress.py)."""
+    from deploy.pull_progress import PullBars
+
+    with PullBars() as bars:
+        return store.pull(name, progress=bars)
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
-    path = _store().pull(args.model, progress=_progress)
+    path = _pull(_store(), args.model)
     print(f"{args.model}: {path}")
     return 0
 
@@ -55,7 +60,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace):
     from deploy.remote import Server, base_url
 
-    return Server(base_url(args.host or os.environ.get("OLLAMA_HOST")))
+    return Server(base_url(args.host or os.environ.get("OLLAMA_HOST")),
+                  api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
@@ -125,7 +131,7 @@ def _resolve_or_pull(name: str):
     except TandemError:
         if name not in store.known_names():
             raise
-        return store.pull(name, progress=_progress)
+        return _pull(store, name)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -252,10 +258,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
         "serve-%Y%m%d-%H%M%S")
+    host, port = serve_address(args.host, args.port, os.environ.get("OLLAMA_HOST"))
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY", "").strip() or None
     try:
         # Checked before the model is resolved (or pulled) and before anything starts.
         topology = Topology(model=args.model, model_path=Path(args.model), log_dir=log_dir,
-                            host=args.host, port=args.port, prefill=args.prefill,
+                            host=host, port=port, api_key=api_key, prefill=args.prefill,
                             decode=args.decode, colocated=args.colocated,
                             kv_backend=args.kv_backend, chunk_size=args.chunk_size,
                             prefill_threshold=args.prefill_threshold,
@@ -267,7 +275,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TandemError(str(exc)) from None
     topology = dataclasses.replace(topology, model_path=_resolve_or_pull(args.model))
-    return serve(topology, start_timeout_s=args.start_timeout)
+    return serve(topology, start_timeout_s=args.start_timeout, out=_log)
+
+
+def _log(line: str) -> None:
+    """`tandem serve` logs to stderr, as `ollama serve` does (stdout stays free for pipes)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def serve_address(host: str | None, port: int | None, ollama_host: str | None
+                  ) -> tuple[str, int]:
+    """Where `tandem serve` listens: --host and --port where given, else $OLLAMA_HOST's (as
+    `ollama serve`), else 127.0.0.1:11434. OLLAMA_HOST=":PORT" (no host) listens on every
+    interface, as Go's net.Listen does with it."""
+    from deploy.remote import DEFAULT_PORT, parse_host
+
+    if (host is None or port is None) and (ollama_host or "").strip():
+        address = parse_host(ollama_host)
+        host = (address.host or "0.0.0.0") if host is None else host
+        port = address.port if port is None else port
+    return host or "127.0.0.1", DEFAULT_PORT if port is None else port
 
 
 def add_quant_flags(p: argparse.ArgumentParser, serve: bool = False) -> None:
@@ -318,11 +345,12 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
-    parser.add_argument("--version", action=_VersionAction)
+    parser.add_argument("-v", "--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download a model into the cache")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"model name (default {DEFAULT_MODEL})")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("list", aliases=["ls"], help="list models (the server's, or cached)")
@@ -334,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("show", help="a model's details")
-    p.add_argument("model")
+    p.add_argument("model", help="model name, GGUF file or Hugging Face directory")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
     p.set_defaults(func=cmd_show)
 
@@ -348,17 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name (e.g. smollm2), GGUF file or Hugging Face directory")
     p.add_argument("prompt", nargs="*", help="prompt; omit for an interactive chat")
     p.add_argument("--system", help="system message")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repeat-penalty", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--num-predict", type=int)
-    p.add_argument("--num-ctx", type=int)
+    p.add_argument("--temperature", type=float, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens; 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling; 1 = off (default 0.9)")
+    p.add_argument("--min-p", type=float, help="drop tokens below min-p x the likeliest's probability")
+    p.add_argument("--repeat-penalty", type=float, help="penalty on recent tokens; 1 = off (default 1)")
+    p.add_argument("--seed", type=int, help="same seed, same answer (default: random)")
+    p.add_argument("--num-predict", type=int, help="most tokens to generate (default: to the context's end)")
+    p.add_argument("--num-ctx", type=int, help="context window in tokens (default: the model's)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_quant_flags(p)
-    p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")))
+    p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")),
+                   help="torch threads of the in-process engine (default $TANDEM_THREADS or 1)")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
     p.add_argument("--local", action="store_true",
@@ -368,12 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name (pulled if missing), GGUF file or Hugging Face directory")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP address of the coordinator")
-    p.add_argument("--port", type=int, default=11434, help="HTTP port of the coordinator")
+    p.add_argument("--version", action=_VersionAction)
+    p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
+                                  "as `ollama serve`, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port of the coordinator (default: $OLLAMA_HOST's, "
+                                            "else 11434)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the HTTP APIs and the gRPC "
+                        "metadata 'authorization: Bearer KEY' (default $TANDEM_API_KEY; prefer "
+                        "the variable: ps shows flags). Browser origins: $OLLAMA_ORIGINS")
     p.add_argument("--grpc-port", type=int, default=50051,
-                   help="port of the gRPC client API (0 = any free port)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
+                   help="port of the gRPC client API (0 = any free port; default 50051)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
     p.add_argument("--kv-backend", choices=("zmq", "shm", "grpc"), default="zmq",
@@ -395,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 512)")
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
     p.add_argument("--start-timeout", type=float, default=300.0,
-                   help="seconds to wait for every worker to register")
+                   help="seconds to wait for every worker to register (default 300)")
     p.set_defaults(func=cmd_serve)
 
     add_launch_parser(sub)

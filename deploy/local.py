@@ -24,7 +24,8 @@ format), both to a colocated worker; threads and num_blocks to every worker; kv_
 worker, always (prefill and decode must agree on it: one value for the whole topology);
 chunk_size (the per-pass token budget) to every worker and the coordinator; local_chunk_size
 and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
-come after them on every worker's command line, so a flag there wins.
+come after them on every worker's command line, so a flag there wins. api_key reaches the
+coordinator alone, in its environment (TANDEM_API_KEY), never on a command line: ps shows those.
 
 `tandem launch` (deploy/launch.py) reuses LocalCluster for other hosts: its specs wrap each
 command in ssh or a command prefix, and a spec's `signal_argv` reaches a process that ssh
@@ -82,6 +83,8 @@ class Topology:
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
     worker_args: tuple[str, ...] = ()  # more flags for every worker, after the ones above
+    # The client APIs' key (coordinator/access.py); None = open. repr=False: kept out of logs.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -105,6 +108,10 @@ class Topology:
                              f"memory-bound: weight-only formats), got {self.decode_quant!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.api_key is not None and not (self.api_key and all(
+                "!" <= c <= "~" for c in self.api_key)):  # as coordinator/config.py checks it
+            raise ValueError("the API key must be a non-empty string of visible ASCII "
+                             "characters without spaces")
         for name in ("threads", "num_blocks", "local_chunk_size", "max_streams"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -149,6 +156,8 @@ class ProcessSpec:
     # How to signal the process when `argv` only reaches it through another program (ssh):
     # a command whose "{signal}" placeholders become TERM or KILL. Empty: signal the child.
     signal_argv: tuple[str, ...] = ()
+    # Variables added to this process's environment (secrets: never on argv, never in a repr).
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -171,8 +180,9 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
                    "--host", t.host, "--port", str(t.port),
                    "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
                    *t.coordinator_flags()]
+    secrets = (("TANDEM_API_KEY", t.api_key),) if t.api_key else ()
     specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
-                         t.log_dir / "coordinator.log")]
+                         t.log_dir / "coordinator.log", env=secrets)]
     if t.colocated:
         roles = [("colocated", "decode_node")]
     else:
@@ -190,6 +200,7 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         argv += list(t.worker_args)
         specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log"))
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
     return specs, Readiness(f"http://{host}:{t.port}", t.expected_workers())
 
 
@@ -259,7 +270,8 @@ class LocalCluster:
 
     def _popen(self, spec: ProcessSpec, log) -> subprocess.Popen:
         return subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+                                stdin=subprocess.DEVNULL, env={**self.env, **dict(spec.env)},
+                                start_new_session=True)
 
     def wait_ready(self) -> None:
         """Wait until the coordinator reports the expected workers; on failure or interrupt,

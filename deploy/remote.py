@@ -2,13 +2,15 @@
 
 `tandem run`, `list`, `ps` and `show` talk to the server when one answers at the host
 (`--host`, else $OLLAMA_HOST, else 127.0.0.1:11434, as ollama's CLI does); `run` falls back to
-an in-process engine when none does. Torch-free.
+an in-process engine when none does. A server started with an API key gets it as
+`Authorization: Bearer KEY` (the CLI passes $TANDEM_API_KEY). Torch-free.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -16,16 +18,51 @@ import httpx
 from engine.errors import ModelNotFoundError, TandemError
 
 DEFAULT_HOST = "127.0.0.1:11434"
+DEFAULT_PORT = 11434
+
+
+@dataclass(frozen=True)
+class HostAddress:
+    """OLLAMA_HOST (or --host) split as Ollama's envconfig.Host splits it."""
+
+    scheme: str  # "http" unless the value named one
+    host: str  # "" when the value left it out (":11434")
+    port: int
+    path: str = ""  # a path prefix ("/ollama" behind a proxy), no trailing slash
+
+
+def parse_host(value: str | None) -> HostAddress:
+    """`host`, `host:port`, `[v6]:port`, `scheme://host[:port][/path]`; quotes and spaces
+    around it are dropped. The port defaults to 11434, or to 80 / 443 after an explicit
+    http:// / https:// (Ollama's rule); a port that is not a number in 0..65535 is an error
+    here (Ollama logs it and takes the default)."""
+    text = (value or "").strip().strip("\"'").strip()
+    scheme, sep, rest = text.partition("://")
+    default_port = DEFAULT_PORT
+    if not sep:
+        scheme, rest = "http", text
+    elif scheme in ("http", "https"):
+        default_port = 80 if scheme == "http" else 443
+    hostport, _, path = rest.partition("/")
+    host, port = hostport, ""
+    if hostport.startswith("["):  # [v6] or [v6]:port
+        inside, _, after = hostport[1:].partition("]")
+        host, port = inside, after.removeprefix(":")
+    elif hostport.count(":") == 1:  # more than one: a bare IPv6 address, no port
+        host, port = hostport.split(":")
+    if port and not (port.isdigit() and int(port) <= 65535):
+        raise TandemError(f"OLLAMA_HOST / --host {value!r}: the port must be a number "
+                          "between 0 and 65535")
+    return HostAddress(scheme, host, int(port) if port else default_port,
+                       ("/" + path).rstrip("/") if path else "")
 
 
 def base_url(host: str | None) -> str:
-    host = (host or DEFAULT_HOST).strip().rstrip("/")
-    if "://" not in host:
-        host = "http://" + host
-    scheme, rest = host.split("://", 1)
-    if ":" not in rest.split("/", 1)[0]:
-        rest = rest.replace("/", ":11434/", 1) if "/" in rest else rest + ":11434"
-    return f"{scheme}://{rest}"
+    """The URL a client reaches the server at; an empty host is 127.0.0.1."""
+    a = parse_host(host or DEFAULT_HOST)
+    name = a.host or "127.0.0.1"
+    name = f"[{name}]" if ":" in name else name
+    return f"{a.scheme}://{name}:{a.port}{a.path}"
 
 
 class ServerError(TandemError):
@@ -33,9 +70,11 @@ class ServerError(TandemError):
 
 
 class Server:
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.url = url
-        self.client = httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=2.0))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.client = httpx.Client(base_url=url, headers=headers,
+                                   timeout=httpx.Timeout(timeout_s, connect=2.0))
 
     def running(self) -> bool:
         try:

@@ -10,6 +10,10 @@ class ModelNotFoundError(TandemError):
     """A model name or path that resolves to nothing."""
 
 
+class ModelNameError(TandemError):
+    """A model name the store cannot take (bad characters, reserved, or already another kind)."""
+
+
 class ModelFormatError(TandemError):
     """A file that is missing, truncated, or not a model in a format we read."""
 

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -24,12 +24,14 @@ from engine.config import (
     KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
 from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
+from engine.grammar import GrammarBackend
+from engine.kv_connector import ConnectorEvents, KVConnector
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, make_generator, position_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
-                 kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None) -> None:
+                 kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None,
+                 tokenizer_path: str | Path | None = None) -> None:
         """The KV cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must
         agree with it, and so must a caller-provided `kv_cache` tensor."""
         want = config.cache.kv_dtype
@@ -84,10 +87,13 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache)
-        # Set by a prefill worker: given a pass's plan, returns the per-layer callback that
-        # starts each finished layer's KV transfer (or None when nothing in it is remote).
-        self.layer_hook: Callable[[SchedulerOutput], Callable[[int], None] | None] | None = None
+        # The KV connector of a worker that transfers KV (engine/kv_connector.py); None for
+        # an engine that never does (colocated, `tandem run`).
+        self.connector: KVConnector | None = None
         self.sampler = Sampler()
+        # Structured output (engine/grammar.py): llguidance's vocabulary is built at the first
+        # grammar request, from `tokenizer` or else from tokenizer_path (workers load none).
+        self.grammars = GrammarBackend(config.model.vocab_size, tokenizer, tokenizer_path)
         self._generators: dict[str, torch.Generator] = {}
         self._ids = itertools.count()
         self._pending: list[StepOutput] = []
@@ -129,7 +135,7 @@ class LLMEngine:
             max_model_len=max_model_len,
         )
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_cache=kv_cache)
+        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
         engine.load_duration_s = time.monotonic() - t0
         return engine
 
@@ -164,7 +170,8 @@ class LLMEngine:
 
     def make_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                      request_id: str | None = None, stop_token_ids: frozenset[int] | None = None,
-                     max_tokens: int | None = None, max_chunk_tokens: int = 0) -> Request:
+                     max_tokens: int | None = None, max_chunk_tokens: int = 0,
+                     num_prior_output_tokens: int = 0) -> Request:
         """A validated request, not yet queued. max_tokens (when given) further caps what the
         context and num_predict allow."""
         context = min(params.num_ctx or self.context_length, self.context_length)
@@ -188,28 +195,22 @@ class LLMEngine:
             max_tokens=allowed if max_tokens is None else min(allowed, max_tokens),
             stop_token_ids=frozenset(stop_token_ids),
             max_chunk_tokens=max(0, max_chunk_tokens),
+            num_prior_output_tokens=num_prior_output_tokens,
         )
 
-    def reserve_remote(self, request: Request) -> list[int] | None:
-        """Decode role: reserve blocks for a request whose prompt KV a prefill worker sends.
-        None when the pool has no room."""
-        blocks = self.scheduler.reserve_remote(request)
-        if blocks is not None:
-            self._generators[request.request_id] = make_generator(request.sampling_params.seed)
-        return blocks
+    def set_connector(self, connector: KVConnector) -> None:
+        """Makes this engine take part in KV transfers through `connector` (once, before the
+        first request)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("set_connector after requests were added")
+        self.connector = connector
+        self.scheduler.connector = connector
 
-    def admit_prefilled(self, request_id: str, first_token: int) -> Request | None:
-        """Decode role: the KV has arrived and the first token is known; the request joins
-        the batch (or finishes at once if that token ends it)."""
-        request = self.scheduler.admit_prefilled(request_id, first_token)
-        if request is not None and request.status.is_finished:
-            self._generators.pop(request_id, None)
-        return request
-    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
-                      free_blocks: bool = True) -> None:
-        """Ends a request in any state. free_blocks=False leaves its blocks to the caller
-        (who frees them with block_manager.free once no transfer can write into them)."""
-        self.scheduler.finish_request(request_id, status, free_blocks)
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Ends a request in any state; its blocks are freed now or, if a transfer may still
+        touch them, once the connector reports them released."""
+        self.scheduler.finish_request(request_id, status)
         self._generators.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -217,12 +218,15 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """A step now would compute or report something."""
-        return self.scheduler.has_schedulable() or bool(self._pending)
+        return (self.scheduler.has_schedulable() or bool(self._pending)
+                or self.scheduler.has_transfers())
 
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        if self.connector is not None:
+            outputs.extend(self._apply_transfers(self.connector.get_finished()))
         plan = self.scheduler.schedule()
         self.last_step_ran = not plan.is_empty
         if plan.is_empty:
@@ -234,8 +238,8 @@ class LLMEngine:
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
                                 is_decode=c.start_pos >= c.request.num_prompt_tokens)
                   for c in plan.chunks]
-        on_layer_done = self.layer_hook(plan) if self.layer_hook is not None else None
-        logits = self.runner.execute(chunks, on_layer_done)
+        save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
+        logits = self.runner.execute(chunks, save_kv_layer)
         sampled, failed = self._sample([c.request for c in plan.chunks if c.samples], logits)
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
         by_id = {c.request_id: c.request for c in plan.chunks}
@@ -252,6 +256,19 @@ class LLMEngine:
             self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
             outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
                                       by_id[request_id].num_cached_tokens, error=reason))
+        return outputs
+
+    def _apply_transfers(self, events: ConnectorEvents) -> list[StepOutput]:
+        """Requests that the connector's report ended: a received request whose first token
+        already ends it, or a failed transfer. A received request that goes on emits nothing
+        here: its first token was the prefill worker's to report."""
+        if not events:
+            return []
+        outputs = []
+        for request, error in self.scheduler.update_from_connector(events):
+            self._generators.pop(request.request_id, None)
+            outputs.append(StepOutput(request.request_id, [], True, request.status,
+                                      request.num_cached_tokens, error=error))
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor
@@ -284,6 +301,11 @@ class LLMEngine:
         return sampled, failed
 
     def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        # -- structured output: rows with a grammar get its token mask (engine/grammar.py); a
+        # batch without one pays this test only.
+        if any(r.sampling_params.grammar is not None for r in requests):
+            logits = self.grammars.mask(requests, logits)
+        # --
         return self.sampler.sample(
             logits,
             [r.sampling_params for r in requests],

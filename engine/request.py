@@ -5,6 +5,14 @@ r"""A request's state inside one engine, and its life cycle.
        │    └─> WAITING_FOR_REMOTE_KV (decode worker: blocks reserved, KV arriving) ─> RUNNING
        └──── PREEMPTED <─────┘ (out of KV blocks: blocks freed, recomputed later)
 
+A request that takes part in a KV transfer carries `kv_transfer` (engine/kv_connector.py) and
+a `kv_state` beside its status:
+
+    decode:   NONE -> RECEIVING (blocks reserved, granted) -> RECEIVED (all KV + first token)
+    prefill:  NONE -> SENDING (layers handed to the sender)
+    either, once FINISHED_* while a transfer may still touch its blocks:
+              -> DRAINING (blocks held by the scheduler) -> RELEASED (blocks freed)
+
 Token bookkeeping: `token_ids` is prompt + generated tokens so far. `num_computed_tokens` is
 how many of them have K/V in this engine's cache. A request needs a forward pass over
 token_ids[num_computed_tokens:]; when that pass reaches the last token it yields a new token.
@@ -15,8 +23,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from engine.kv_connector import KVTransferParams, KVTransferState
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -54,10 +67,21 @@ class Request:
     token_ids: list[int] = field(init=False)
     first_token_time: float | None = None
     max_chunk_tokens: int = 0  # largest prefill chunk per pass for this request; 0 = no own cap
+    kv_transfer: KVTransferParams | None = None  # set when a connector moves this request's KV
+    # Trailing prompt tokens that an earlier placement of this request generated (it moved
+    # here after a worker died): prompt to the model, but output to its grammar.
+    num_prior_output_tokens: int = 0
+    kv_state: KVTransferState = KVTransferState.NONE
+    # Structured output: the request's grammar matcher, made by the engine at its first draw
+    # and advanced over output_token_ids before each mask (engine/grammar.py's invariant).
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
+        if not 0 <= self.num_prior_output_tokens < len(self.prompt_token_ids):
+            raise ValueError(f"num_prior_output_tokens {self.num_prior_output_tokens} must be in "
+                             f"[0, {len(self.prompt_token_ids)})")
         self.token_ids = list(self.prompt_token_ids)
 
     @property
@@ -71,6 +95,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Everything this request has generated, on earlier placements too."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens:]
 
     @property
     def num_output_tokens(self) -> int:

@@ -27,10 +27,16 @@ arithmetic overflow, and every integer fits the worker protocol's fields):
   refused, not folded, so that a seed always means what the client wrote.
 - repeat_last_n: -1 to 2**31 - 1; num_predict: -2 to 2**31 - 1; num_ctx, num_batch: 1 to
   2**31 - 1; num_keep: -1 to 2**31 - 1; num_thread: 0 to 2**31 - 1 (the protocol's int32).
+
+`grammar` (structured output) is no Ollama option: the APIs set it from `format` /
+`response_format` / `tool_choice` (coordinator/structured_output.py), never from `options`.
+GrammarSpec checks its shape here, torch- and llguidance-free; whether it compiles is
+engine/grammar_compile.py's `compile_error` (the coordinator asks it before admitting a request).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -44,6 +50,60 @@ MIN_REPEAT_PENALTY = 1e-3
 MAX_REPEAT_PENALTY = 100.0
 MAX_PENALTY = 100.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_COUNT = (1 << 31) - 1  # integer options travel as int32 (proto/worker.proto, tandem.proto)
+GRAMMAR_KINDS = ("json", "json_schema", "lark", "regex")
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text; far past any real schema, bounded for the LRU
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match, compiled by engine/grammar.py against the model's
+    vocabulary. Hashable: it is the key of the compiled-grammar cache.
+
+    kind "json": any JSON object (Ollama's `format: "json"`, OpenAI's json_object); `value`
+    is unused and stored as "". "json_schema": `value` is the schema (a dict, or its JSON
+    text; stored as compact JSON text, key order kept since it orders the output). "lark":
+    llguidance's Lark syntax with a `start` rule. "regex": the whole output matches `value`."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidOptionError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, "
+                                     f"got {_show(self.kind)}")
+        value = self.value
+        if self.kind == "json":
+            value = ""
+        elif self.kind == "json_schema":
+            value = _schema_text(value)
+        elif not isinstance(value, str) or not value:
+            raise InvalidOptionError(f"a {self.kind} grammar must be a non-empty string, "
+                                     f"got {_show(value)}")
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise InvalidOptionError(f"the {self.kind} grammar is {len(value)} characters "
+                                     f"(limit {MAX_GRAMMAR_CHARS})")
+        object.__setattr__(self, "value", value)
+
+    @property
+    def schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema of a json_schema grammar, else None."""
+        return json.loads(self.value) if self.kind == "json_schema" else None
+
+
+def _schema_text(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InvalidOptionError("a JSON schema must be valid JSON") from None
+    if value is False:
+        raise InvalidOptionError("the JSON schema false accepts no value at all")
+    if not isinstance(value, (dict, bool)):
+        raise InvalidOptionError(f"a JSON schema must be an object (or true), got {_show(value)}")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidOptionError(f"the JSON schema is not plain JSON: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -65,6 +125,7 @@ class SamplingParams:
     num_keep: int | None = None
     num_batch: int | None = None
     num_thread: int | None = None
+    grammar: GrammarSpec | None = None  # structured output; not an Ollama option (see above)
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -109,6 +170,8 @@ class SamplingParams:
         if self.seed is not None and self.seed < 0:
             object.__setattr__(self, "seed", None)
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None, *,
@@ -212,7 +275,9 @@ def _kind(annotation: str) -> str:
     return "stop"
 
 
-# Field annotations are strings under `from __future__ import annotations`.
-_KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)}
+# Field annotations are strings under `from __future__ import annotations`. `grammar` is set by
+# the APIs, never from Ollama's `options`.
+_KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
+                          if f.name != "grammar"}
 _OPTIONAL: frozenset[str] = frozenset(
     f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

@@ -214,6 +214,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` inside, for libraries that read a vocabulary and its
+        encoding themselves (llguidance, engine/grammar.py). Not to be modified."""
+        return self._tok
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token stands for: the longest

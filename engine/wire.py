@@ -4,7 +4,7 @@ Torch-free: the coordinator uses it too."""
 from __future__ import annotations
 
 from engine.rpc import worker_pb2 as pb
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
                  "presence_penalty", "frequency_penalty")
@@ -16,11 +16,14 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
                              num_ctx=params.num_ctx or 0)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.grammar is not None:
+        msg.grammar_kind, msg.grammar = params.grammar.kind, params.grammar.value
     return msg
 
 
 def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
     """Stop strings are the coordinator's business (it detokenizes); workers never see them."""
     values = {f: getattr(msg, f) for f in _FLOAT_FIELDS + _INT_FIELDS}
+    grammar = GrammarSpec(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None
     return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
-                          num_ctx=msg.num_ctx or None)
+                          num_ctx=msg.num_ctx or None, grammar=grammar)

@@ -23,6 +23,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.model import ServedModel, load_served_model
 from coordinator.server import uvicorn_server
 from coordinator.service import Coordinator
+from engine.model_store import ModelStore
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from tests.model_factory import write_tiny_tokenizer
@@ -72,6 +73,7 @@ class Script:
     die_after: int | None = None  # decode: abort UNAVAILABLE after this many streamed tokens
     unavailable: bool = False  # prefill: every Prefill fails UNAVAILABLE
     hang: bool = False  # decode: after the first event, stream nothing until cancelled
+    kv_bytes_received: int = 0  # decode: reported on the first event (Tokens.kv_bytes_received)
 
 
 class FakeWorker:
@@ -89,11 +91,14 @@ class FakeWorker:
                                       num_free_blocks=num_blocks, block_size=16,
                                       max_num_batched_tokens=max_batched_tokens)
         self.requests: list = []  # GenerateRequest / PrefillRequest received
-        self.start_decodes: list[pb.StartDecodeRequest] = []
+        # decode: what arrived over the (simulated) KV channel per transfer: the first token
+        # from the prefill worker, or its error
+        self.kv_arrivals: list[tuple[str, int | None, str]] = []
         self.cancelled: list[str] = []  # request ids whose call the coordinator cancelled
         self.finished: list[str] = []  # request ids whose call ended normally
         self.register_response: pb.RegisterResponse | None = None
         self.heartbeating = True
+        self.status_answers = True  # False with heartbeating False: a hung worker
         self._started: dict[str, asyncio.Queue] = {}
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -147,6 +152,14 @@ class FakeWorker:
             await self._channel.close()
 
 
+_KV_CHANNELS: dict[str, asyncio.Queue] = {}
+
+
+def kv_channel(transfer_id: str) -> asyncio.Queue:
+    """The fakes' stand-in for a KV transfer: (first token, error) from prefill to decode."""
+    return _KV_CHANNELS.setdefault(transfer_id, asyncio.Queue())
+
+
 class _Decode(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: FakeWorker) -> None:
         self.w = worker
@@ -158,13 +171,13 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
         try:
             tokens = list(script.tokens)
             if request.remote_prefill:
-                w._started[rid] = asyncio.Queue()
-                yield pb.GenerateEvent(reserved=pb.Reserved(
-                    block_ids=[7, 8, 9], kv_endpoint=f"tcp://{w.address}-kv", kv_backend="zmq"))
-                start = await asyncio.wait_for(w._started[rid].get(), DEADLINE_S)
-                if start.error:
+                # The direct handshake, simulated: the fake prefill worker hands the first
+                # token (or its failure) to this transfer id, as the last layer's KV would.
+                first, error = await asyncio.wait_for(kv_channel(request.transfer_id).get(), DEADLINE_S)
+                w.kv_arrivals.append((request.transfer_id, first, error))
+                if error:
                     yield pb.GenerateEvent(tokens=pb.Tokens(finished=True, finish_reason="error",
-                                                            error=start.error))
+                                                            error=error))
                     return
                 tokens = tokens[1:]  # the first token came from the prefill worker
             if script.hang:
@@ -176,7 +189,8 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                 last = i == len(tokens) - 1
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=[token], finished=last,
-                    finish_reason=script.finish_reason if last else ""))
+                    finish_reason=script.finish_reason if last else "",
+                    kv_bytes_received=script.kv_bytes_received if i == 0 else 0))
             if not tokens:
                 yield pb.GenerateEvent(tokens=pb.Tokens(finished=True,
                                                         finish_reason=script.finish_reason))
@@ -185,15 +199,9 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
             w.cancelled.append(rid)
             raise
 
-    async def StartDecode(self, request: pb.StartDecodeRequest, context):
-        self.w.start_decodes.append(request)
-        queue = self.w._started.get(request.request_id)
-        if queue is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id}")
-        queue.put_nowait(request)
-        return pb.Ack()
-
     async def Status(self, request, context):
+        if not self.w.status_answers:
+            await asyncio.sleep(DEADLINE_S)  # hung: the probe's deadline ends it
         return self.w.status
 
 
@@ -209,10 +217,15 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
             await asyncio.sleep(self.w.script.token_delay_s)
         except asyncio.CancelledError:
             self.w.cancelled.append(request.request_id)
+            kv_channel(request.transfer_id).put_nowait((None, "prefill aborted"))
             raise
-        return pb.PrefillResult(first_token=self.w.script.tokens[0], prefill_seconds=0.01)
+        first = self.w.script.tokens[0]
+        kv_channel(request.transfer_id).put_nowait((first, ""))
+        return pb.PrefillResult(first_token=first, prefill_seconds=0.01)
 
     async def Status(self, request, context):
+        if not self.w.status_answers:
+            await asyncio.sleep(DEADLINE_S)  # hung: the probe's deadline ends it
         return self.w.status
 
 
@@ -233,17 +246,21 @@ class Harness:
 # Heartbeats every 0.1 s, dead after 3 s of silence: a GC pause or a descheduled test process
 # on a loaded 2-core machine must not kill a healthy fake worker.
 DEFAULT_TEST_CONFIG = dict(heartbeat_interval_s=0.1, heartbeat_misses=30, queue_timeout_s=5.0,
-                           reserve_timeout_s=DEADLINE_S, prefill_timeout_s=DEADLINE_S,
+                           prefill_timeout_s=DEADLINE_S,
                            control_timeout_s=DEADLINE_S, token_timeout_s=DEADLINE_S,
-                           request_timeout_s=60.0)
+                           request_timeout_s=60.0,
+                           # no wait for a worker to load (a test that wants one sets it)
+                           load_timeout_s=0.0)
 
 
 @contextlib.asynccontextmanager
-async def coordinator_harness(model: ServedModel, **overrides) -> AsyncIterator[Harness]:
-    """The real coordinator (HTTP on uvicorn + Registry gRPC) on free ports, in this loop."""
+async def coordinator_harness(model: ServedModel, store: ModelStore | None = None,
+                              **overrides) -> AsyncIterator[Harness]:
+    """The real coordinator (HTTP on uvicorn + Registry gRPC) on free ports, in this loop;
+    `store` backs its model routes (/api/pull, /api/copy, ...)."""
     config = CoordinatorConfig(port=free_port(), registry_port=0,
                                **{**DEFAULT_TEST_CONFIG, **overrides})
-    coordinator = Coordinator(config, model)
+    coordinator = Coordinator(config, model, store)
     server = uvicorn_server(coordinator, loop="asyncio", graceful_timeout_s=2.0)
     server.config.log_level = "warning"
     task = asyncio.create_task(server.serve())

@@ -82,6 +82,36 @@ def test_cluster_starts_until_workers_are_live_and_stops_every_child(tmp_path):
     assert "registered" in (tmp_path / "logs" / "coordinator.log").read_text()
 
 
+def test_api_key_reaches_the_coordinator_process_through_its_environment(tmp_path):
+    """`tandem serve --api-key`: the coordinator process (real) requires the key, the
+    launcher's readiness poll of /internal/workers needs none, and no argv holds the key."""
+    import urllib.error
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    t = Topology(model=str(model_dir), model_path=model_dir, log_dir=tmp_path / "logs",
+                 port=free_port(), colocated=True, api_key="sk-deploy")
+    specs, ready = plan(t)
+    specs = [specs[0]] + [
+        ProcessSpec(s.name, [sys.executable, "-m", "tests.fake_worker_process", *s.argv[3:]],
+                    s.log_path) for s in specs[1:]]
+    cluster = LocalCluster(specs, ready, start_timeout_s=60, grace_s=5,
+                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    with cluster:
+        cluster.start()
+        argv = cluster.children[0].process.args
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{ready.url}/api/tags", timeout=5)
+        keyed = urllib.request.Request(f"{ready.url}/api/tags",
+                                       headers={"Authorization": "Bearer sk-deploy"})
+        with urllib.request.urlopen(keyed, timeout=5) as r:
+            tags = json.loads(r.read())
+    assert refused.value.code == 401
+    assert "missing API key" in json.loads(refused.value.read())["error"]
+    assert [m["name"] for m in tags["models"]] == [str(model_dir)]
+    assert "sk-deploy" not in " ".join(argv)
+    assert "sk-deploy" not in (tmp_path / "logs" / "coordinator.log").read_text()
+
+
 def test_killed_worker_is_restarted_while_the_rest_serve_on(tmp_path):
     """The supervisor (LocalCluster.wait): kill -9 a worker while serving; it is started again,
     registers again, and the coordinator never stopped."""

@@ -54,7 +54,7 @@ def check_final(final: dict, model, output_tokens: int, done_reason: str = "stop
     assert final["total_duration"] >= final["eval_duration"]
 
 
-def test_disaggregated_three_step_flow_streams_ndjson(model, tokens):
+def test_disaggregated_flow_two_concurrent_calls_streams_ndjson(model, tokens):
     async def scenario():
         async with coordinator_harness(model, prefill_threshold=0) as h:
             prefill = await h.add_worker("p1", "prefill", Script(tokens=tokens))
@@ -79,14 +79,13 @@ def test_disaggregated_three_step_flow_streams_ndjson(model, tokens):
     assert gen.max_tokens == model.context_len - prompt_len(model)
     assert set(gen.stop_token_ids) == set(model.tokenizer.stop_token_ids)
     (pre,) = prefill.requests
-    assert pre.request_id == gen.request_id
+    # One transfer id on both calls; the decode worker grants its blocks to it directly.
+    assert pre.request_id == gen.request_id == pre.transfer_id == gen.transfer_id
     # The chunk plan travels with the request: prefill-worker chunks of chunk_size.
     assert pre.max_chunk_tokens == CoordinatorConfig().chunk_size and gen.max_chunk_tokens == 0
-    assert list(pre.destination.block_ids) == [7, 8, 9]
     assert pre.destination.endpoint == f"tcp://{decode.address}-kv"
     assert pre.destination.backend == "zmq"
-    (start,) = decode.start_decodes
-    assert start.first_token == tokens[0] and start.error == ""
+    assert decode.kv_arrivals == [(gen.transfer_id, tokens[0], "")]
     assert decode.finished == [gen.request_id] and decode.cancelled == []
 
 
@@ -111,7 +110,7 @@ def test_short_prompt_prefills_on_the_decode_worker(model, tokens):
     (gen,) = decode.requests
     assert gen.remote_prefill is False
     assert gen.sampling.temperature == 0 and gen.sampling.seed == 3
-    assert decode.start_decodes == []
+    assert gen.transfer_id == "" and decode.kv_arrivals == []
 
 
 def test_colocated_worker_always_prefills_locally(model, tokens):
@@ -271,32 +270,57 @@ def test_prefill_worker_dying_is_retried_on_another(model, tokens):
             decode = await h.add_worker("d1", "decode", Script(tokens=tokens))
             async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
                 lines = await chat_lines(client, h.url)
+            await wait_until(lambda: decode.cancelled, "the first decode call to be cancelled")
             return dead, good, decode, lines, h.coordinator.registry.get("p1")
 
     dead, good, decode, lines, record = run(scenario())
     assert "".join(line["message"]["content"] for line in lines) == TEXT
     assert lines[-1]["tandem"]["prefill_worker"] == "p2"
     assert len(dead.requests) == 1 and len(good.requests) == 1
-    assert list(good.requests[0].destination.block_ids) == [7, 8, 9]  # the same reservation
     assert record.alive is False and "Prefill failed" in record.dead_reason
-    assert decode.start_decodes[0].first_token == tokens[0]
+    # A new attempt with its own transfer id; the first attempt's decode call was cancelled.
+    first, second = decode.requests
+    assert dead.requests[0].transfer_id == first.transfer_id != second.transfer_id
+    assert good.requests[0].transfer_id == second.transfer_id
+    assert decode.cancelled == [first.request_id]
+    assert decode.kv_arrivals == [(second.transfer_id, tokens[0], "")]
 
 
-def test_prefill_failure_without_spare_worker_ends_with_error(model, tokens):
+def test_prefill_worker_dying_without_spare_prefills_on_the_decode_worker(model, tokens):
     async def scenario():
         async with coordinator_harness(model, prefill_threshold=0) as h:
             await h.add_worker("p1", "prefill", Script(tokens=tokens, unavailable=True))
             decode = await h.add_worker("d1", "decode", Script(tokens=tokens))
             async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                lines = await chat_lines(client, h.url)
+            await wait_until(lambda: decode.cancelled, "the first decode call to be cancelled")
+            return decode, lines
+
+    decode, lines = run(scenario())
+    assert "".join(line["message"]["content"] for line in lines) == TEXT
+    assert lines[-1]["tandem"]["prefill_worker"] is None
+    first, second = decode.requests
+    assert first.remote_prefill is True and second.remote_prefill is False
+    assert decode.cancelled == [first.request_id]  # the first reservation is given up
+
+
+def test_prefill_failure_with_migrations_off_ends_with_error(model, tokens):
+    async def scenario():
+        async with coordinator_harness(model, prefill_threshold=0, max_migrations=0) as h:
+            await h.add_worker("p1", "prefill", Script(tokens=tokens, unavailable=True))
+            decode = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
                 r = await client.post(f"{h.url}/api/chat",
                                       json={"model": "tiny", "messages": MESSAGES})
+            # The decode call is cancelled: if its handler had started, it sees the cancel.
+            await wait_until(lambda: len(decode.cancelled) == len(decode.requests),
+                             "the decode call to be cancelled")
             return decode, r
 
     decode, r = run(scenario())
     (line,) = [json.loads(x) for x in r.text.splitlines()]
     assert "prefill worker p1" in line["error"] and "UNAVAILABLE" in line["error"]
-    (start,) = decode.start_decodes
-    assert "prefill worker p1" in start.error  # the decode worker frees its reservation
+    assert decode.finished == [] and len(decode.requests) <= 1
 
 
 def test_decode_worker_dying_mid_stream_ends_with_error_line(model, tokens):
@@ -310,8 +334,31 @@ def test_decode_worker_dying_mid_stream_ends_with_error_line(model, tokens):
     lines, record = run(scenario())
     assert [line["done"] for line in lines[:-1]] == [False] * (len(lines) - 1)
     assert "decode worker d1" in lines[-1]["error"]
-    assert "UNAVAILABLE" in lines[-1]["error"]
+    assert "UNAVAILABLE" in lines[-1]["error"] and "no live worker" in lines[-1]["error"]
     assert record.alive is False
+
+
+def test_decode_worker_dying_mid_stream_migrates_to_another(model, tokens):
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            await h.add_worker("d1", "decode", Script(tokens=tokens, die_after=3))
+            # d2 will be asked to continue after the 3 tokens d1 streamed.
+            d2 = await h.add_worker("d2", "decode", Script(tokens=tokens[3:]),
+                                    num_blocks=50)  # fewer free blocks: d1 is chosen first
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                lines = await chat_lines(client, h.url)
+            return d2, lines, h.coordinator.registry.get("d1")
+
+    d2, lines, record = run(scenario())
+    assert "error" not in lines[-1]
+    assert "".join(line["message"]["content"] for line in lines) == TEXT
+    assert lines[-1]["eval_count"] == len(tokens)
+    assert lines[-1]["tandem"]["decode_worker"] == "d2"
+    assert record.alive is False
+    (moved,) = d2.requests
+    assert list(moved.prompt_token_ids)[-3:] == tokens[:3]  # prompt + what was generated
+    assert moved.num_prior_output_tokens == 3  # output to its grammar, prompt to the model
+    assert moved.max_tokens == model.context_len - prompt_len(model) - 3
 
 
 def test_stop_string_ends_the_stream_and_cancels_the_worker(model, tokens):
@@ -373,3 +420,17 @@ def test_the_ollama_python_client_works_unchanged(model, tokens):
     assert whole.eval_count == len(tokens) and whole.prompt_eval_count == prompt_len(model)
     assert "".join(p.message.content for p in parts) == TEXT and parts[-1].done
     assert error.status_code == 404 and "model 'missing' not found" in error.error
+
+
+def test_api_ps_lists_the_model_only_while_a_worker_serves_it(model, tokens):
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                before = (await client.get(f"{h.url}/api/ps")).json()
+                await h.add_worker("d1", "decode", Script(tokens=tokens))
+                after = (await client.get(f"{h.url}/api/ps")).json()
+            return before, after
+
+    before, after = run(scenario())
+    assert before == {"models": []}
+    assert [m["name"] for m in after["models"]] == ["tiny"]

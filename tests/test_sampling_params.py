@@ -189,3 +189,33 @@ def test_module_is_torch_free():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_grammar_spec_checks_its_shape_and_travels_on_the_wire():
+    from engine.sampling_params import GrammarSpec
+    from engine.wire import sampling_from_proto, sampling_to_proto
+
+    spec = GrammarSpec("json_schema", {"type": "object", "properties": {"b": {}, "a": {}}})
+    assert spec.value == '{"type":"object","properties":{"b":{},"a":{}}}'  # key order kept
+    assert spec == GrammarSpec("json_schema", ' {"type": "object", "properties": {"b": {}, "a": {}}}')
+    assert GrammarSpec("json", "ignored").value == ""
+    for kind, value, message in [
+        ("yaml", "x", "grammar kind must be one of"),
+        ("ebnf", 'root ::= "a"', "grammar kind must be one of"),  # Lark is the grammar syntax
+        ("json_schema", "{not json", "must be valid JSON"),
+        ("json_schema", [1], "must be an object"),
+        ("json_schema", False, "accepts no value"),
+        ("lark", "", "non-empty string"),
+        ("regex", 3, "non-empty string"),
+        ("regex", "a" * (1 << 21), r"characters \(limit"),
+    ]:
+        with pytest.raises(InvalidOptionError, match=message):
+            GrammarSpec(kind, value)
+    with pytest.raises(InvalidOptionError, match="must be a GrammarSpec"):
+        SamplingParams(grammar="json")  # type: ignore[arg-type]
+    # Never an Ollama option: `format` and `response_format` set it.
+    assert SamplingParams.from_options({"grammar": "json"}).grammar is None
+
+    params = SamplingParams(temperature=0, grammar=spec)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).grammar is None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\rtandem.worker\"\x8c\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x06 \x01(\x01\x12\x15\n\rrepeat_last_n\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0bnum_predict\x18\x0b \x01(\x05\x12\x0f\n\x07num_ctx\x18\x0c \x01(\x05\x42\x07\n\x05_seed\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.worker.SamplingOptions\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x18\n\x10max_chunk_tokens\x18\x07 \x01(\x05\"F\n\x08Reserved\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x12\n\nkv_backend\x18\x03 \x01(\t\"n\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"n\n\rGenerateEvent\x12+\n\x08reserved\x18\x01 \x01(\x0b\x32\x17.tandem.worker.ReservedH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.worker.TokensH\x00\x42\x07\n\x05\x65vent\"L\n\x12StartDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x05\n\x03\x41\x63k\"E\n\rKVDestination\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\"\xbd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.worker.SamplingOptions\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.tandem.worker.KVDestination\x12\x18\n\x10max_chunk_tokens\x18\x05 \x01(\x05\"X\n\rPrefillResult\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xd9\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\"\xce\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x1d\n\x15kv_layout_fingerprint\x18\x07 \x01(\t\x12+\n\x06status\x18\x08 \x01(\x0b\x32\x1b.tandem.worker.WorkerStatus\"R\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"R\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0b\x32\x1b.tandem.worker.WorkerStatus\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9c\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1d.tandem.worker.PrefillRequest\x1a\x1c.tandem.worker.PrefillResult\x12\x43\n\x06Status\x12\x1c.tandem.worker.StatusRequest\x1a\x1b.tandem.worker.WorkerStatus2\xe5\x01\n\x0c\x44\x65\x63odeWorker\x12J\n\x08Generate\x12\x1e.tandem.worker.GenerateRequest\x1a\x1c.tandem.worker.GenerateEvent0\x01\x12\x44\n\x0bStartDecode\x12!.tandem.worker.StartDecodeRequest\x1a\x12.tandem.worker.Ack\x12\x43\n\x06Status\x12\x1c.tandem.worker.StatusRequest\x1a\x1b.tandem.worker.WorkerStatus2\xa2\x01\n\x08Registry\x12\x46\n\x08Register\x12\x19.tandem.worker.WorkerInfo\x1a\x1f.tandem.worker.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.tandem.worker.HeartbeatRequest\x1a .tandem.worker.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\rtandem.worker\"\xb3\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x06 \x01(\x01\x12\x15\n\rrepeat_last_n\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0bnum_predict\x18\x0b \x01(\x05\x12\x0f\n\x07num_ctx\x18\x0c \x01(\x05\x12\x14\n\x0cgrammar_kind\x18\r \x01(\t\x12\x0f\n\x07grammar\x18\x0e \x01(\tB\x07\n\x05_seed\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.worker.SamplingOptions\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x18\n\x10max_chunk_tokens\x18\x07 \x01(\x05\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\x12\x1f\n\x17num_prior_output_tokens\x18\t \x01(\x05\"\x89\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11kv_bytes_received\x18\x06 \x01(\x03\"G\n\rGenerateEvent\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.worker.TokensH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\x02\"8\n\rKVDestination\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\tJ\x04\x08\x03\x10\x04\"\xf3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tandem.worker.SamplingOptions\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.tandem.worker.KVDestination\x12\x18\n\x10max_chunk_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x1f\n\x17num_prior_output_tokens\x18\x07 \x01(\x05\"X\n\rPrefillResult\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xa5\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\n \x03(\x0c\x12-\n\x02kv\x18\x0b \x01(\x0b\x32!.tandem.worker.KVTransferCounters\"\xb5\x01\n\x12KVTransferCounters\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x16\n\x0etransfers_done\x18\x04 \x01(\x03\x12\x18\n\x10transfers_failed\x18\x05 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0eskipped_blocks\x18\x07 \x01(\x03\"\xce\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x12\n\nkv_backend\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x1d\n\x15kv_layout_fingerprint\x18\x07 \x01(\t\x12+\n\x06status\x18\x08 \x01(\x0b\x32\x1b.tandem.worker.WorkerStatus\"R\n\x10RegisterResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"R\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0b\x32\x1b.tandem.worker.WorkerStatus\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9c\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1d.tandem.worker.PrefillRequest\x1a\x1c.tandem.worker.PrefillResult\x12\x43\n\x06Status\x12\x1c.tandem.worker.StatusRequest\x1a\x1b.tandem.worker.WorkerStatus2\x9f\x01\n\x0c\x44\x65\x63odeWorker\x12J\n\x08Generate\x12\x1e.tandem.worker.GenerateRequest\x1a\x1c.tandem.worker.GenerateEvent0\x01\x12\x43\n\x06Status\x12\x1c.tandem.worker.StatusRequest\x1a\x1b.tandem.worker.WorkerStatus2\xa2\x01\n\x08Registry\x12\x46\n\x08Register\x12\x19.tandem.worker.WorkerInfo\x1a\x1f.tandem.worker.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.tandem.worker.HeartbeatRequest\x1a .tandem.worker.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=32
-  _globals['_SAMPLINGOPTIONS']._serialized_end=300
-  _globals['_GENERATEREQUEST']._serialized_start=303
-  _globals['_GENERATEREQUEST']._serialized_end=510
-  _globals['_RESERVED']._serialized_start=512
-  _globals['_RESERVED']._serialized_end=582
-  _globals['_TOKENS']._serialized_start=584
-  _globals['_TOKENS']._serialized_end=694
-  _globals['_GENERATEEVENT']._serialized_start=696
-  _globals['_GENERATEEVENT']._serialized_end=806
-  _globals['_STARTDECODEREQUEST']._serialized_start=808
-  _globals['_STARTDECODEREQUEST']._serialized_end=884
-  _globals['_ACK']._serialized_start=886
-  _globals['_ACK']._serialized_end=891
-  _globals['_KVDESTINATION']._serialized_start=893
-  _globals['_KVDESTINATION']._serialized_end=962
-  _globals['_PREFILLREQUEST']._serialized_start=965
-  _globals['_PREFILLREQUEST']._serialized_end=1154
-  _globals['_PREFILLRESULT']._serialized_start=1156
-  _globals['_PREFILLRESULT']._serialized_end=1244
-  _globals['_STATUSREQUEST']._serialized_start=1246
-  _globals['_STATUSREQUEST']._serialized_end=1261
-  _globals['_WORKERSTATUS']._serialized_start=1264
-  _globals['_WORKERSTATUS']._serialized_end=1481
-  _globals['_WORKERINFO']._serialized_start=1484
-  _globals['_WORKERINFO']._serialized_end=1690
-  _globals['_REGISTERRESPONSE']._serialized_start=1692
-  _globals['_REGISTERRESPONSE']._serialized_end=1774
-  _globals['_HEARTBEATREQUEST']._serialized_start=1776
-  _globals['_HEARTBEATREQUEST']._serialized_end=1858
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1860
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1894
-  _globals['_PREFILLWORKER']._serialized_start=1897
-  _globals['_PREFILLWORKER']._serialized_end=2053
-  _globals['_DECODEWORKER']._serialized_start=2056
-  _globals['_DECODEWORKER']._serialized_end=2285
-  _globals['_REGISTRY']._serialized_start=2288
-  _globals['_REGISTRY']._serialized_end=2450
+  _globals['_SAMPLINGOPTIONS']._serialized_end=339
+  _globals['_GENERATEREQUEST']._serialized_start=342
+  _globals['_GENERATEREQUEST']._serialized_end=603
+  _globals['_TOKENS']._serialized_start=606
+  _globals['_TOKENS']._serialized_end=743
+  _globals['_GENERATEEVENT']._serialized_start=745
+  _globals['_GENERATEEVENT']._serialized_end=816
+  _globals['_KVDESTINATION']._serialized_start=818
+  _globals['_KVDESTINATION']._serialized_end=874
+  _globals['_PREFILLREQUEST']._serialized_start=877
+  _globals['_PREFILLREQUEST']._serialized_end=1120
+  _globals['_PREFILLRESULT']._serialized_start=1122
+  _globals['_PREFILLRESULT']._serialized_end=1210
+  _globals['_STATUSREQUEST']._serialized_start=1212
+  _globals['_STATUSREQUEST']._serialized_end=1227
+  _globals['_WORKERSTATUS']._serialized_start=1230
+  _globals['_WORKERSTATUS']._serialized_end=1523
+  _globals['_KVTRANSFERCOUNTERS']._serialized_start=1526
+  _globals['_KVTRANSFERCOUNTERS']._serialized_end=1707
+  _globals['_WORKERINFO']._serialized_start=1710
+  _globals['_WORKERINFO']._serialized_end=1916
+  _globals['_REGISTERRESPONSE']._serialized_start=1918
+  _globals['_REGISTERRESPONSE']._serialized_end=2000
+  _globals['_HEARTBEATREQUEST']._serialized_start=2002
+  _globals['_HEARTBEATREQUEST']._serialized_end=2084
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2086
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2120
+  _globals['_PREFILLWORKER']._serialized_start=2123
+  _globals['_PREFILLWORKER']._serialized_end=2279
+  _globals['_DECODEWORKER']._serialized_start=2282
+  _globals['_DECODEWORKER']._serialized_end=2441
+  _globals['_REGISTRY']._serialized_start=2444
+  _globals['_REGISTRY']._serialized_end=2606
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "num_ctx")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "num_ctx", "grammar_kind", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class SamplingOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREDICT_FIELD_NUMBER: _ClassVar[int]
     NUM_CTX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KIND_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -32,10 +34,12 @@ class SamplingOptions(_message.Message):
     seed: int
     num_predict: int
     num_ctx: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., num_ctx: _Optional[int] = ...) -> None: ...
+    grammar_kind: str
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., num_ctx: _Optional[int] = ..., grammar_kind: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill", "max_chunk_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +47,8 @@ class GenerateRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -50,77 +56,57 @@ class GenerateRequest(_message.Message):
     max_tokens: int
     remote_prefill: bool
     max_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
-
-class Reserved(_message.Message):
-    __slots__ = ("block_ids", "kv_endpoint", "kv_backend")
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    kv_endpoint: str
-    kv_backend: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_endpoint: _Optional[str] = ..., kv_backend: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    num_prior_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "error", "num_cached_tokens")
+    __slots__ = ("token_ids", "finished", "finish_reason", "error", "num_cached_tokens", "kv_bytes_received")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
     error: str
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_bytes_received: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("reserved", "tokens")
-    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tokens",)
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    reserved: Reserved
     tokens: Tokens
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
-
-class StartDecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    first_token: int
-    error: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
-
-class Ack(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    def __init__(self, tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("endpoint", "backend", "block_ids")
+    __slots__ = ("endpoint", "backend")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     backend: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, endpoint: _Optional[str] = ..., backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, endpoint: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "max_chunk_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     destination: KVDestination
     max_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
+    transfer_id: str
+    num_prior_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens", "prefill_seconds")
@@ -137,7 +123,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size")
+    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +133,8 @@ class WorkerStatus(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -156,7 +144,27 @@ class WorkerStatus(_message.Message):
     queued_prefill_tokens: int
     max_num_batched_tokens: int
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    kv: KVTransferCounters
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ...) -> None: ...
+
+class KVTransferCounters(_message.Message):
+    __slots__ = ("backend", "bytes_sent", "bytes_received", "transfers_done", "transfers_failed", "transfer_seconds", "skipped_blocks")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    bytes_sent: int
+    bytes_received: int
+    transfers_done: int
+    transfers_failed: int
+    transfer_seconds: float
+    skipped_blocks: int
+    def __init__(self, backend: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., skipped_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv_endpoint", "kv_backend", "model_fingerprint", "kv_layout_fingerprint", "status")

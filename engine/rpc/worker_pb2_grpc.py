@@ -154,11 +154,6 @@ class DecodeWorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateEvent.FromString,
                 _registered_method=True)
-        self.StartDecode = channel.unary_unary(
-                '/tandem.worker.DecodeWorker/StartDecode',
-                request_serializer=worker__pb2.StartDecodeRequest.SerializeToString,
-                response_deserializer=worker__pb2.Ack.FromString,
-                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/tandem.worker.DecodeWorker/Status',
                 request_serializer=worker__pb2.StatusRequest.SerializeToString,
@@ -170,12 +165,6 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def StartDecode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,11 +183,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateEvent.SerializeToString,
-            ),
-            'StartDecode': grpc.unary_unary_rpc_method_handler(
-                    servicer.StartDecode,
-                    request_deserializer=worker__pb2.StartDecodeRequest.FromString,
-                    response_serializer=worker__pb2.Ack.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -233,33 +217,6 @@ class DecodeWorker:
             '/tandem.worker.DecodeWorker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def StartDecode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.worker.DecodeWorker/StartDecode',
-            worker__pb2.StartDecodeRequest.SerializeToString,
-            worker__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

