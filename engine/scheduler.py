@@ -8,6 +8,12 @@ requests fill what is left of the budget, the last one cut into a chunk. A long 
 spans several passes, short prompts pack into one pass beside the running decodes, and every
 pass is about the same size.
 
+A waiting request whose KV comes from another worker (the connector says how many of its
+tokens will arrive) is not computed: it gets blocks for its whole prompt, the leading ones from
+the prefix cache, and waits in WAITING_FOR_REMOTE_KV until the connector reports its KV and
+first token in; it then joins the running requests. A request that ends while a transfer may
+still touch its blocks keeps them (`draining`) until the connector reports them released.
+
 When the KV pool cannot grow a running request, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (prefix-cached blocks make that cheap when they survive).
