@@ -15,9 +15,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
+from coordinator.logprobs import completion_logprobs, content_entries
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, RequestFlow, WorkerError
 from coordinator.text_stream import TextStream
+from engine.logprobs import TokenLogprob
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,12 +34,36 @@ class Generation:
         self.done_reason: str | None = None  # "stop" | "length" once finished normally
         self.error: str | None = None
         self.output_ids: list[int] = []  # generated token ids (Ollama's `context` needs them)
+        # Logprob entries of the tokens so far, when the request asked (engine/logprobs.py);
+        # those not yet taken by take_logprobs() start at _logprobs_taken.
+        self.logprobs: list[TokenLogprob] = []
+        self._logprobs_taken = 0
         self._flow = flow
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._release = release
         self._pieces: AsyncIterator[str] | None = None
         self._closed = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.params.logprobs is not None
+
+    def take_logprobs(self) -> list[dict]:
+        """The entries that arrived since the last call, in the shape of Ollama's `logprobs`
+        and OpenAI chat's `logprobs.content` (coordinator/logprobs.py): a stream attaches them
+        to the chunk it sends next (a piece's text may lag its tokens; the final chunk takes
+        the rest)."""
+        return content_entries(self._tokenizer, self._take())
+
+    def take_completion_logprobs(self, offset: int) -> dict:
+        """take_logprobs in OpenAI completions' shape; `offset`: characters sent before."""
+        return completion_logprobs(self._tokenizer, self._take(), offset)
+
+    def _take(self) -> list[TokenLogprob]:
+        new = self.logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     def pieces(self) -> AsyncIterator[str]:
         if self._pieces is not None:
@@ -52,6 +78,7 @@ class Generation:
                 async for token_ids in tokens:
                     piece, stopped = text.push(token_ids)
                     self.output_ids.extend(token_ids)
+                    self.logprobs.extend(token_ids.logprobs)
                     self.timings.on_tokens(len(token_ids))
                     if piece:
                         yield piece

@@ -34,6 +34,7 @@ from coordinator.ollama_response import (
     chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
     ndjson,
 )
+from coordinator.embedding_routes import add_embedding_routes
 from coordinator.model_routes import add_model_routes
 from coordinator.openai_routes import add_openai_routes
 from coordinator.tool_calls import (
@@ -274,6 +275,7 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
 
     add_openai_routes(app, coordinator, collect, check_model)
     add_model_routes(app, coordinator)
+    add_embedding_routes(app, coordinator)
     return app
 
 
@@ -283,7 +285,7 @@ async def _stream_chat(name: str, generation: Generation,
 
     def lines(content: str, found: list) -> list[bytes]:
         nonlocal made
-        out = [ndjson(chat_chunk(name, content))] if content else []
+        out = [ndjson(chat_chunk(name, content, g=generation))] if content else []
         if found:  # Ollama sends calls in a chunk of their own, before the final one
             out.append(ndjson(chat_chunk(name, "", ollama_tool_calls(found, made))))
             made += len(found)
@@ -292,7 +294,7 @@ async def _stream_chat(name: str, generation: Generation,
     try:
         async for piece in generation.pieces():
             if calls is None:
-                yield ndjson(chat_chunk(name, piece))
+                yield ndjson(chat_chunk(name, piece, g=generation))
                 continue
             for line in lines(*calls.push(piece)):
                 yield line
@@ -308,7 +310,7 @@ async def _stream_chat(name: str, generation: Generation,
 async def _stream_generate(name: str, generation: Generation, context) -> AsyncIterator[bytes]:
     try:
         async for piece in generation.pieces():
-            yield ndjson(generate_chunk(name, piece))
+            yield ndjson(generate_chunk(name, piece, generation))
     except WorkerError as exc:
         yield ndjson(error_body(str(exc)))
         return

@@ -16,6 +16,7 @@ from typing import Any
 from coordinator.structured_output import ollama_format
 from coordinator.tool_calls import check_tool_list
 from engine.errors import TandemError
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -149,16 +150,22 @@ def _unsupported(body: dict[str, Any], model: str) -> None:
         raise RequestError(f'"{model}" does not support thinking')
     if body.get("images"):
         raise RequestError("images are not supported: the served model has no vision input")
-    for field in ("logprobs", "top_logprobs"):  # Ollama 0.12.11's; falsy asks for nothing
-        if body.get(field):
-            raise RequestError(f"{field} is not supported: tandem returns no log probabilities "
-                               f"(got {json.dumps(body[field])[:60]})")
 
 
 def _with_format(params: SamplingParams, body: dict[str, Any]) -> SamplingParams:
-    """`format` ("json" or a JSON schema) -> the grammar the sampler enforces."""
+    """`format` ("json" or a JSON schema) -> the grammar the sampler enforces; `logprobs`
+    (true/false) and `top_logprobs` (0..20) -> SamplingParams.logprobs. As in Ollama,
+    top_logprobs without logprobs asks for nothing."""
     grammar = ollama_format(body.get("format"))
-    return params if grammar is None else replace(params, grammar=grammar)
+    params = params if grammar is None else replace(params, grammar=grammar)
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be true or false, got {json.dumps(wanted)[:60]}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                           f"got {json.dumps(top)[:60]}")
+    return replace(params, logprobs=top or 0) if wanted else params
 
 
 def _unload(body: dict[str, Any]) -> bool:

@@ -66,10 +66,16 @@ def _message(content: str, tool_calls: list[dict[str, Any]] | None) -> dict[str,
     return message
 
 
+def _logprobs(g: Generation | None) -> dict[str, Any]:
+    """`logprobs` (coordinator/logprobs.py) of the tokens since the last chunk, when asked."""
+    return {"logprobs": g.take_logprobs()} if g is not None and g.wants_logprobs else {}
+
+
 def chat_chunk(model: str, content: str,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None,
+               g: Generation | None = None) -> dict[str, Any]:
     return {"model": model, "created_at": created_at(),
-            "message": _message(content, tool_calls), "done": False}
+            "message": _message(content, tool_calls), "done": False, **_logprobs(g)}
 
 
 def chat_final(model: str, g: Generation, content: str = "",
@@ -77,7 +83,7 @@ def chat_final(model: str, g: Generation, content: str = "",
     g.timings.finish()
     return {"model": model, "created_at": created_at(),
             "message": _message(content, tool_calls), "done": True,
-            "done_reason": _with_done_reason(g.done_reason), **figures(g.timings),
+            "done_reason": _with_done_reason(g.done_reason), **_logprobs(g), **figures(g.timings),
             "tandem": serving_figures(g)}
 
 
@@ -93,8 +99,9 @@ def _with_done_reason(reason: str | None) -> str:
     return reason or "stop"
 
 
-def generate_chunk(model: str, text: str) -> dict[str, Any]:
-    return {"model": model, "created_at": created_at(), "response": text, "done": False}
+def generate_chunk(model: str, text: str, g: Generation | None = None) -> dict[str, Any]:
+    return {"model": model, "created_at": created_at(), "response": text, "done": False,
+            **_logprobs(g)}
 
 
 def generate_final(model: str, g: Generation, text: str = "",
@@ -102,7 +109,8 @@ def generate_final(model: str, g: Generation, text: str = "",
     """`context` (prompt + output token ids) lets a client continue; None in raw mode."""
     g.timings.finish()
     body: dict[str, Any] = {"model": model, "created_at": created_at(), "response": text,
-                            "done": True, "done_reason": _with_done_reason(g.done_reason)}
+                            "done": True, "done_reason": _with_done_reason(g.done_reason),
+                            **_logprobs(g)}
     if context is not None:
         body["context"] = context
     body.update(figures(g.timings))

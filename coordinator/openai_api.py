@@ -7,8 +7,9 @@ Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI la
 extra sampling fields (the openai client's `extra_body`): `top_k` (off, 0, by default, as OpenAI
 has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty. Fields tandem
 accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
-`logprobs`, `top_logprobs`, `logit_bias`, `echo`, `best_of` > 1, `suffix`, vLLM's
-`min_tokens`, `ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. `response_format`
+`prompt_logprobs`, `logit_bias`, `echo`, `best_of` > 1, `suffix`, vLLM's `min_tokens`,
+`ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's `logprobs: true`
+with `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py shapes them). `response_format`
 is a grammar (coordinator/structured_output.py); `tools` and `tool_choice` are
 coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Fields that change
 nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
@@ -34,6 +35,7 @@ from coordinator.tool_calls import (
     ToolCall, ToolChoice, check_tool_list, forced_grammar, openai_tool_calls, parse_tool_choice,
 )
 from engine.errors import InvalidOptionError
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import MAX_COUNT, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,9 @@ _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed"
                   "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                       "stream_options"})
-_NO_LOGPROBS = "tandem returns no log probabilities"
 # field: (the values that ask for nothing, why any other is refused)
 _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((None, False), _NO_LOGPROBS),
-    "top_logprobs": ((None, 0), _NO_LOGPROBS),
-    "prompt_logprobs": ((None, 0), _NO_LOGPROBS),  # vLLM
+    "prompt_logprobs": ((None, 0), "tandem returns no prompt log probabilities"),  # vLLM
     "logit_bias": ((None, {}), "tandem's sampler takes no per-token biases"),
     "echo": ((None, False), "the answer never repeats the prompt"),
     "best_of": ((None, 1), "tandem generates one completion per request"),
@@ -166,7 +165,28 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
     return model, stream, bool(stream_options.get("include_usage"))
 
 
+def _count(body: dict[str, Any], field: str) -> int | None:
+    value = body.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise RequestError(f"{field} must be an integer between 0 and {MAX_LOGPROBS}, "
+                           f"got {json.dumps(value)[:60]}")
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` and `top_logprobs` -> SamplingParams.logprobs; top_logprobs
+    needs logprobs true, as OpenAI and vLLM require."""
+    wanted, top = body.get("logprobs"), _count(body, "top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"logprobs must be true or false, got {json.dumps(wanted)[:60]}")
+    if top and not wanted:
+        raise RequestError("top_logprobs requires logprobs: true")
+    return (top or 0) if wanted else None
+
+
 _KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_format",
+                    "logprobs", "top_logprobs",
                     "max_tokens", "max_completion_tokens", "tools", "tool_choice", *_OPTION_FIELDS,
                     *_UNIMPLEMENTED})
 
@@ -185,7 +205,7 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
     # renders no tools, so the model cannot call one.
     check_tool_list(tools)
     choice = parse_tool_choice(body.get("tool_choice"), tools)
-    params = _params(body)
+    params = replace(_params(body), logprobs=_chat_logprobs(body))
     if choice.forced:
         if params.grammar is not None:
             raise RequestError("response_format and a forced tool_choice cannot be combined")
@@ -206,7 +226,8 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     if not (isinstance(prompt, str) and prompt) and not ok_ids:
         raise RequestError("prompt must be a non-empty string or a list of token ids "
                            "(batches of several prompts are not supported)")
-    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=_params(body),
+    params = replace(_params(body), logprobs=_count(body, "logprobs"))
+    return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
                          prompt=prompt)
 
 
@@ -229,7 +250,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def chat_completion(rid: str, model: str, content: str, reason: str | None,
                     usage_: dict[str, Any],
-                    tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+                    tool_calls: list[ToolCall] | None = None,
+                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`logprobs`: coordinator/logprobs.py's content entries, None when not asked for."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:  # OpenAI: content null when the answer is only calls
         message = {"role": "assistant", "content": content or None,
@@ -238,24 +261,27 @@ def chat_completion(rid: str, model: str, content: str, reason: str | None,
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
             "choices": [{"index": 0, "message": message,
-                         "logprobs": None, "finish_reason": finish_reason(reason)}],
+                         "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason(reason)}],
             "usage": usage_}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, Any],
-               reason: str | None = None, done: bool = False) -> dict[str, Any]:
+               reason: str | None = None, done: bool = False,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason(reason) if done else None}]}
 
 
 def completion(rid: str, model: str, text: str, reason: str | None,
                usage_: dict[str, Any] | None, done: bool = True,
-               chunk: bool = False) -> dict[str, Any]:
+               chunk: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason(reason) if done else None}]}
     if not chunk:
         body["usage"] = usage_

@@ -29,6 +29,11 @@ def _usage(g: Generation) -> dict[str, Any]:
     return oa.usage(t.prompt_tokens, t.output_tokens, g.outcome.cached_tokens)
 
 
+def _chat_logprobs(g: Generation) -> list[dict[str, Any]] | None:
+    """The content entries since the last chunk (coordinator/logprobs.py), None if not asked."""
+    return g.take_logprobs() if g.wants_logprobs else None
+
+
 def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
                       check_model: Callable) -> None:
     model = coordinator.model
@@ -72,7 +77,8 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
         if calls is not None:
             content, found = calls.split(content)
         return JSONResponse(oa.chat_completion(rid, req.model, content, generation.done_reason,
-                                               _usage(generation), found))
+                                               _usage(generation), found,
+                                               _chat_logprobs(generation)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -90,8 +96,10 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
         text = await collect(request, generation)
         if text is None:
             return Response(status_code=499)
+        logprobs = (generation.take_completion_logprobs(0) if generation.wants_logprobs
+                    else None)
         return JSONResponse(oa.completion(rid, req.model, text, generation.done_reason,
-                                          _usage(generation)))
+                                          _usage(generation), logprobs=logprobs))
 
 
 async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
@@ -100,7 +108,8 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
 
     def chunks(content: str, found: list) -> list[bytes]:
         nonlocal made
-        out = [oa.sse(oa.chat_chunk(rid, name, {"content": content}))] if content else []
+        out = ([oa.sse(oa.chat_chunk(rid, name, {"content": content},
+                                     logprobs=_chat_logprobs(g)))] if content else [])
         if found:  # each call whole in one delta, as vLLM's parsers send a finished call
             out.append(oa.sse(oa.chat_chunk(
                 rid, name, {"tool_calls": openai_tool_calls(found, first_index=made)})))
@@ -111,7 +120,8 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
     try:
         async for piece in g.pieces():
             if calls is None:
-                yield oa.sse(oa.chat_chunk(rid, name, {"content": piece}))
+                yield oa.sse(oa.chat_chunk(rid, name, {"content": piece},
+                                           logprobs=_chat_logprobs(g)))
                 continue
             for chunk in chunks(*calls.push(piece)):
                 yield chunk
@@ -122,7 +132,7 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
         yield oa.sse(oa.error_body(500, str(exc)))
         return
     reason = "tool_calls" if made else g.done_reason
-    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True))
+    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True, logprobs=_chat_logprobs(g)))
     if include_usage:
         yield oa.sse(oa.usage_chunk(rid, name, "chat.completion.chunk", _usage(g)))
     yield oa.sse("[DONE]")
@@ -130,13 +140,21 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
 
 async def _stream_completion(rid: str, name: str, g: Generation,
                              include_usage: bool) -> AsyncIterator[bytes]:
+    offset = 0  # characters sent so far: where the next chunk's text_offset starts
+
+    def logprobs() -> dict[str, Any] | None:
+        return g.take_completion_logprobs(offset) if g.wants_logprobs else None
+
     try:
         async for piece in g.pieces():
-            yield oa.sse(oa.completion(rid, name, piece, None, None, done=False, chunk=True))
+            yield oa.sse(oa.completion(rid, name, piece, None, None, done=False, chunk=True,
+                                       logprobs=logprobs()))
+            offset += len(piece)
     except WorkerError as exc:
         yield oa.sse(oa.error_body(500, str(exc)))
         return
-    yield oa.sse(oa.completion(rid, name, "", g.done_reason, None, chunk=True))
+    yield oa.sse(oa.completion(rid, name, "", g.done_reason, None, chunk=True,
+                               logprobs=logprobs()))
     if include_usage:
         yield oa.sse(oa.usage_chunk(rid, name, "text_completion", _usage(g)))
     yield oa.sse("[DONE]")

@@ -40,14 +40,26 @@ from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
 from engine.errors import TandemError
+from engine.logprobs import TokenLogprob
 from engine.rpc import worker_pb2 as pb
 from engine.sampling_params import SamplingParams
+from engine.wire import logprobs_from_proto
 
 log = logging.getLogger(__name__)
 
 
 class WorkerError(Exception):
     """A worker failed the request (a server fault, reported to the client as an error)."""
+
+
+class TokenIds(list):
+    """What the flow yields: a list of token ids (callers may treat it as one) that also carries
+    `logprobs`, parallel to it when the request asked for them (SamplingParams.logprobs), else
+    empty."""
+
+    def __init__(self, ids, logprobs: list[TokenLogprob] | None = None) -> None:
+        super().__init__(ids)
+        self.logprobs: list[TokenLogprob] = list(logprobs or ())
 
 
 class NoWorkers(TandemError):
@@ -99,7 +111,7 @@ class RequestFlow:
             raise NoWorkers("no live decode worker is registered; retry once workers are up")
         return placement
 
-    async def stream(self, req: FlowRequest, out: FlowOutcome) -> AsyncIterator[list[int]]:
+    async def stream(self, req: FlowRequest, out: FlowOutcome) -> AsyncIterator[TokenIds]:
         generated: list[int] = []
         dead: list[str] = []
         while True:
@@ -127,7 +139,7 @@ class RequestFlow:
 
     async def _attempt(self, req: FlowRequest, transfer_id: str, prompt_ids: list[int],
                        prior: int, out: FlowOutcome,
-                       dead: Collection[str]) -> AsyncIterator[list[int]]:
+                       dead: Collection[str]) -> AsyncIterator[TokenIds]:
         """One placement. `prior`: trailing tokens of prompt_ids that earlier placements
         generated (0 on the first), counted against max_tokens and shown to the grammar."""
         max_tokens = req.max_tokens - prior
@@ -149,8 +161,8 @@ class RequestFlow:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
                                                    transfer_id, prompt_ids, prior, req.params, out)
-                ends = self._ends_at(first, req.stop_token_ids, max_tokens)
-                yield [first]
+                ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
+                yield first
                 if ends:
                     out.finish_reason = ends
                     return
@@ -166,9 +178,9 @@ class RequestFlow:
 
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
                               transfer_id: str, prompt_ids: list[int], prior: int,
-                              params: SamplingParams, out: FlowOutcome) -> int:
-        """The first token from the prefill worker, while watching the decode stream: a decode
-        worker that fails or dies meanwhile ends the wait at once."""
+                              params: SamplingParams, out: FlowOutcome) -> TokenIds:
+        """The first token (and its logprob) from the prefill worker, while watching the decode
+        stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
         n = len(prompt_ids)
         self.registry.assign(prefill_id, prefill_tokens=n)
@@ -199,7 +211,7 @@ class RequestFlow:
         out.prefill_worker = prefill_id
         out.cached_tokens = result.num_cached_tokens
         out.prefill_seconds = result.prefill_seconds
-        return result.first_token
+        return TokenIds([result.first_token], logprobs_from_proto(result.logprobs))
 
     def _check_early(self, read: asyncio.Future, decode: WorkerRecord) -> None:
         """An event the decode worker sent before the first token: raises for a failure."""
@@ -215,7 +227,7 @@ class RequestFlow:
             raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
 
     async def _tokens(self, read: asyncio.Future, call, decode: WorkerRecord, out: FlowOutcome,
-                      remote: bool) -> AsyncIterator[list[int]]:
+                      remote: bool) -> AsyncIterator[TokenIds]:
         """`read` is the pending read of the stream's first event."""
         event = await read
         first = True
@@ -236,7 +248,7 @@ class RequestFlow:
                 detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
                 raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
             if tokens.token_ids:
-                yield list(tokens.token_ids)
+                yield TokenIds(tokens.token_ids, logprobs_from_proto(tokens.logprobs))
             if tokens.finished:
                 out.finish_reason = tokens.finish_reason or "stop"
                 return

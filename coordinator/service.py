@@ -17,13 +17,14 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
-from coordinator.placement import concurrency_limit
+from coordinator.placement import Prompt, choose_decode, concurrency_limit
 from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
-from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow
+from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
 from engine.errors import ContextLengthError, InvalidOptionError
 from engine.grammar_compile import check_grammar
 from engine.model_store import ModelStore
+from engine.rpc import worker_pb2 as pb
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,51 @@ class Coordinator:
         timings.admitted = time.monotonic()
         return Generation(request, timings, self.flow, self.model.tokenizer, self.metrics,
                           self._release)
+
+    async def embed(self, inputs: list[list[int]], normalize: bool,
+                    timings: RequestTimings) -> list[list[float]]:
+        """Pooled embeddings of `inputs` (token ids, each checked against the context by the
+        caller) from one decode worker's Embed RPC (proto/worker.proto), the least loaded.
+        A worker that is gone (UNAVAILABLE) is marked dead and the next one asked."""
+        if self.open_requests >= self.config.max_streams:
+            self.metrics.count_refusal("overloaded")
+            raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
+                                 f"(limit {self.config.max_streams})", self.config.retry_after_s)
+        self.open_requests += 1
+        try:
+            await self._wait_for_decode_worker(timings)
+            timings.admitted = time.monotonic()
+            request = pb.EmbedRequest(request_id=uuid.uuid4().hex, normalize=normalize,
+                                      inputs=[pb.TokenIds(token_ids=ids) for ids in inputs])
+            tried: list[str] = []
+            while True:
+                workers = [w for w in self.registry.snapshots(DECODE_ROLES) if w.worker_id not in tried]
+                chosen = choose_decode(workers, Prompt(inputs[0]))
+                if chosen is None:
+                    raise NoWorkers("no live decode worker can compute embeddings now; retry once "
+                                    "workers are up")
+                record = self.registry.get(chosen[0].worker_id)
+                tried.append(record.worker_id)
+                self.registry.assign(record.worker_id, requests=1)
+                try:
+                    result = await record.decode_stub.Embed(request,
+                                                            timeout=self.config.prefill_timeout_s)
+                    return [list(e.values) for e in result.embeddings]
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.registry.mark_dead(record.worker_id, f"Embed: {exc.details()}")
+                        continue
+                    if code == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise InvalidOptionError(exc.details()) from None
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise Overloaded(exc.details(), self.config.retry_after_s) from None
+                    raise WorkerError(f"decode worker {record.worker_id} at {record.address} "
+                                      f"failed to embed: {code.name}: {exc.details()}") from None
+                finally:
+                    self.registry.assign(record.worker_id, requests=-1)
+        finally:
+            self.open_requests -= 1
 
     async def _wait_for_decode_worker(self, timings: RequestTimings) -> None:
         """Return once a decode worker is live, waiting up to config.load_timeout_s.

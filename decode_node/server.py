@@ -7,10 +7,11 @@ from __future__ import annotations
 import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker
+from engine.embedding import EmbedBusy
 from engine.errors import TandemError
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
-from engine.wire import sampling_from_proto
+from engine.wire import logprobs_to_proto, sampling_from_proto
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
@@ -41,10 +42,25 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
                     error=event.error, num_cached_tokens=event.num_cached_tokens,
-                    kv_bytes_received=event.kv_bytes_received))
+                    kv_bytes_received=event.kv_bytes_received,
+                    logprobs=logprobs_to_proto(event.logprobs)))
         finally:
             if not finished:
                 self.worker.close_stream(job.request_id)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResult:
+        inputs = [list(t.token_ids) for t in request.inputs]
+        if not inputs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
+        try:
+            vectors = await self.worker.embed(inputs, request.normalize)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EmbedBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return pb.EmbedResult(embeddings=[pb.Embedding(values=v) for v in vectors])
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()

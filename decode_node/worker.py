@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from decode_node.connector import DecodeConnector
+from engine.embedding import embed_batch, plan_batches
 from engine.engine_loop import EngineLoop
 from engine.errors import TandemError
 from engine.kv_connector import KVTransferParams
@@ -63,6 +64,7 @@ class Tokens:
     error: str = ""
     num_cached_tokens: int = 0
     kv_bytes_received: int = 0
+    logprobs: list | None = None  # engine.logprobs.TokenLogprob per token, when asked for
 
 
 class DecodeWorker(EngineLoop):
@@ -96,6 +98,33 @@ class DecodeWorker(EngineLoop):
         self._streams[job.request_id] = q
         self.call(lambda: self._admit(job))
         return q
+
+    async def embed(self, inputs: list[list[int]], normalize: bool = True) -> list[list[float]]:
+        """Pooled embeddings of `inputs` (engine/embedding.py). Each pass of at most the
+        engine's token budget is one call on the engine thread, so decode steps go on between
+        passes. ValueError for an empty or too long input; EmbedBusy when the pool is full."""
+        self.check_alive()
+        limit = self.engine.config.context_length
+        for ids in inputs:
+            if not ids or len(ids) > limit:
+                raise ValueError(f"an input has {len(ids)} tokens; each needs 1 to {limit}")
+        vectors: list[list[float]] = [[] for _ in inputs]
+        budget = self.engine.config.scheduler.max_num_batched_tokens
+        for group in plan_batches([len(ids) for ids in inputs], budget):
+            done: asyncio.Future = self.loop.create_future()
+
+            def run(group=group, done=done) -> None:
+                try:
+                    result = embed_batch(self.engine, [inputs[i] for i in group], normalize)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
+                    self.post(_settle, done, None, exc)
+                else:
+                    self.post(_settle, done, result, None)
+
+            self.call(run)
+            for i, vector in zip(group, await done):
+                vectors[i] = vector
+        return vectors
 
     def close_stream(self, request_id: str) -> None:
         """The consumer is gone: abort whatever is left of the request."""
@@ -161,10 +190,19 @@ class DecodeWorker(EngineLoop):
                     kv_bytes = self.connector.expected_bytes.pop(out.request_id, 0)
             self._emit(out.request_id, Tokens(out.new_token_ids, out.finished, reason, out.error,
                                               num_cached_tokens=out.num_cached_tokens,
-                                              kv_bytes_received=kv_bytes))
+                                              kv_bytes_received=kv_bytes, logprobs=out.logprobs))
 
     def on_fatal(self, exc: BaseException) -> None:
         def fail_all() -> None:
             for rid in list(self._streams):
                 self._deliver(rid, Tokens([], True, "error", f"decode engine failed: {exc}"))
         self.post(fail_all)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up (cancelled)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

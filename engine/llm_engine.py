@@ -26,6 +26,7 @@ from engine.config import (
 from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
+from engine.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
@@ -62,6 +63,9 @@ class StepOutput:
     status: RequestStatus
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     error: str = ""  # why the request ended FINISHED_ERROR (a step's only failures are per request)
+    # Parallel to new_token_ids when the request asked for logprobs (SamplingParams.logprobs),
+    # else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -240,7 +244,9 @@ class LLMEngine:
                   for c in plan.chunks]
         save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
         logits = self.runner.execute(chunks, save_kv_layer)
-        sampled, failed = self._sample([c.request for c in plan.chunks if c.samples], logits)
+        sampling = [c.request for c in plan.chunks if c.samples]
+        sampled, failed = self._sample(sampling, logits)
+        logprobs = self._logprobs(sampling, logits, sampled)
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
         by_id = {c.request_id: c.request for c in plan.chunks}
         for request_id, token in sampled.items():
@@ -248,7 +254,9 @@ class LLMEngine:
             if done:
                 self._generators.pop(request_id, None)
             request = by_id[request_id]
-            outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens))
+            entry = logprobs.get(request_id)
+            outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens,
+                                      logprobs=None if entry is None else [entry]))
         for request_id, reason in failed.items():
             if request_id not in self.scheduler.requests:
                 continue  # aborted while the pass ran
@@ -299,6 +307,34 @@ class LLMEngine:
                     "sampling failed: this request's options leave no finite probabilities to "
                     "draw from (check temperature and the penalties)"))
         return sampled, failed
+
+    @staticmethod
+    def _logprobs(requests: list[Request], logits: torch.Tensor,
+                  sampled: dict[str, int]) -> dict[str, TokenLogprob]:
+        """request id -> its token's logprob, for the requests that asked (and got a token).
+        A batch where none asked pays one test per request. The raw model distribution
+        (engine/logprobs.py): log_softmax of `logits` as the runner returned them, before the
+        grammar mask, penalties, filters and temperature, as vLLM reports by default."""
+        rows = [(i, r) for i, r in enumerate(requests)
+                if r.sampling_params.logprobs is not None and r.request_id in sampled]
+        if not rows:
+            return {}
+        index = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
+        logp = torch.log_softmax(logits[index].float(), dim=-1)
+        chosen = torch.tensor([sampled[r.request_id] for _, r in rows], dtype=torch.int64,
+                              device=logits.device)
+        chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+        n = min(max(r.sampling_params.logprobs for _, r in rows), logp.shape[1])
+        top_lp, top_ids = [[]] * len(rows), [[]] * len(rows)
+        if n:  # one topk for the batch, at its largest n; each row keeps its own
+            values, ids = logp.topk(n, dim=-1)
+            top_lp, top_ids = values.tolist(), ids.tolist()
+        out = {}
+        for j, (_, r) in enumerate(rows):
+            k = r.sampling_params.logprobs
+            top = tuple(zip(top_ids[j][:k], top_lp[j][:k]))
+            out[r.request_id] = TokenLogprob(sampled[r.request_id], chosen_lp[j], top)
+        return out
 
     def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         # -- structured output: rows with a grammar get its token mask (engine/grammar.py); a

@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.errors import InvalidOptionError
+from engine.logprobs import MAX_LOGPROBS
 
 MIN_TEMPERATURE = 1e-4  # a positive temperature below this is refused (see the ranges above)
 MAX_TEMPERATURE = 100.0
@@ -126,6 +127,10 @@ class SamplingParams:
     num_batch: int | None = None
     num_thread: int | None = None
     grammar: GrammarSpec | None = None  # structured output; not an Ollama option (see above)
+    # Log probabilities (engine/logprobs.py): None = none, else how many top alternatives to
+    # report with each sampled token's (0 = the sampled token's only), 0..MAX_LOGPROBS. Set by
+    # the APIs' own fields, never from Ollama's `options`.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -170,6 +175,10 @@ class SamplingParams:
         if self.seed is not None and self.seed < 0:
             object.__setattr__(self, "seed", None)
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", _to_int("logprobs", self.logprobs))
+            _check_range("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
+                         f"between 0 and {MAX_LOGPROBS}", self.logprobs)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
 
@@ -275,9 +284,9 @@ def _kind(annotation: str) -> str:
     return "stop"
 
 
-# Field annotations are strings under `from __future__ import annotations`. `grammar` is set by
-# the APIs, never from Ollama's `options`.
+# Field annotations are strings under `from __future__ import annotations`. `grammar` and
+# `logprobs` are set by the APIs, never from Ollama's `options`.
 _KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
-                          if f.name != "grammar"}
+                          if f.name not in ("grammar", "logprobs")}
 _OPTIONAL: frozenset[str] = frozenset(
     f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

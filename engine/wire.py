@@ -3,6 +3,7 @@ Torch-free: the coordinator uses it too."""
 
 from __future__ import annotations
 
+from engine.logprobs import TokenLogprob
 from engine.rpc import worker_pb2 as pb
 from engine.sampling_params import GrammarSpec, SamplingParams
 
@@ -18,6 +19,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         msg.seed = params.seed
     if params.grammar is not None:
         msg.grammar_kind, msg.grammar = params.grammar.kind, params.grammar.value
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -26,4 +29,16 @@ def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
     values = {f: getattr(msg, f) for f in _FLOAT_FIELDS + _INT_FIELDS}
     grammar = GrammarSpec(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None
     return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
-                          num_ctx=msg.num_ctx or None, grammar=grammar)
+                          num_ctx=msg.num_ctx or None, grammar=grammar,
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def logprobs_to_proto(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries or ()]
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+            for m in msgs]

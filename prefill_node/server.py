@@ -9,7 +9,7 @@ import grpc
 from engine.errors import TandemError
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
-from engine.wire import sampling_from_proto
+from engine.wire import logprobs_to_proto, sampling_from_proto
 from prefill_node.senders import SenderPool
 from prefill_node.worker import PrefillJob, PrefillWorker
 
@@ -40,7 +40,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         except RuntimeError as exc:  # the engine loop died: the coordinator retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.PrefillResult(first_token=outcome.first_token, num_cached_tokens=outcome.num_cached_tokens,
-                                prefill_seconds=outcome.seconds)
+                                prefill_seconds=outcome.seconds,
+                                logprobs=logprobs_to_proto(outcome.logprobs))
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()

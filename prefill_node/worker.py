@@ -55,6 +55,7 @@ class PrefillOutcome:
     first_token: int
     num_cached_tokens: int
     seconds: float
+    logprobs: list | None = None  # [engine.logprobs.TokenLogprob] of the first token, when asked for
 
 
 class PrefillWorker(EngineLoop):
@@ -96,7 +97,7 @@ class PrefillWorker(EngineLoop):
         else:
             started = self._started.get(request_id, time.monotonic())
             future.set_result(PrefillOutcome(result.first_token, result.num_cached_tokens,
-                                             time.monotonic() - started))
+                                             time.monotonic() - started, result.logprobs))
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -119,7 +120,8 @@ class PrefillWorker(EngineLoop):
                 self.post(self._resolve, out.request_id, SamplingError(out.error))
             elif out.new_token_ids:
                 self.post(self._resolve, out.request_id,
-                          PrefillOutcome(out.new_token_ids[0], out.num_cached_tokens, 0.0))
+                          PrefillOutcome(out.new_token_ids[0], out.num_cached_tokens, 0.0,
+                                         out.logprobs))
             elif out.status is RequestStatus.FINISHED_ERROR:
                 self.post(self._resolve, out.request_id, TandemError("prefill failed"))
 

@@ -14,7 +14,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -24,8 +24,10 @@ from coordinator.model import ServedModel, load_served_model
 from coordinator.server import uvicorn_server
 from coordinator.service import Coordinator
 from engine.model_store import ModelStore
+from engine.logprobs import TokenLogprob
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
+from engine.wire import logprobs_to_proto
 from tests.model_factory import write_tiny_tokenizer
 
 LAYOUT = "layout-A"
@@ -74,6 +76,15 @@ class Script:
     unavailable: bool = False  # prefill: every Prefill fails UNAVAILABLE
     hang: bool = False  # decode: after the first event, stream nothing until cancelled
     kv_bytes_received: int = 0  # decode: reported on the first event (Tokens.kv_bytes_received)
+    # Parallel to `tokens`: each token's logprob entry, sent only when the request asked for
+    # logprobs (SamplingOptions.logprobs set); [0] travels in the PrefillResult.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def logprobs_for(self, request, index: int) -> list:
+        if not request.sampling.HasField("logprobs") or index >= len(self.logprobs):
+            return []
+        entry = self.logprobs[index]  # as a worker would: the request's n alternatives
+        return logprobs_to_proto([replace(entry, top=entry.top[:request.sampling.logprobs])])
 
 
 class FakeWorker:
@@ -170,6 +181,7 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         try:
             tokens = list(script.tokens)
+            skip = 0  # tokens the prefill worker sent
             if request.remote_prefill:
                 # The direct handshake, simulated: the fake prefill worker hands the first
                 # token (or its failure) to this transfer id, as the last layer's KV would.
@@ -179,7 +191,7 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                     yield pb.GenerateEvent(tokens=pb.Tokens(finished=True, finish_reason="error",
                                                             error=error))
                     return
-                tokens = tokens[1:]  # the first token came from the prefill worker
+                tokens, skip = tokens[1:], 1  # the first token came from the prefill worker
             if script.hang:
                 await asyncio.sleep(DEADLINE_S)
             for i, token in enumerate(tokens):
@@ -190,7 +202,8 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=[token], finished=last,
                     finish_reason=script.finish_reason if last else "",
-                    kv_bytes_received=script.kv_bytes_received if i == 0 else 0))
+                    kv_bytes_received=script.kv_bytes_received if i == 0 else 0,
+                    logprobs=script.logprobs_for(request, i + skip)))
             if not tokens:
                 yield pb.GenerateEvent(tokens=pb.Tokens(finished=True,
                                                         finish_reason=script.finish_reason))
@@ -221,7 +234,8 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
             raise
         first = self.w.script.tokens[0]
         kv_channel(request.transfer_id).put_nowait((first, ""))
-        return pb.PrefillResult(first_token=first, prefill_seconds=0.01)
+        return pb.PrefillResult(first_token=first, prefill_seconds=0.01,
+                                logprobs=self.w.script.logprobs_for(request, 0))
 
     async def Status(self, request, context):
         if not self.w.status_answers:

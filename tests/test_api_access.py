@@ -319,15 +319,13 @@ def test_vllm_sampling_fields_reach_the_worker(model, tokens):
 
 
 @pytest.mark.parametrize("kind,field,value", [
-    ("chat", "logprobs", True),
-    ("chat", "top_logprobs", 2),
+    ("chat", "prompt_logprobs", 1),
     ("chat", "logit_bias", {"42": 5}),
     ("chat", "stop_token_ids", [5]),
     ("chat", "min_tokens", 4),
     ("chat", "ignore_eos", True),
     ("completion", "echo", True),
     ("completion", "best_of", 3),
-    ("completion", "logprobs", 1),
     ("completion", "suffix", "tail"),
 ])
 def test_openai_fields_tandem_does_not_honour_are_400_naming_them(model, kind, field, value):
@@ -364,13 +362,15 @@ def test_openai_fields_that_ask_for_nothing_are_accepted(model, tokens):
     assert chat.choices[0].message.content == TEXT and text.choices[0].text == TEXT
 
 
-def test_ollama_logprobs_are_refused_by_name(model):
+def test_ollama_logprobs_out_of_range_are_refused_by_name(model):
     async def scenario():
         async with coordinator_harness(model) as h:
             client = ollama.AsyncClient(host=h.url, timeout=DEADLINE_S)
             errors = []
-            for call in (client.chat(model="tiny", messages=MESSAGES, logprobs=True),
-                         client.generate(model="tiny", prompt="Hi", logprobs=True, top_logprobs=3)):
+            for call in (client.chat(model="tiny", messages=MESSAGES, logprobs=True,
+                                     top_logprobs=21),
+                         client.generate(model="tiny", prompt="Hi", logprobs=True,
+                                         top_logprobs=-1)):
                 with pytest.raises(ollama.ResponseError) as info:
                     await call
                 errors.append(info.value)
@@ -378,5 +378,5 @@ def test_ollama_logprobs_are_refused_by_name(model):
 
     chat, generate = run(scenario())
     assert chat.status_code == generate.status_code == 400
-    assert chat.error.startswith("logprobs is not supported")
-    assert generate.error.startswith("logprobs is not supported")
+    assert chat.error.startswith("top_logprobs must be between 0 and 20")
+    assert generate.error.startswith("top_logprobs must be between 0 and 20")

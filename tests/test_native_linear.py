@@ -140,7 +140,11 @@ def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
     cpu = torch.device("cpu")
     assert quant_int4.default_layout(cpu) == "cpu"
     assert quant_int8.default_layout(cpu) == "cpu"
-    packed = quant_int4.pack(torch.randn(32, 64), None, cpu)
-    x = torch.randn(2, 64)
-    torch.testing.assert_close(quant_int4.forward(x, packed), packed_linear_reference(x, packed),
-                               rtol=2e-2, atol=2e-2)
+    g = torch.Generator().manual_seed(0)
+    packed = quant_int4.pack(torch.randn(32, 64, generator=g), None, cpu)
+    x = torch.randn(2, 64, generator=g)
+    want = packed_linear_reference(x, packed)
+    # aten's int4 kernel rounds activations (bf16) on some dispatch levels: an error of a few
+    # 1e-3 of the output's scale, so the bound is relative to that scale, not absolute.
+    torch.testing.assert_close(quant_int4.forward(x, packed), want, rtol=2e-2,
+                               atol=1e-2 * float(want.abs().max()))

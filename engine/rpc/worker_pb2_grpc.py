@@ -159,6 +159,11 @@ class DecodeWorkerStub:
                 request_serializer=worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.worker.DecodeWorker/Embed',
+                request_serializer=worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=worker__pb2.EmbedResult.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -176,6 +181,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """INVALID_ARGUMENT for a bad input, RESOURCE_EXHAUSTED while the KV pool is too full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +200,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=worker__pb2.StatusRequest.FromString,
                     response_serializer=worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=worker__pb2.EmbedRequest.FromString,
+                    response_serializer=worker__pb2.EmbedResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +261,33 @@ class DecodeWorker:
             '/tandem.worker.DecodeWorker/Status',
             worker__pb2.StatusRequest.SerializeToString,
             worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.DecodeWorker/Embed',
+            worker__pb2.EmbedRequest.SerializeToString,
+            worker__pb2.EmbedResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,191 @@
+"""Embedding routes: Ollama's /api/embed (batched) and legacy /api/embeddings, and OpenAI's
+/v1/embeddings. The coordinator tokenizes (off the event loop), checks each input against the
+context, and one decode worker's Embed RPC computes the vectors (engine/embedding.py: the final
+normed hidden states, mean-pooled; L2-normalized except on the legacy route, as Ollama).
+
+Differences from Ollama kept on purpose: an empty input (`""`, `[]`, or an empty string in the
+list) is a 400 here, where Ollama answers an empty list (its way to load a model; tandem's
+workers hold theirs already). Inputs are tokenized as given, without the chat template, with
+the tokenizer's special tokens (BOS where the model has one), as Ollama does.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from coordinator.http_stream import read_json_body
+from coordinator.metrics import RequestTimings
+from coordinator.model import ServedModel, shown
+from coordinator.ollama_request import RequestError
+from coordinator.prompts import encode, off_loop
+from coordinator.service import Coordinator
+from engine.errors import ContextLengthError, ModelNotFoundError
+
+
+def _model_name(body: dict[str, Any], coordinator: Coordinator) -> str:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise RequestError("model is required")
+    if not coordinator.model.answers_to(name):
+        raise ModelNotFoundError(f"model '{shown(name)}' not found")
+    return name
+
+
+def _texts(value: Any, field: str, tokens_allowed: bool) -> list[str | list[int]]:
+    """`value` as a list of inputs: a string, a list of strings, and (OpenAI) a token array or
+    a list of token arrays. Empty inputs are a 400."""
+    def is_tokens(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif tokens_allowed and is_tokens(value) and value:
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise RequestError(f"{field} must be a string or a list of strings"
+                           + (" or token arrays" if tokens_allowed else ""))
+    if not items:
+        raise RequestError(f"{field} is empty")
+    for item in items:
+        if not (isinstance(item, str) or (tokens_allowed and is_tokens(item))):
+            raise RequestError(f"each {field} must be a string"
+                               + (" or an array of token ids" if tokens_allowed else ""))
+        if len(item) == 0:
+            raise RequestError(f"{field} holds an empty input")
+    return items
+
+
+def _token_ids(model: ServedModel, items: list[str | list[int]], context: int,
+               truncate: bool) -> list[list[int]]:
+    """Tokenizing thread: each input's ids, cut to `context` tokens with `truncate`, else a
+    ContextLengthError for one that is longer."""
+    vocab = model.config.vocab_size
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = encode(model.tokenizer, item, add_special_tokens=True,
+                         context=None if truncate else context)
+        else:
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            ids = list(item)
+        if not ids:
+            raise RequestError("an input has no tokens")
+        if len(ids) > context:
+            if not truncate:
+                raise ContextLengthError(f"the input is {len(ids)} tokens, more than the model's "
+                                         f"{context}-token context length")
+            ids = ids[:context]
+        out.append(ids)
+    return out
+
+
+def _context(body: dict[str, Any], model: ServedModel) -> int:
+    options = body.get("options")
+    if options is None:
+        return model.context_len
+    if not isinstance(options, dict):
+        raise RequestError("options must be an object")
+    num_ctx = options.get("num_ctx")
+    if num_ctx is None:
+        return model.context_len
+    if not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx <= 0:
+        raise RequestError("option 'num_ctx' must be a positive integer")
+    return min(num_ctx, model.context_len)
+
+
+def _truncate(body: dict[str, Any]) -> bool:
+    value = body.get("truncate", True)
+    if not isinstance(value, bool):
+        raise RequestError("truncate must be true or false")
+    return value
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def add_embedding_routes(app: FastAPI, coordinator: Coordinator) -> None:
+    model = coordinator.model
+    limits = coordinator.config
+    hidden = model.config.hidden_size
+
+    async def vectors(items: list, context: int, truncate: bool, normalize: bool,
+                      timings: RequestTimings) -> tuple[list[list[float]], int]:
+        ids = await off_loop(_token_ids, coordinator.model, items, context, truncate)
+        count = sum(map(len, ids))
+        timings.prompt_tokens = count
+        return await coordinator.embed(ids, normalize, timings), count
+
+    @app.post("/api/embed")
+    async def embed(request: Request) -> JSONResponse:
+        timings = RequestTimings()
+        body = await read_json_body(request, limits.max_body_bytes)
+        name = _model_name(body, coordinator)
+        items = _texts(body.get("input"), "input", tokens_allowed=False)
+        _check_dimensions(body, hidden)
+        embeddings, count = await vectors(items, _context(body, model), _truncate(body), True,
+                                          timings)
+        return JSONResponse({"model": name, "embeddings": embeddings,
+                             "total_duration": _ns(_elapsed(timings)),
+                             "load_duration": _ns(timings.load_wait),
+                             "prompt_eval_count": count})
+
+    @app.post("/api/embeddings")
+    async def embeddings_legacy(request: Request) -> JSONResponse:
+        # Ollama's first embedding route: one `prompt`, one vector, not normalized.
+        timings = RequestTimings()
+        body = await read_json_body(request, limits.max_body_bytes)
+        _model_name(body, coordinator)
+        items = _texts(body.get("prompt"), "prompt", tokens_allowed=False)
+        if len(items) != 1:
+            raise RequestError("prompt must be a string")
+        embeddings, _ = await vectors(items, _context(body, model), True, False, timings)
+        return JSONResponse({"embedding": embeddings[0]})
+
+    @app.post("/v1/embeddings")
+    async def openai_embeddings(request: Request) -> JSONResponse:
+        timings = RequestTimings()
+        body = await read_json_body(request, limits.max_body_bytes)
+        name = _model_name(body, coordinator)
+        items = _texts(body.get("input"), "input", tokens_allowed=True)
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise RequestError("encoding_format must be 'float' or 'base64'")
+        _check_dimensions(body, hidden)
+        # OpenAI refuses an input over the context; it never truncates.
+        embeddings, count = await vectors(items, model.context_len, False, True, timings)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _base64(v) if fmt == "base64" else v}
+                for i, v in enumerate(embeddings)]
+        return JSONResponse({"object": "list", "data": data, "model": name,
+                             "usage": {"prompt_tokens": count, "total_tokens": count}})
+
+
+def _check_dimensions(body: dict[str, Any], hidden: int) -> None:
+    """`dimensions` may only name the model's own size: tandem does not shorten vectors (a
+    mean-pooled chat model's vector is not trained to survive truncation, as Matryoshka ones are)."""
+    dims = body.get("dimensions")
+    if dims is None:
+        return
+    if not isinstance(dims, int) or isinstance(dims, bool) or dims != hidden:
+        raise RequestError(f"dimensions must be {hidden}, this model's embedding size "
+                           f"(got {shown(str(dims))})")
+
+
+def _base64(vector: list[float]) -> str:
+    """OpenAI's base64 encoding: little-endian float32 values."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def _elapsed(t: RequestTimings) -> float:
+    return time.monotonic() - t.arrival
