@@ -7,6 +7,7 @@ registry). It never imports torch.
     registry.py       workers, Registry gRPC servicer, liveness
     placement.py      which decode worker, which prefill worker or none (pure)
     admission.py      bounded queue and concurrency limit (503 when full)
+    residency.py      keep_alive: when the workers drop the model's weights, and reloading them
     request_flow.py   one request through the workers, as token ids
     text_stream.py    token ids -> text (detokenizer, stop strings)
     generation.py     one admitted request at the text level, timed

@@ -69,6 +69,14 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip().strip("\"'")
 
 
+def _default_keep_alive() -> float:
+    """OLLAMA_KEEP_ALIVE ("5m", "1h", seconds, negative = forever), else Ollama's 5 minutes."""
+    from coordinator.residency import parse_keep_alive  # noqa: PLC0415
+
+    seconds = parse_keep_alive(_env("OLLAMA_KEEP_ALIVE") or None)
+    return DEFAULTS.keep_alive_s if seconds is None else seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
             queue_timeout_s=args.queue_timeout, load_timeout_s=args.load_timeout,
+            keep_alive_s=_default_keep_alive(),
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
             token_timeout_s=args.token_timeout,

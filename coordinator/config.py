@@ -33,6 +33,10 @@ class CoordinatorConfig:
     # once their model is loaded, so this is a wait for a model load (a worker starting up, or
     # restarted after a crash): the request's Ollama load_duration. 0 = refuse at once.
     load_timeout_s: float = 30.0
+    # How long the model stays loaded after a request that names no keep_alive (Ollama's
+    # default 5m; OLLAMA_KEEP_ALIVE sets it): then the workers drop its weights until the next
+    # request (coordinator/residency.py). math.inf = forever.
+    keep_alive_s: float = 300.0
     heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
     heartbeat_misses: int = 3  # intervals without a heartbeat before a worker counts as dead
     # Deadlines (seconds) of the RPCs to workers.
@@ -88,6 +92,8 @@ class CoordinatorConfig:
                                  "(CIDR such as 10.0.0.0/8, or an address)") from None
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations!r}")
+        if not self.keep_alive_s >= 0:
+            raise ValueError(f"keep_alive_s must be >= 0 (math.inf = forever), got {self.keep_alive_s!r}")
         if not self.load_timeout_s >= 0:
             raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         for name in ("queue_timeout_s", "heartbeat_interval_s",

@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from coordinator.logprobs import completion_logprobs, content_entries
+from coordinator.logprobs import completion_logprobs, content_entries, prompt_completion_logprobs
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, RequestFlow, WorkerError
 from coordinator.text_stream import TextStream
@@ -38,6 +38,9 @@ class Generation:
         # those not yet taken by take_logprobs() start at _logprobs_taken.
         self.logprobs: list[TokenLogprob] = []
         self._logprobs_taken = 0
+        # The prompt tokens' after the first, when the request asked (prompt_logprobs); they
+        # come with the first token.
+        self.prompt_logprobs: list[TokenLogprob] = []
         self._flow = flow
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -60,6 +63,10 @@ class Generation:
         """take_logprobs in OpenAI completions' shape; `offset`: characters sent before."""
         return completion_logprobs(self._tokenizer, self._take(), offset)
 
+    def prompt_completion_logprobs(self, prompt_ids: list[int]) -> dict:
+        """The prompt's entries in OpenAI completions' shape (echo), the first token's null."""
+        return prompt_completion_logprobs(self._tokenizer, prompt_ids, self.prompt_logprobs)
+
     def _take(self) -> list[TokenLogprob]:
         new = self.logprobs[self._logprobs_taken:]
         self._logprobs_taken = len(self.logprobs)
@@ -79,6 +86,7 @@ class Generation:
                     piece, stopped = text.push(token_ids)
                     self.output_ids.extend(token_ids)
                     self.logprobs.extend(token_ids.logprobs)
+                    self.prompt_logprobs.extend(token_ids.prompt_logprobs)
                     self.timings.on_tokens(len(token_ids))
                     if piece:
                         yield piece

@@ -217,9 +217,11 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
 
     @app.get("/api/ps")
     async def ps() -> JSONResponse:
-        # The model counts as loaded while a worker that serves it is alive.
-        loaded = any(coordinator.registry.live_counts().values())
-        return JSONResponse({"models": [model_info.ps_entry(info)] if loaded else []})
+        # Loaded while a worker that serves it is alive and keep_alive has not unloaded it.
+        residency = coordinator.residency
+        loaded = residency.resident and any(coordinator.registry.live_counts().values())
+        entry = model_info.ps_entry(info, residency.expires_at_iso())
+        return JSONResponse({"models": [entry] if loaded else []})
 
     @app.post("/api/show")
     async def show(request: Request) -> JSONResponse:
@@ -233,12 +235,13 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
                          limits.max_messages)
         check_model(coordinator, req.model)
         if not req.messages:
+            await coordinator.preload(req.keep_alive)
             return JSONResponse(chat_load(model.name, req.unload))
         template = model.tokenizer.chat_template
         require_tool_support(req.tools, template, req.model)  # 400 as Ollama's
         prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
                                     req.params.context_limit(model.context_len))
-        generation = await coordinator.submit(prompt_ids, req.params, timings)
+        generation = await coordinator.submit(prompt_ids, req.params, timings, req.keep_alive)
         # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
         calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
         if req.stream:
@@ -257,10 +260,11 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
         req = parse_generate(await read_json_body(request, limits.max_body_bytes))
         check_model(coordinator, req.model)
         if not req.prompt and not req.context:
+            await coordinator.preload(req.keep_alive)
             return JSONResponse(generate_load(model.name, req.unload))
         prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
                                     req.context, req.params.context_limit(model.context_len))
-        generation = await coordinator.submit(prompt_ids, req.params, timings)
+        generation = await coordinator.submit(prompt_ids, req.params, timings, req.keep_alive)
 
         def context() -> list[int] | None:
             return None if req.raw else prompt_ids + generation.output_ids

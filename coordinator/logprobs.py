@@ -7,7 +7,9 @@ character decodes to U+FFFD; its bytes then say less than the model's own byte t
     OpenAI chat               choices[].logprobs: {content: [same as Ollama's entries]}
     OpenAI completions        choices[].logprobs: {tokens, token_logprobs, top_logprobs: [{token: logprob}],
                                                     text_offset}
-Streams carry, in each chunk, the entries of the tokens that arrived since the last chunk."""
+Streams carry, in each chunk, the entries of the tokens that arrived since the last chunk.
+Completions' `echo` puts the prompt tokens' entries first (prompt_completion_logprobs), the first
+prompt token's logprob and top_logprobs null, as OpenAI and vLLM send them."""
 
 from __future__ import annotations
 
@@ -46,3 +48,18 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob],
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}
+
+
+def prompt_completion_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                               entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The prompt's tokens in completions' shape (echo): `entries` are prompt tokens 1.. (the
+    engine's SamplingParams.prompt_logprobs); token 0 has no logprob, so null."""
+    first = token_text(tokenizer, prompt_ids[0])
+    rest = completion_logprobs(tokenizer, entries, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def join_completion_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions-shaped logprobs objects, one after the other."""
+    return {key: [*first[key], *then[key]] for key in first}

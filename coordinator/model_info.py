@@ -13,8 +13,7 @@ from typing import Any
 from coordinator.model import ServedModel
 from coordinator.tool_calls import supports_tools
 
-# Ollama writes a far-future expiry for a model kept loaded forever (keep_alive -1); tandem's
-# workers keep their model resident for their whole life.
+# Ollama writes a far-future expiry for a model kept loaded forever (keep_alive -1).
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"
 _GGUF_QUANT = re.compile(r"\.(Q\d_[0-9A-Z_]+|F16|F32|BF16)$", re.IGNORECASE)
 
@@ -75,11 +74,12 @@ def tags_entry(info: ModelInfo) -> dict[str, Any]:
             "size": info.size, "digest": info.digest, "details": info.details()}
 
 
-def ps_entry(info: ModelInfo) -> dict[str, Any]:
+def ps_entry(info: ModelInfo, expires_at: str | None = None) -> dict[str, Any]:
+    """expires_at: when keep_alive unloads the model (UTC ISO 8601); None = never."""
     # size_vram: tandem's workers may sit on other hosts; the coordinator does not know their
     # device memory, so it reports 0 rather than a guess.
     return {"name": info.name, "model": info.name, "size": info.size, "digest": info.digest,
-            "details": info.details(), "expires_at": NEVER_EXPIRES, "size_vram": 0,
+            "details": info.details(), "expires_at": expires_at or NEVER_EXPIRES, "size_vram": 0,
             "context_length": info.context_length}
 
 

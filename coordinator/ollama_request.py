@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from coordinator.residency import KeepAliveError, parse_keep_alive
 from coordinator.structured_output import ollama_format
 from coordinator.tool_calls import check_tool_list
 from engine.errors import TandemError
@@ -38,6 +39,7 @@ class ChatRequest:
     params: SamplingParams
     tools: list[dict] | None
     unload: bool = False  # keep_alive 0: with no messages, Ollama answers done_reason "unload"
+    keep_alive: float | None = None  # seconds the model stays loaded after (None = default)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class GenerateRequest:
     stream: bool
     params: SamplingParams
     unload: bool = False
+    keep_alive: float | None = None  # as in ChatRequest
 
 
 MAX_JSON_DEPTH = 64  # nesting of objects and arrays in a request body (tools schemas included)
@@ -168,9 +171,12 @@ def _with_format(params: SamplingParams, body: dict[str, Any]) -> SamplingParams
     return replace(params, logprobs=top or 0) if wanted else params
 
 
-def _unload(body: dict[str, Any]) -> bool:
-    keep_alive = body.get("keep_alive")
-    return keep_alive in (0, "0", "0s", "0m")
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    """keep_alive in seconds (coordinator/residency.py); None when not given."""
+    try:
+        return parse_keep_alive(body.get("keep_alive"))
+    except KeepAliveError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
@@ -183,9 +189,10 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
     check_tool_list(tools)
     _unsupported(body, model)
     params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
+    keep_alive = _keep_alive(body)
     return ChatRequest(model=model, messages=messages,
                        stream=stream_flag(body), params=params, tools=tools or None,
-                       unload=_unload(body))
+                       unload=keep_alive == 0, keep_alive=keep_alive)
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:
@@ -213,8 +220,10 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in context)):
         raise RequestError("context must be a list of token ids")
     params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
+    keep_alive = _keep_alive(body)
     return GenerateRequest(model=model, prompt=prompt, system=system, raw=raw, context=context,
-                           stream=stream_flag(body), params=params, unload=_unload(body))
+                           stream=stream_flag(body), params=params, unload=keep_alive == 0,
+                           keep_alive=keep_alive)
 
 
 def parse_show(body: dict[str, Any]) -> str:

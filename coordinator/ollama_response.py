@@ -88,8 +88,8 @@ def chat_final(model: str, g: Generation, content: str = "",
 
 
 def chat_load(model: str, unload: bool = False) -> dict[str, Any]:
-    """Empty `messages`: Ollama loads (or, with keep_alive 0, unloads) and answers at once.
-    tandem's workers keep the model resident, so there is nothing to wait for."""
+    """Empty `messages`: Ollama loads (or, with keep_alive 0, unloads) and answers once done
+    (Coordinator.preload did it)."""
     return {"model": model, "created_at": created_at(),
             "message": {"role": "assistant", "content": ""}, "done": True,
             "done_reason": "unload" if unload else "load"}

@@ -7,9 +7,13 @@ Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI la
 extra sampling fields (the openai client's `extra_body`): `top_k` (off, 0, by default, as OpenAI
 has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty. Fields tandem
 accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
-`prompt_logprobs`, `logit_bias`, `echo`, `best_of` > 1, `suffix`, vLLM's `min_tokens`,
-`ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's `logprobs: true`
-with `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py shapes them). `response_format`
+vLLM's `prompt_logprobs`, `logit_bias`, chat's `echo`, `best_of` > 1, `suffix`, vLLM's
+`min_tokens`, `ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's
+`logprobs: true` with `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py
+shapes them). Completions' `echo: true` puts the prompt before the completion and, with
+`logprobs`, the prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
+`max_tokens: 0` is allowed with echo only and scores the prompt alone (one token is generated
+and dropped: a prefill always yields one). `response_format`
 is a grammar (coordinator/structured_output.py); `tools` and `tool_choice` are
 coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Fields that change
 nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
@@ -49,9 +53,10 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_too
                       "stream_options"})
 # field: (the values that ask for nothing, why any other is refused)
 _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "prompt_logprobs": ((None, 0), "tandem returns no prompt log probabilities"),  # vLLM
+    "prompt_logprobs": ((None, 0), "ask for prompt log probabilities with echo and logprobs on "
+                        "/v1/completions"),  # vLLM
     "logit_bias": ((None, {}), "tandem's sampler takes no per-token biases"),
-    "echo": ((None, False), "the answer never repeats the prompt"),
+    "echo": ((None, False), "only /v1/completions repeats the prompt"),  # parse_completion honours it
     "best_of": ((None, 1), "tandem generates one completion per request"),
     "suffix": ((None, ""), "the served model does not support insert"),
     "reasoning_effort": ((None, "none"), "the served model does not think"),
@@ -77,6 +82,8 @@ class OpenAIRequest:
     prompt: str | list[int] | None = None  # completions
     tools: list[dict] | None = None
     tool_choice: ToolChoice = ToolChoice("auto")
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    score_only: bool = False  # completions, echo with max_tokens 0: the prompt alone
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -117,7 +124,9 @@ def _message(index: int, m: Any) -> Any:
     return m
 
 
-def _params(body: dict[str, Any]) -> SamplingParams:
+def _params(body: dict[str, Any], zero_tokens: bool = False) -> SamplingParams:
+    """zero_tokens: max_tokens 0 is allowed (echo scoring); it becomes num_predict 1, whose
+    token the route drops."""
     options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
     for field, option in _OPTION_FIELDS.items():
         if body.get(field) is not None:
@@ -126,11 +135,13 @@ def _params(body: dict[str, Any]) -> SamplingParams:
         options["top_k"] = 0  # vLLM's "off"
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
+        low = 0 if zero_tokens else 1
         if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                or not 1 <= max_tokens <= MAX_COUNT):
-            raise RequestError(f"max_tokens must be an integer between 1 and {MAX_COUNT}, "
+                or not low <= max_tokens <= MAX_COUNT):
+            raise RequestError(f"max_tokens must be an integer between {low} and {MAX_COUNT}"
+                               f"{'' if zero_tokens else ' (0 needs echo)'}, "
                                f"got {json.dumps(max_tokens)[:60]}")
-        options["num_predict"] = max_tokens
+        options["num_predict"] = max(1, max_tokens)
     try:
         params = SamplingParams.from_options(options)
     except InvalidOptionError as exc:  # name the field as this client sent it
@@ -141,7 +152,9 @@ def _params(body: dict[str, Any]) -> SamplingParams:
     return params if grammar is None else replace(params, grammar=grammar)
 
 
-def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
+def _common(body: dict[str, Any], honoured: frozenset[str] = frozenset()
+            ) -> tuple[str, bool, bool]:
+    """`honoured`: _UNIMPLEMENTED fields the caller handles itself."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model is required")
@@ -150,6 +163,8 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
         raise RequestError(f"n must be 1, got {n!r}: tandem returns one choice per request")
     for field, (nothing, why) in _UNIMPLEMENTED.items():
         value = body.get(field)
+        if field in honoured:
+            continue
         if not any(value == v and type(value) is type(v) for v in nothing):
             raise RequestError(f"{field} is not supported: {why} "
                                f"(got {json.dumps(value)[:60]})")
@@ -217,7 +232,10 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
 
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
-    model, stream, usage = _common(body)
+    model, stream, usage = _common(body, honoured=frozenset({"echo"}))
+    echo = False if body.get("echo") is None else body["echo"]
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {json.dumps(echo)[:60]}")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -226,9 +244,12 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     if not (isinstance(prompt, str) and prompt) and not ok_ids:
         raise RequestError("prompt must be a non-empty string or a list of token ids "
                            "(batches of several prompts are not supported)")
-    params = replace(_params(body), logprobs=_count(body, "logprobs"))
+    logprobs = _count(body, "logprobs")
+    params = replace(_params(body, zero_tokens=echo), logprobs=logprobs,
+                     prompt_logprobs=logprobs if echo else None)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
-                         prompt=prompt)
+                         prompt=prompt, echo=echo, score_only=echo and max_tokens == 0)
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from coordinator import openai_api as oa
 from coordinator.generation import Generation
 from coordinator.http_stream import SSE, WatchedStream, read_json_body
+from coordinator.logprobs import join_completion_logprobs
 from coordinator.metrics import RequestTimings
 from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, completion_prompt_ids, off_loop
@@ -89,17 +90,52 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
                                     req.params.context_limit(model.context_len))
         generation = await coordinator.submit(prompt_ids, req.params, timings)
         rid = oa.new_id("cmpl")
+        echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
         if req.stream:
             return WatchedStream(_stream_completion(rid, req.model, generation,
-                                                    req.include_usage),
+                                                    req.include_usage, echo),
                                  generation.close, media_type=SSE)
         text = await collect(request, generation)
         if text is None:
             return Response(status_code=499)
-        logprobs = (generation.take_completion_logprobs(0) if generation.wants_logprobs
-                    else None)
-        return JSONResponse(oa.completion(rid, req.model, text, generation.done_reason,
-                                          _usage(generation), logprobs=logprobs))
+        if echo is None:
+            logprobs = (generation.take_completion_logprobs(0) if generation.wants_logprobs
+                        else None)
+            return JSONResponse(oa.completion(rid, req.model, text, generation.done_reason,
+                                              _usage(generation), logprobs=logprobs))
+        text, logprobs = echo.whole(generation, text)
+        return JSONResponse(oa.completion(rid, req.model, text, echo.reason(generation),
+                                          echo.usage(generation), logprobs=logprobs))
+
+
+class _Echo:
+    """Completions' echo (openai_api.py): the prompt's text and, when logprobs were asked
+    for, its tokens' entries come first; score_only (max_tokens 0) drops the one token
+    generated."""
+
+    def __init__(self, req: oa.OpenAIRequest, prompt_ids: list[int], tokenizer) -> None:
+        self.prompt_ids = prompt_ids
+        self.text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids)
+        self.score_only = req.score_only
+
+    def prompt_logprobs(self, g: Generation) -> dict[str, Any] | None:
+        return g.prompt_completion_logprobs(self.prompt_ids) if g.wants_logprobs else None
+
+    def whole(self, g: Generation, text: str) -> tuple[str, dict[str, Any] | None]:
+        if self.score_only:
+            return self.text, self.prompt_logprobs(g)
+        if not g.wants_logprobs:
+            return self.text + text, None
+        return self.text + text, join_completion_logprobs(
+            self.prompt_logprobs(g), g.take_completion_logprobs(len(self.text)))
+
+    def reason(self, g: Generation) -> str | None:
+        return "length" if self.score_only else g.done_reason
+
+    def usage(self, g: Generation) -> dict[str, Any]:
+        if not self.score_only:
+            return _usage(g)
+        return oa.usage(g.timings.prompt_tokens, 0, g.outcome.cached_tokens)
 
 
 async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
@@ -138,23 +174,42 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
     yield oa.sse("[DONE]")
 
 
-async def _stream_completion(rid: str, name: str, g: Generation,
-                             include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream_completion(rid: str, name: str, g: Generation, include_usage: bool,
+                             echo: _Echo | None = None) -> AsyncIterator[bytes]:
     offset = 0  # characters sent so far: where the next chunk's text_offset starts
 
     def logprobs() -> dict[str, Any] | None:
         return g.take_completion_logprobs(offset) if g.wants_logprobs else None
 
+    def echoed() -> bytes:
+        # The prompt's chunk: its logprobs come with the first token, so it goes out once
+        # that arrived (before the first piece, or at the end).
+        nonlocal offset, echo
+        chunk = oa.sse(oa.completion(rid, name, echo.text, None, None, done=False, chunk=True,
+                                     logprobs=echo.prompt_logprobs(g)))
+        offset, echo = len(echo.text), None
+        return chunk
+
+    score_only = echo is not None and echo.score_only
     try:
         async for piece in g.pieces():
+            if echo is not None and not score_only:
+                yield echoed()
+            if score_only:
+                continue
             yield oa.sse(oa.completion(rid, name, piece, None, None, done=False, chunk=True,
                                        logprobs=logprobs()))
             offset += len(piece)
     except WorkerError as exc:
         yield oa.sse(oa.error_body(500, str(exc)))
         return
-    yield oa.sse(oa.completion(rid, name, "", g.done_reason, None, chunk=True,
-                               logprobs=logprobs()))
+    if echo is not None:
+        yield echoed()
+    reason = "length" if score_only else g.done_reason
+    yield oa.sse(oa.completion(rid, name, "", reason, None, chunk=True,
+                               logprobs=None if score_only else logprobs()))
     if include_usage:
-        yield oa.sse(oa.usage_chunk(rid, name, "text_completion", _usage(g)))
+        usage = (oa.usage(g.timings.prompt_tokens, 0, g.outcome.cached_tokens) if score_only
+                 else _usage(g))
+        yield oa.sse(oa.usage_chunk(rid, name, "text_completion", usage))
     yield oa.sse("[DONE]")

@@ -82,6 +82,7 @@ class WorkerRecord:
     assigned_prefill_tokens: int = 0
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
+    resident: bool = True  # it holds the model's weights, as last reported (keep_alive)
     prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
     decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
 
@@ -102,7 +103,7 @@ class WorkerRecord:
             "num_running": load.num_running, "num_waiting": load.num_waiting,
             "queued_prefill_tokens": load.queued_prefill_tokens,
             "cached_blocks": len(load.cached_hashes),
-            "assigned_requests": self.assigned_requests,
+            "assigned_requests": self.assigned_requests, "resident": self.resident,
             "kv": asdict(self.kv) if self.kv is not None else None,
         }
 
@@ -158,12 +159,12 @@ class WorkerRegistry:
             log.warning("refused worker %r at %s: %s", info.worker_id, info.address, reason)
             return pb.RegisterResponse(accepted=False, reason=reason)
         old = self._workers.get(info.worker_id)
-        if old is not None and old.address == info.address:
-            channel = old.channel  # same server: keep the connection
-        else:
-            channel = grpc.aio.insecure_channel(info.address)
-            if old is not None:
-                _close_later(old.channel)
+        # Always a fresh channel: a worker registers again after it was declared dead or was
+        # restarted (often at the same address); the old channel may sit in gRPC's reconnect
+        # backoff after the old process died, failing the first calls with UNAVAILABLE.
+        channel = grpc.aio.insecure_channel(info.address)
+        if old is not None:
+            _close_later(old.channel)
         record = WorkerRecord(
             worker_id=info.worker_id, role=info.role, address=info.address,
             kv_endpoint=info.kv_endpoint, kv_backend=info.kv_backend,
@@ -171,6 +172,7 @@ class WorkerRegistry:
             kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
             load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
             registrations=old.registrations + 1 if old else 1, kv=kv_from_status(info.status),
+            resident=not info.status.unloaded,
         )
         if info.role == "prefill":
             record.prefill_stub = pb_grpc.PrefillWorkerStub(channel)
@@ -191,6 +193,7 @@ class WorkerRegistry:
         if request.HasField("status"):
             record.load = load_from_status(request.status)
             record.kv = kv_from_status(request.status)
+            record.resident = not request.status.unloaded
         self._notify()
         return pb.HeartbeatResponse(known=True)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -55,11 +55,14 @@ class WorkerError(Exception):
 class TokenIds(list):
     """What the flow yields: a list of token ids (callers may treat it as one) that also carries
     `logprobs`, parallel to it when the request asked for them (SamplingParams.logprobs), else
-    empty."""
+    empty, and, with the first token of a request that asked for SamplingParams.prompt_logprobs,
+    `prompt_logprobs`: the prompt tokens' after the first (else empty)."""
 
-    def __init__(self, ids, logprobs: list[TokenLogprob] | None = None) -> None:
+    def __init__(self, ids, logprobs: list[TokenLogprob] | None = None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         super().__init__(ids)
         self.logprobs: list[TokenLogprob] = list(logprobs or ())
+        self.prompt_logprobs: list[TokenLogprob] = list(prompt_logprobs or ())
 
 
 class NoWorkers(TandemError):
@@ -143,6 +146,8 @@ class RequestFlow:
         """One placement. `prior`: trailing tokens of prompt_ids that earlier placements
         generated (0 on the first), counted against max_tokens and shown to the grammar."""
         max_tokens = req.max_tokens - prior
+        # After a move the prompt logprobs have come already (with the first token).
+        params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
         placement = self.place(prompt_ids, dead)
         decode = self.registry.get(placement.decode.worker_id)
         remote = placement.prefill is not None
@@ -150,7 +155,7 @@ class RequestFlow:
         local_tokens = 0 if remote else len(prompt_ids)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
-            convert.generate_request(transfer_id, prompt_ids, req.params, req.stop_token_ids,
+            convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
                                      max_tokens, remote,
                                      0 if remote else self.config.local_chunk_size,
                                      transfer_id=transfer_id if remote else "",
@@ -160,7 +165,7 @@ class RequestFlow:
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
-                                                   transfer_id, prompt_ids, prior, req.params, out)
+                                                   transfer_id, prompt_ids, prior, params, out)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:
@@ -211,7 +216,8 @@ class RequestFlow:
         out.prefill_worker = prefill_id
         out.cached_tokens = result.num_cached_tokens
         out.prefill_seconds = result.prefill_seconds
-        return TokenIds([result.first_token], logprobs_from_proto(result.logprobs))
+        return TokenIds([result.first_token], logprobs_from_proto(result.logprobs),
+                        logprobs_from_proto(result.prompt_logprobs))
 
     def _check_early(self, read: asyncio.Future, decode: WorkerRecord) -> None:
         """An event the decode worker sent before the first token: raises for a failure."""
@@ -248,7 +254,8 @@ class RequestFlow:
                 detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
                 raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
             if tokens.token_ids:
-                yield TokenIds(tokens.token_ids, logprobs_from_proto(tokens.logprobs))
+                yield TokenIds(tokens.token_ids, logprobs_from_proto(tokens.logprobs),
+                               logprobs_from_proto(tokens.prompt_logprobs))
             if tokens.finished:
                 out.finish_reason = tokens.finish_reason or "stop"
                 return

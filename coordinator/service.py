@@ -20,6 +20,7 @@ from coordinator.model import ServedModel
 from coordinator.placement import Prompt, choose_decode, concurrency_limit
 from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
+from coordinator.residency import Residency
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
 from engine.errors import ContextLengthError, InvalidOptionError
 from engine.grammar_compile import check_grammar
@@ -45,6 +46,9 @@ class Coordinator:
         self._worker_waiters: set[asyncio.Future[None]] = set()  # requests awaiting a worker
         self.registry.add_listener(self._wake_worker_waiters)
         self.flow = RequestFlow(self.registry, config)
+        # keep_alive: loads the model on the workers before a request, drops it after expiry.
+        self.residency = Residency(self.registry, config.keep_alive_s, config.prefill_timeout_s)
+        self._residency_task: asyncio.Task | None = None
         self.metrics = Metrics()
         self.registry_port: int | None = None
         self.grpc_port: int | None = None  # the client-facing gRPC API
@@ -63,6 +67,7 @@ class Coordinator:
         self._server, self.registry_port = await start_registry_server(
             self.registry, self.config.registry_host, self.config.registry_port)
         self._sweeper = asyncio.create_task(self.registry.run_sweeper())
+        self._residency_task = asyncio.create_task(self.residency.run())
         log.info("registry listening on %s:%d", self.config.registry_host, self.registry_port)
         from coordinator.grpc_api import start_client_api  # noqa: PLC0415 (grpc_api imports us)
 
@@ -74,10 +79,11 @@ class Coordinator:
     async def stop(self) -> None:
         if self._client_server is not None:
             await self._client_server.stop(grace=1.0)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._residency_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.registry.close()
@@ -111,35 +117,55 @@ class Coordinator:
                            stop_token_ids=self.model.tokenizer.stop_token_ids)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     timings: RequestTimings) -> Generation:
+                     timings: RequestTimings, keep_alive_s: float | None = None) -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
-        A grammar that does not compile is refused here (InvalidOptionError: a 400)."""
+        A grammar that does not compile is refused here (InvalidOptionError: a 400).
+        keep_alive_s: how long the model stays loaded after this request (None = the
+        server's default; math.inf = forever)."""
         timings.prompt_tokens = len(prompt_ids)
         request = self.prepare(prompt_ids, params)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)
-        return await self.begin(request, timings)
+        return await self.begin(request, timings, keep_alive_s)
 
-    async def begin(self, request: FlowRequest, timings: RequestTimings) -> Generation:
-        """Admit the request (waiting for a live decode worker, then in the queue, if need
-        be). Raises NoWorkers or Overloaded."""
+    async def begin(self, request: FlowRequest, timings: RequestTimings,
+                    keep_alive_s: float | None = None) -> Generation:
+        """Admit the request (waiting for a live decode worker, for the model to load on the
+        workers, then in the queue, if need be). Raises NoWorkers or Overloaded."""
         if self.open_requests >= self.config.max_streams:
             self.metrics.count_refusal("overloaded")
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
+        held = False  # counted in flight by residency
         try:
             await self._wait_for_decode_worker(timings)
+            timings.load_wait += await self.residency.acquire()
+            held = True
             await self.admission.acquire()
         except BaseException as exc:  # NoWorkers, Overloaded, or the client left while waiting
             self.open_requests -= 1
+            if held:
+                self.residency.release(keep_alive_s)
             if isinstance(exc, (NoWorkers, Overloaded)):
                 self.metrics.count_refusal("overloaded")
             raise
         timings.admitted = time.monotonic()
         return Generation(request, timings, self.flow, self.model.tokenizer, self.metrics,
-                          self._release)
+                          lambda: self._release(keep_alive_s))
+
+    async def preload(self, keep_alive_s: float | None) -> None:
+        """A request with no prompt (Ollama's load/unload): keep_alive 0 unloads the model
+        from the workers now (or once the requests in flight end); any other value loads it
+        and sets its expiry."""
+        if keep_alive_s == 0:
+            await self.residency.unload()
+            return
+        if not self.residency.resident:  # else nothing to wait for: only the expiry moves
+            await self._wait_for_decode_worker(RequestTimings())
+        await self.residency.acquire()
+        self.residency.release(keep_alive_s)
 
     async def embed(self, inputs: list[list[int]], normalize: bool,
                     timings: RequestTimings) -> list[list[float]]:
@@ -151,8 +177,11 @@ class Coordinator:
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
+        held = False
         try:
             await self._wait_for_decode_worker(timings)
+            timings.load_wait += await self.residency.acquire()
+            held = True
             timings.admitted = time.monotonic()
             request = pb.EmbedRequest(request_id=uuid.uuid4().hex, normalize=normalize,
                                       inputs=[pb.TokenIds(token_ids=ids) for ids in inputs])
@@ -185,14 +214,16 @@ class Coordinator:
                     self.registry.assign(record.worker_id, requests=-1)
         finally:
             self.open_requests -= 1
+            if held:
+                self.residency.release(None)
 
     async def _wait_for_decode_worker(self, timings: RequestTimings) -> None:
         """Return once a decode worker is live, waiting up to config.load_timeout_s.
 
         Workers register only after loading their model, so this wait is the time the request
         spent waiting for a model load (a worker starting, or restarted after a crash): Ollama's
-        load_duration (timings.load_wait). It stays exactly 0.0 when a worker was live. Nothing
-        here loads or unloads a model: workers load theirs once, at start-up."""
+        load_duration (timings.load_wait). It stays exactly 0.0 when a worker was live. A reload
+        after keep_alive expired is residency.acquire's wait, added to the same figure."""
         if self.registry.live(DECODE_ROLES):
             return
         start = time.monotonic()
@@ -233,9 +264,10 @@ class Coordinator:
         if name not in (self.model.name, str(path), path.name, path.stem):
             self.model = dataclasses.replace(self.model, names=self.model.names - {name})
 
-    def _release(self) -> None:
+    def _release(self, keep_alive_s: float | None = None) -> None:
         self.open_requests -= 1
         self.admission.release()
+        self.residency.release(keep_alive_s)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.registry.all(), self.admission.queue_depth,

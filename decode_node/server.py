@@ -8,7 +8,8 @@ import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from engine.embedding import EmbedBusy
-from engine.errors import TandemError
+from engine.errors import ResidencyError, TandemError
+from engine.node_server import set_resident
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from engine.wire import logprobs_to_proto, sampling_from_proto
@@ -32,6 +33,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                         request.num_prior_output_tokens)
         try:
             events = self.worker.open(job)
+        except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
@@ -43,7 +46,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
                     error=event.error, num_cached_tokens=event.num_cached_tokens,
                     kv_bytes_received=event.kv_bytes_received,
-                    logprobs=logprobs_to_proto(event.logprobs)))
+                    logprobs=logprobs_to_proto(event.logprobs),
+                    prompt_logprobs=logprobs_to_proto(event.prompt_logprobs)))
         finally:
             if not finished:
                 self.worker.close_stream(job.request_id)
@@ -56,6 +60,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             vectors = await self.worker.embed(inputs, request.normalize)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ResidencyError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except EmbedBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
@@ -64,3 +70,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()
+
+    async def SetResident(self, request: pb.ResidencyRequest, context) -> pb.ResidencyResult:
+        return await set_resident(self.worker, request, context)
+

@@ -65,6 +65,7 @@ class Tokens:
     num_cached_tokens: int = 0
     kv_bytes_received: int = 0
     logprobs: list | None = None  # engine.logprobs.TokenLogprob per token, when asked for
+    prompt_logprobs: list | None = None  # local prefill, first event: the prompt tokens', when asked for
 
 
 class DecodeWorker(EngineLoop):
@@ -94,6 +95,7 @@ class DecodeWorker(EngineLoop):
 
     def open(self, job: DecodeJob) -> asyncio.Queue:
         self.check_alive()
+        self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
         q: asyncio.Queue = asyncio.Queue()
         self._streams[job.request_id] = q
         self.call(lambda: self._admit(job))
@@ -104,6 +106,7 @@ class DecodeWorker(EngineLoop):
         engine's token budget is one call on the engine thread, so decode steps go on between
         passes. ValueError for an empty or too long input; EmbedBusy when the pool is full."""
         self.check_alive()
+        self.engine.require_resident()
         limit = self.engine.config.context_length
         for ids in inputs:
             if not ids or len(ids) > limit:
@@ -147,6 +150,7 @@ class DecodeWorker(EngineLoop):
     def _admit(self, job: DecodeJob) -> None:
         engine = self.engine
         try:
+            engine.require_resident()  # an unload may have run since open()
             request = engine.make_request(job.prompt_token_ids, job.params, job.request_id,
                                           job.stop_token_ids, job.max_tokens, job.max_chunk_tokens,
                                           job.num_prior_output_tokens)
@@ -190,7 +194,8 @@ class DecodeWorker(EngineLoop):
                     kv_bytes = self.connector.expected_bytes.pop(out.request_id, 0)
             self._emit(out.request_id, Tokens(out.new_token_ids, out.finished, reason, out.error,
                                               num_cached_tokens=out.num_cached_tokens,
-                                              kv_bytes_received=kv_bytes, logprobs=out.logprobs))
+                                              kv_bytes_received=kv_bytes, logprobs=out.logprobs,
+                                              prompt_logprobs=out.prompt_logprobs))
 
     def on_fatal(self, exc: BaseException) -> None:
         def fail_all() -> None:

@@ -13,6 +13,8 @@ Threading contract:
 - `snapshot` is a LoadSnapshot of plain ints, replaced (never mutated) by the engine thread
   after every iteration; other threads read it for heartbeats instead of touching the
   scheduler's queues, which the engine thread mutates.
+- `set_resident` drops or reloads the engine's weights through `call` (keep_alive,
+  coordinator/residency.py); while they are dropped the workers refuse new requests.
 - If the loop dies, `alive` turns False, open requests are failed (`on_fatal`) and new ones
   are refused at once (`check_alive`); the process is expected to exit (node_server watches).
   That is the last resort, for faults of the engine itself (a forward pass that raises). A
@@ -44,6 +46,7 @@ class LoadSnapshot:
     queued_prefill_tokens: int  # prompt tokens not yet computed, waiting or mid-prefill
     cache_version: int = -1  # BlockManager.cache_version when cached_hashes was copied
     cached_hashes: tuple[bytes, ...] = ()  # the prefix cache's block hashes (routing)
+    resident: bool = True  # the engine holds its weights (LLMEngine.resident)
 
     @classmethod
     def of(cls, engine: LLMEngine, previous: "LoadSnapshot | None" = None) -> "LoadSnapshot":
@@ -55,7 +58,7 @@ class LoadSnapshot:
         else:
             hashes = tuple(bm.cached_hashes())
         return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued,
-                   bm.cache_version, hashes)
+                   bm.cache_version, hashes, engine.resident)
 
 
 class EngineLoop:
@@ -91,6 +94,29 @@ class EngineLoop:
     def check_alive(self) -> None:
         if not self.alive:
             raise RuntimeError(f"engine loop is not running: {self.fatal or 'stopped'}")
+
+    async def set_resident(self, resident: bool) -> float:
+        """Drops (False) or loads (True) the engine's weights on the engine thread, between two
+        steps; returns the seconds spent loading. ResidencyError when dropping them while
+        requests are open. Loading blocks the engine thread, which has no work then anyway:
+        while unloaded every new request is refused."""
+        self.check_alive()
+        done: asyncio.Future = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                if resident:
+                    seconds = self.engine.load_weights()
+                else:
+                    self.engine.unload_weights()
+                    seconds = 0.0
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
+                self.post(_settle, done, None, exc)
+            else:
+                self.post(_settle, done, seconds, None)
+
+        self.call(run)
+        return await done
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -139,3 +165,12 @@ class EngineLoop:
             log.exception("engine loop died")
             self.fatal = exc
             self.on_fatal(exc)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up (cancelled)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -37,3 +37,8 @@ class ChatTemplateError(InvalidOptionError):
 class SamplingError(TandemError):
     """A request whose logits gave no distribution to draw from (non-finite or all-zero
     probabilities). The request ends with this error; the rest of its batch goes on."""
+
+
+class ResidencyError(TandemError):
+    """The engine's weights are dropped (keep_alive expired) and the work needs them, or they
+    cannot be dropped now because requests are open; a worker answers FAILED_PRECONDITION."""

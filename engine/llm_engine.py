@@ -10,6 +10,7 @@ passes without decode tokens (engine/models/llama.py).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ from engine.block_manager import BlockManager
 from engine.config import (
     KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
-from engine.errors import ContextLengthError, InvalidOptionError, SamplingError
+from engine.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
 from engine.logprobs import TokenLogprob
@@ -66,6 +67,21 @@ class StepOutput:
     # Parallel to new_token_ids when the request asked for logprobs (SamplingParams.logprobs),
     # else None.
     logprobs: list[TokenLogprob] | None = None
+    # With the request's first token, when it asked for prompt logprobs: entry i is prompt
+    # token i + 1's (the first prompt token has none). Else None.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
+    """The indexes into a chunk [start, start + num_tokens) whose logits give prompt logprobs
+    not yet computed: positions p < num_prompt_tokens - 1 (position p's distribution scores
+    prompt token p + 1; the last prompt position's is the first sample). Empty unless the
+    request asked."""
+    if request.sampling_params.prompt_logprobs is None:
+        return range(0)
+    lo = max(start, len(request.prompt_logprobs))
+    hi = min(start + num_tokens, request.num_prompt_tokens - 1)
+    return range(lo - start, max(lo, hi) - start)
 
 
 class LLMEngine:
@@ -103,6 +119,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []
         self.load_duration_s = 0.0
         self.last_step_ran = False  # whether the last step() ran a forward pass
+        self._reload_model = None  # from_path: rebuilds the model for load_weights
 
     @classmethod
     def from_path(cls, path: str | Path, *, role: str = "colocated", weight_format: str = "fp32",
@@ -141,7 +158,49 @@ class LLMEngine:
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
         engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
         engine.load_duration_s = time.monotonic() - t0
+
+        def reload():  # the same path and formats, for load_weights after unload_weights
+            again = load_model(Path(path))
+            return model_class(again.config.architecture)(again.config, again.weights, main_format,
+                                                          prefill_format=second_format)
+
+        engine._reload_model = reload
         return engine
+
+    # -- residency (keep_alive): called on the engine thread, between steps ---------------
+
+    @property
+    def resident(self) -> bool:
+        """Whether the weights are loaded (unload_weights drops them)."""
+        return self.model is not None
+
+    def unload_weights(self) -> None:
+        """Drops the model (its weights) while keeping the scheduler, block manager and KV
+        pool: a decode worker's pool is the KV receiver's buffer (shared memory for shm),
+        whose layout peers handshook, and the prefix cache stays valid for the same weights.
+        ResidencyError while requests are open."""
+        if self.has_unfinished():
+            raise ResidencyError("cannot unload the model while requests are open")
+        if self.model is None:
+            return
+        self.model = None
+        self.runner.model = None
+        gc.collect()
+
+    def load_weights(self) -> float:
+        """Loads the weights again from the path from_path read; returns the seconds it took
+        (0.0 when they were loaded)."""
+        if self.model is not None:
+            return 0.0
+        if self._reload_model is None:
+            raise ResidencyError("this engine was not built from a path; it cannot reload its model")
+        t0 = time.monotonic()
+        self.model = self.runner.model = self._reload_model()
+        return time.monotonic() - t0
+
+    def require_resident(self) -> None:
+        if self.model is None:
+            raise ResidencyError("the model is unloaded (keep_alive expired); load it first")
 
     # -- requests ------------------------------------------------------------------------
 
@@ -240,11 +299,15 @@ class LLMEngine:
         # prompt) is not.
         chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
-                                is_decode=c.start_pos >= c.request.num_prompt_tokens)
+                                is_decode=c.start_pos >= c.request.num_prompt_tokens,
+                                prompt_logits=_prompt_logit_rows(c.request, c.start_pos, c.num_tokens))
                   for c in plan.chunks]
         save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
         logits = self.runner.execute(chunks, save_kv_layer)
         sampling = [c.request for c in plan.chunks if c.samples]
+        if logits.shape[0] > len(sampling):  # prompt logprob rows follow the sampling rows
+            self._add_prompt_logprobs(plan.chunks, chunks, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         sampled, failed = self._sample(sampling, logits)
         logprobs = self._logprobs(sampling, logits, sampled)
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
@@ -255,8 +318,11 @@ class LLMEngine:
                 self._generators.pop(request_id, None)
             request = by_id[request_id]
             entry = logprobs.get(request_id)
+            prompt = (request.prompt_logprobs if request.sampling_params.prompt_logprobs is not None
+                      and request.num_output_tokens == 1 else None)
             outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens,
-                                      logprobs=None if entry is None else [entry]))
+                                      logprobs=None if entry is None else [entry],
+                                      prompt_logprobs=prompt))
         for request_id, reason in failed.items():
             if request_id not in self.scheduler.requests:
                 continue  # aborted while the pass ran
@@ -335,6 +401,29 @@ class LLMEngine:
             top = tuple(zip(top_ids[j][:k], top_lp[j][:k]))
             out[r.request_id] = TokenLogprob(sampled[r.request_id], chosen_lp[j], top)
         return out
+
+    @staticmethod
+    def _add_prompt_logprobs(scheduled, chunks: list[SequenceChunk], rows: torch.Tensor) -> None:
+        """Appends to each asking request's prompt_logprobs the entries of its chunk's
+        prompt_logits rows (`rows`, in chunk order): the next prompt token's logprob under
+        the raw distribution at each position, and the request's top alternatives."""
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        owners, targets = [], []
+        for s, c in zip(scheduled, chunks):
+            for i in c.prompt_logits:
+                owners.append(s.request)
+                targets.append(s.request.token_ids[c.start_pos + i + 1])
+        index = torch.tensor(targets, dtype=torch.int64, device=logp.device)
+        chosen = logp.gather(1, index[:, None]).squeeze(1).tolist()
+        n = min(max(r.sampling_params.prompt_logprobs for r in owners), logp.shape[1])
+        top_lp, top_ids = [[]] * len(owners), [[]] * len(owners)
+        if n:
+            values, ids = logp.topk(n, dim=-1)
+            top_lp, top_ids = values.tolist(), ids.tolist()
+        for j, request in enumerate(owners):
+            k = request.sampling_params.prompt_logprobs
+            request.prompt_logprobs.append(
+                TokenLogprob(targets[j], chosen[j], tuple(zip(top_ids[j][:k], top_lp[j][:k]))))
 
     def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         # -- structured output: rows with a grammar get its token mask (engine/grammar.py); a

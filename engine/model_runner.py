@@ -29,6 +29,9 @@ class SequenceChunk:
     # The sequence is past its prompt (feeds back a generated token): set by the engine.
     # None: unknown, a one-token chunk counts as a decode.
     is_decode: bool | None = None
+    # Prompt logprobs: indexes into token_ids whose logits the engine also wants (each
+    # position's distribution over the next prompt token). Empty for every other request.
+    prompt_logits: range = range(0)
 
     @property
     def decodes(self) -> bool:
@@ -63,6 +66,7 @@ class ModelRunner:
         cu = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_indices: list[int] = []  # after the sampling rows (execute's docstring)
         max_blocks = max(len(c.block_table) for c in chunks)
         tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
         for b, c in enumerate(chunks):
@@ -78,6 +82,7 @@ class ModelRunner:
             tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
             if c.needs_logits:
                 logits_indices.append(cu[-1] - 1)
+            prompt_indices.extend(cu[-2] + i for i in c.prompt_logits)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -85,7 +90,7 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=tables,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.int64),
             has_decode=any(c.decodes for c in chunks),
         )
 
@@ -93,7 +98,8 @@ class ModelRunner:
     def execute(self, chunks: Sequence[SequenceChunk],
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Runs one forward pass; returns fp32 logits [number of chunks needing logits, vocab],
-        in chunk order."""
+        in chunk order, followed by the rows of every chunk's prompt_logits, in chunk order
+        (none unless a chunk asks)."""
         batch = self.prepare(chunks)
         batch.on_layer_done = on_layer_done
         hidden = self.model.forward(batch, self.kv_cache)

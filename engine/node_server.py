@@ -21,7 +21,7 @@ from engine.config import (
     DECODE_FORMATS, KV_DTYPE_TORCH_NAMES, KV_DTYPES, PREFILL_FORMATS, SchedulerConfig,
 )
 from engine.engine_loop import EngineLoop
-from engine.errors import TandemError
+from engine.errors import ResidencyError, TandemError
 from engine.llm_engine import LLMEngine
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
@@ -131,7 +131,21 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
         num_running=snap.num_running, num_waiting=snap.num_waiting,
         queued_prefill_tokens=snap.queued_prefill_tokens,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv)
+        block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv,
+        unloaded=not snap.resident)
+
+
+async def set_resident(worker: EngineLoop, request: pb.ResidencyRequest,
+                       context: grpc.aio.ServicerContext) -> pb.ResidencyResult:
+    """SetResident of either worker service (proto/worker.proto), over its engine loop."""
+    try:
+        seconds = await worker.set_resident(request.resident)
+    except ResidencyError as exc:  # requests are open
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    except RuntimeError as exc:  # the engine loop died
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    log.info("model %s", "loaded in %.2f s" % seconds if request.resident else "unloaded")
+    return pb.ResidencyResult(resident=worker.engine.resident, load_seconds=seconds)
 
 
 def kv_counters(backend: str, stats, sending: bool) -> pb.KVTransferCounters:

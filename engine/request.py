@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_connector import KVTransferParams, KVTransferState
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class Request:
     # Structured output: the request's grammar matcher, made by the engine at its first draw
     # and advanced over output_token_ids before each mask (engine/grammar.py's invariant).
     grammar: RequestGrammar | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): entry i is prompt token i + 1's, filled
+    # chunk by chunk as the prefill passes compute them; kept across a preemption, so that a
+    # recompute adds none twice.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

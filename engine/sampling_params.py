@@ -131,6 +131,10 @@ class SamplingParams:
     # report with each sampled token's (0 = the sampled token's only), 0..MAX_LOGPROBS. Set by
     # the APIs' own fields, never from Ollama's `options`.
     logprobs: int | None = None
+    # Prompt log probabilities: None = none, else how many top alternatives to report with each
+    # prompt token's (0..MAX_LOGPROBS). The prefill computes logits at every prompt position,
+    # so such a request bypasses the prefix cache (engine/scheduler.py). Set by the APIs.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -175,10 +179,12 @@ class SamplingParams:
         if self.seed is not None and self.seed < 0:
             object.__setattr__(self, "seed", None)
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", _to_int("logprobs", self.logprobs))
-            _check_range("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
-                         f"between 0 and {MAX_LOGPROBS}", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _to_int(name, value)
+                object.__setattr__(self, name, value)
+                _check_range(name, 0 <= value <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}", value)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
 
@@ -284,9 +290,9 @@ def _kind(annotation: str) -> str:
     return "stop"
 
 
-# Field annotations are strings under `from __future__ import annotations`. `grammar` and
-# `logprobs` are set by the APIs, never from Ollama's `options`.
+# Field annotations are strings under `from __future__ import annotations`. `grammar`,
+# `logprobs` and `prompt_logprobs` are set by the APIs, never from Ollama's `options`.
 _KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
-                          if f.name not in ("grammar", "logprobs")}
+                          if f.name not in ("grammar", "logprobs", "prompt_logprobs")}
 _OPTIONAL: frozenset[str] = frozenset(
     f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

@@ -219,8 +219,11 @@ class Scheduler:
                     continue
             if not bm.has(request.request_id):
                 # First allocation looks up the prefix cache: cached tokens need no compute.
+                # Not for prompt logprobs: those need every prompt position's logits, which
+                # cached positions lack, so the whole prompt is recomputed.
                 probe = bm.allocate(request.request_id, request.token_ids,
-                                    min(request.num_tokens, budget))
+                                    min(request.num_tokens, budget),
+                                    use_prefix_cache=request.sampling_params.prompt_logprobs is None)
                 if probe is None:
                     break
                 request.num_computed_tokens = probe.num_cached_tokens

@@ -21,6 +21,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         msg.grammar_kind, msg.grammar = params.grammar.kind, params.grammar.value
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -30,7 +32,9 @@ def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
     grammar = GrammarSpec(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None
     return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
                           num_ctx=msg.num_ctx or None, grammar=grammar,
-                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          prompt_logprobs=(msg.prompt_logprobs if msg.HasField("prompt_logprobs")
+                                           else None))
 
 
 def logprobs_to_proto(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:

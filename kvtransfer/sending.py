@@ -535,6 +535,16 @@ class IOSender(KVSender):
     # -- I/O thread: deadlines and failures --------------------------------------------------
 
     def _check_deadlines(self, now: float) -> None:
+        # Peer silence first: when a transfer's own deadline (no grant, no ack) and the peer's
+        # silence (heartbeat backends) expire together, the peer is dead, and saying so
+        # (failed_peer) must not depend on which check happens to run first.
+        if self.heartbeat and self._quiet_since is not None and any(
+                (t.grant is None and t.asked_at is not None) or t.inflight
+                for t in self._open.values()):
+            silent = now - max(self._last_heard, self._quiet_since)
+            if silent > self.ack_timeout_s:
+                self._peer_failed(f"receiver at {self.endpoint} silent for {silent:.1f}s")
+                return
         outstanding = False
         for t in list(self._open.values()):
             if t.grant is None and t.asked_at is not None:

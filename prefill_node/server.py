@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import TandemError
+from engine.errors import ResidencyError, TandemError
+from engine.node_server import set_resident
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from engine.wire import logprobs_to_proto, sampling_from_proto
@@ -35,13 +36,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                          request.num_prior_output_tokens)
         try:
             outcome = await self.worker.prefill(job, sender)
+        except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (TandemError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # the engine loop died: the coordinator retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.PrefillResult(first_token=outcome.first_token, num_cached_tokens=outcome.num_cached_tokens,
                                 prefill_seconds=outcome.seconds,
-                                logprobs=logprobs_to_proto(outcome.logprobs))
+                                logprobs=logprobs_to_proto(outcome.logprobs),
+                                prompt_logprobs=logprobs_to_proto(outcome.prompt_logprobs))
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()
+
+    async def SetResident(self, request: pb.ResidencyRequest, context) -> pb.ResidencyResult:
+        return await set_resident(self.worker, request, context)

@@ -56,6 +56,7 @@ class PrefillOutcome:
     num_cached_tokens: int
     seconds: float
     logprobs: list | None = None  # [engine.logprobs.TokenLogprob] of the first token, when asked for
+    prompt_logprobs: list | None = None  # the prompt tokens' after the first, when asked for
 
 
 class PrefillWorker(EngineLoop):
@@ -75,6 +76,7 @@ class PrefillWorker(EngineLoop):
 
     async def prefill(self, job: PrefillJob, sender) -> PrefillOutcome:
         self.check_alive()
+        self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
         future = self.loop.create_future()
         self._futures[job.request_id] = future
         self._started[job.request_id] = time.monotonic()
@@ -97,12 +99,14 @@ class PrefillWorker(EngineLoop):
         else:
             started = self._started.get(request_id, time.monotonic())
             future.set_result(PrefillOutcome(result.first_token, result.num_cached_tokens,
-                                             time.monotonic() - started, result.logprobs))
+                                             time.monotonic() - started, result.logprobs,
+                                             result.prompt_logprobs))
 
     # -- engine thread -------------------------------------------------------------------
 
     def _admit(self, job: PrefillJob, sender) -> None:
         try:
+            self.engine.require_resident()  # an unload may have run since prefill()
             request = self.engine.make_request(job.prompt_token_ids, job.params, job.request_id,
                                                stop_token_ids=frozenset(), max_tokens=1,
                                                max_chunk_tokens=job.max_chunk_tokens,
@@ -121,7 +125,7 @@ class PrefillWorker(EngineLoop):
             elif out.new_token_ids:
                 self.post(self._resolve, out.request_id,
                           PrefillOutcome(out.new_token_ids[0], out.num_cached_tokens, 0.0,
-                                         out.logprobs))
+                                         out.logprobs, out.prompt_logprobs))
             elif out.status is RequestStatus.FINISHED_ERROR:
                 self.post(self._resolve, out.request_id, TandemError("prefill failed"))
 

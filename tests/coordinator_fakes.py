@@ -86,6 +86,16 @@ class Script:
         entry = self.logprobs[index]  # as a worker would: the request's n alternatives
         return logprobs_to_proto([replace(entry, top=entry.top[:request.sampling.logprobs])])
 
+    @staticmethod
+    def prompt_logprobs_for(request) -> list:
+        """When the request asked (SamplingOptions.prompt_logprobs): prompt token i's entry,
+        for i >= 1, is logprob -i / 10 with alternatives (token 7, -5.0 - i) and (8, -6.0)."""
+        if not request.sampling.HasField("prompt_logprobs"):
+            return []
+        n = request.sampling.prompt_logprobs
+        return logprobs_to_proto([TokenLogprob(t, -i / 10, ((7, -5.0 - i), (8, -6.0))[:n])
+                                  for i, t in enumerate(request.prompt_token_ids) if i])
+
 
 class FakeWorker:
     """A fake worker process: gRPC server + registration + heartbeats."""
@@ -110,7 +120,11 @@ class FakeWorker:
         self.register_response: pb.RegisterResponse | None = None
         self.heartbeating = True
         self.status_answers = True  # False with heartbeating False: a hung worker
+        # SetResident (keep_alive): each call's `resident`, in order; a load takes load_delay_s.
+        self.residency_calls: list[bool] = []
+        self.load_delay_s = 0.0
         self._started: dict[str, asyncio.Queue] = {}
+        self.open_calls = 0  # Generate / Prefill calls running now
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
         self._beat: asyncio.Task | None = None
@@ -152,6 +166,26 @@ class FakeWorker:
             if not answer.known:
                 await self.register()
 
+    @property
+    def resident(self) -> bool:
+        return not self.status.unloaded
+
+    async def set_resident(self, request: pb.ResidencyRequest, context) -> pb.ResidencyResult:
+        """As a real worker: dropping the weights with calls open is refused."""
+        self.residency_calls.append(request.resident)
+        if not request.resident and self.open_calls:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "requests are open")
+        seconds = 0.0
+        if request.resident and not self.resident:
+            await asyncio.sleep(self.load_delay_s)
+            seconds = self.load_delay_s
+        self.status.unloaded = not request.resident
+        return pb.ResidencyResult(resident=request.resident, load_seconds=seconds)
+
+    async def refuse_unloaded(self, context) -> None:
+        if not self.resident:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the model is unloaded")
+
     async def stop(self) -> None:
         if self._beat is not None:
             self._beat.cancel()
@@ -178,7 +212,9 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         w, script = self.w, self.w.script
         w.requests.append(request)
+        await w.refuse_unloaded(context)
         rid = request.request_id
+        w.open_calls += 1
         try:
             tokens = list(script.tokens)
             skip = 0  # tokens the prefill worker sent
@@ -203,7 +239,9 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                     token_ids=[token], finished=last,
                     finish_reason=script.finish_reason if last else "",
                     kv_bytes_received=script.kv_bytes_received if i == 0 else 0,
-                    logprobs=script.logprobs_for(request, i + skip)))
+                    logprobs=script.logprobs_for(request, i + skip),
+                    prompt_logprobs=(script.prompt_logprobs_for(request)
+                                     if i == 0 and not request.remote_prefill else [])))
             if not tokens:
                 yield pb.GenerateEvent(tokens=pb.Tokens(finished=True,
                                                         finish_reason=script.finish_reason))
@@ -211,6 +249,11 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
         except asyncio.CancelledError:
             w.cancelled.append(rid)
             raise
+        finally:
+            w.open_calls -= 1
+
+    async def SetResident(self, request, context):
+        return await self.w.set_resident(request, context)
 
     async def Status(self, request, context):
         if not self.w.status_answers:
@@ -224,18 +267,24 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         self.w.requests.append(request)
+        await self.w.refuse_unloaded(context)
         if self.w.script.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker crashed")
         try:
             await asyncio.sleep(self.w.script.token_delay_s)
         except asyncio.CancelledError:
+            # Cancelled by the coordinator, which cancels the decode call too (a real prefill
+            # worker's abort would also reach the decode worker over the KV channel).
             self.w.cancelled.append(request.request_id)
-            kv_channel(request.transfer_id).put_nowait((None, "prefill aborted"))
             raise
         first = self.w.script.tokens[0]
         kv_channel(request.transfer_id).put_nowait((first, ""))
         return pb.PrefillResult(first_token=first, prefill_seconds=0.01,
-                                logprobs=self.w.script.logprobs_for(request, 0))
+                                logprobs=self.w.script.logprobs_for(request, 0),
+                                prompt_logprobs=self.w.script.prompt_logprobs_for(request))
+
+    async def SetResident(self, request, context):
+        return await self.w.set_resident(request, context)
 
     async def Status(self, request, context):
         if not self.w.status_answers:

@@ -324,7 +324,7 @@ def test_vllm_sampling_fields_reach_the_worker(model, tokens):
     ("chat", "stop_token_ids", [5]),
     ("chat", "min_tokens", 4),
     ("chat", "ignore_eos", True),
-    ("completion", "echo", True),
+    ("chat", "echo", True),  # completions honour echo (tests/test_api_logprobs.py)
     ("completion", "best_of", 3),
     ("completion", "suffix", "tail"),
 ])

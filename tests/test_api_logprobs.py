@@ -155,3 +155,78 @@ def test_openai_completion_logprobs_streamed_and_not(model, script):
             tops += c.choices[0].logprobs.top_logprobs
     assert tokens == texts and offsets == lp.text_offset
     assert [list(t) for t in tops] == [[text_of(model, e.top[0][0])] for e in script.logprobs]
+
+
+def check_prompt_part(model, prompt_ids, lp, top: int) -> None:
+    """The echoed prompt's share of a completions logprobs object (the fakes' scripted
+    prompt entries: token i's logprob -i / 10), the first token's logprob and top null."""
+    n = len(prompt_ids)
+    texts = [text_of(model, t) for t in prompt_ids]
+    assert lp.tokens[:n] == texts
+    assert lp.token_logprobs[:n] == [None] + [pytest.approx(-i / 10) for i in range(1, n)]
+    assert lp.top_logprobs[0] is None
+    assert [dict(t) for t in lp.top_logprobs[1:n]] == [
+        {text_of(model, i): pytest.approx(v) for i, v in ((7, -5.0 - k), (8, -6.0))[:top]}
+        for k in range(1, n)]
+    assert lp.text_offset[:n] == [sum(len(t) for t in texts[:i]) for i in range(n)]
+
+
+@pytest.mark.parametrize("role", ["colocated", "disaggregated"])
+def test_openai_completion_echo_scores_the_prompt(model, script, role):
+    """lm-eval-harness's loglikelihood call (echo, logprobs, max_tokens 0), and echo before a
+    completion, streamed and not; the prompt entries come from the decode worker's first
+    event (local prefill) or the prefill worker's PrefillResult."""
+    prompt = "Hi there"
+    prompt_ids = model.tokenizer.encode(prompt, add_special_tokens=True)
+
+    async def scenario():
+        async with coordinator_harness(model, prefill_threshold=0) as h, oai(h.url) as client:
+            if role == "colocated":
+                workers = [await h.add_worker("c1", "colocated", script)]
+            else:
+                workers = list(await disaggregated(h, script))
+            scored = await client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                                     logprobs=1, max_tokens=0)
+            both = await client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                                   logprobs=2)
+            stream = await client.completions.create(model="tiny", prompt=prompt, echo=True,
+                                                     logprobs=0, max_tokens=0, stream=True)
+            chunks = [c async for c in stream]
+            text_only = await client.completions.create(model="tiny", prompt=prompt, echo=True)
+            with pytest.raises(openai.BadRequestError) as zero:
+                await client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+            with pytest.raises(openai.BadRequestError) as chat_echo:
+                await client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                     extra_body={"echo": True})
+            return workers, scored, both, chunks, text_only, zero.value, chat_echo.value
+
+    workers, scored, both, chunks, text_only, zero, chat_echo = run(scenario())
+    n = len(prompt_ids)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n
+    assert len(choice.logprobs.tokens) == n
+    check_prompt_part(model, prompt_ids, choice.logprobs, 1)
+    # echo + completion: the prompt's entries, then the generated ones, offsets running on.
+    choice = both.choices[0]
+    assert choice.text == prompt + TEXT
+    lp = choice.logprobs
+    check_prompt_part(model, prompt_ids, lp, 2)
+    assert lp.token_logprobs[n:] == pytest.approx([e.logprob for e in script.logprobs])
+    texts = [text_of(model, t) for t in script.tokens]
+    assert lp.tokens[n:] == texts
+    assert lp.text_offset[n:] == [len(prompt) + sum(len(t) for t in texts[:i])
+                                  for i in range(len(texts))]
+    # Streamed scoring: one chunk with the prompt and its entries, then the finish.
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == prompt and parts[-1].finish_reason == "length"
+    streamed = [p.logprobs for p in parts if p.logprobs is not None]
+    assert len(streamed) == 1
+    check_prompt_part(model, prompt_ids, streamed[0], 0)
+    assert text_only.choices[0].text == prompt + TEXT and text_only.choices[0].logprobs is None
+    # Each worker that prefilled was asked for prompt logprobs only when echo wanted them.
+    asked = [r.sampling.prompt_logprobs if r.sampling.HasField("prompt_logprobs") else None
+             for r in workers[0].requests]
+    assert asked == [1, 2, 0, None]
+    assert zero.status_code == 400 and "0 needs echo" in zero.message
+    assert chat_echo.status_code == 400 and "echo" in chat_echo.message

@@ -398,7 +398,9 @@ async def test_kv_transfer_overlaps_the_prefill_compute(pair_factory, reference)
     """With every KV unit slowed on the sender's I/O thread, layer i's KV moves while later
     layers and chunks compute: units arrive between the first and the last layer's compute,
     and the whole prefill-to-decode time stays below compute plus transfer."""
-    delay = 0.005
+    # Per unit about what a 32-token chunk's layer costs to compute here, so neither side
+    # dwarfs the other and the overlap (or its absence) shows in the total.
+    delay = 0.0007
     pair = pair_factory(prefill_budget=32, faults=[FakeFault("slow", delay_s=delay)])
     computed: list[float] = []  # after each layer of each pass, on the engine thread
     arrived: list[float] = []  # each unit written into the decode cache
@@ -422,7 +424,7 @@ async def test_kv_transfer_overlaps_the_prefill_compute(pair_factory, reference)
         return ack
     pair.receiver.table.ingest = timed_ingest
 
-    prompt = prompts([1200], seed=13)[0]  # 38 chunks of 32 tokens
+    prompt = prompts([2400], seed=13)[0]  # 75 chunks of 32 tokens
     start = time.monotonic()
     tokens, final = await pair.run("o", prompt, 2)
     admitted = time.monotonic()
@@ -430,7 +432,9 @@ async def test_kv_transfer_overlaps_the_prefill_compute(pair_factory, reference)
     units = len(computed)
     assert len(arrived) >= units - 1  # every chunk's layers (the last may carry the rest)
     compute = computed[-1] - start
-    transfer = len(arrived) * delay  # the sleeps alone, serial on the sender's thread
+    # The transfer's own duration: the units are serial on the sender's thread, each at least
+    # its sleep; a design that sent only after the compute would take compute + transfer.
+    transfer = max(len(arrived) * delay, arrived[-1] - arrived[0])
     # Units land while later layers and chunks still compute (a serial design would deliver
     # none before computed[-1]) ...
     during = [t for t in arrived if computed[0] < t < computed[-1]]

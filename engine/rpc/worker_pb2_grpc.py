@@ -44,6 +44,11 @@ class PrefillWorkerStub:
                 request_serializer=worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.SetResident = channel.unary_unary(
+                '/tandem.worker.PrefillWorker/SetResident',
+                request_serializer=worker__pb2.ResidencyRequest.SerializeToString,
+                response_deserializer=worker__pb2.ResidencyResult.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -61,6 +66,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetResident(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=worker__pb2.StatusRequest.FromString,
                     response_serializer=worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'SetResident': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetResident,
+                    request_deserializer=worker__pb2.ResidencyRequest.FromString,
+                    response_serializer=worker__pb2.ResidencyResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +155,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetResident(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.PrefillWorker/SetResident',
+            worker__pb2.ResidencyRequest.SerializeToString,
+            worker__pb2.ResidencyResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -164,6 +207,11 @@ class DecodeWorkerStub:
                 request_serializer=worker__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=worker__pb2.EmbedResult.FromString,
                 _registered_method=True)
+        self.SetResident = channel.unary_unary(
+                '/tandem.worker.DecodeWorker/SetResident',
+                request_serializer=worker__pb2.ResidencyRequest.SerializeToString,
+                response_deserializer=worker__pb2.ResidencyResult.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -188,6 +236,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetResident(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +259,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=worker__pb2.EmbedRequest.FromString,
                     response_serializer=worker__pb2.EmbedResult.SerializeToString,
+            ),
+            'SetResident': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetResident,
+                    request_deserializer=worker__pb2.ResidencyRequest.FromString,
+                    response_serializer=worker__pb2.ResidencyResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -288,6 +347,33 @@ class DecodeWorker:
             '/tandem.worker.DecodeWorker/Embed',
             worker__pb2.EmbedRequest.SerializeToString,
             worker__pb2.EmbedResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetResident(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.DecodeWorker/SetResident',
+            worker__pb2.ResidencyRequest.SerializeToString,
+            worker__pb2.ResidencyResult.FromString,
             options,
             channel_credentials,
             insecure,
