@@ -26,7 +26,6 @@ links, reading a GGUF header) runs on threads, never on the event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from decode_node.connector import DecodeConnector
 from engine.embedding import embed_batch, plan_batches
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, settle
 from engine.errors import TandemError
 from engine.kv_connector import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
@@ -120,9 +120,9 @@ class DecodeWorker(EngineLoop):
                 try:
                     result = embed_batch(self.engine, [inputs[i] for i in group], normalize)
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
-                    self.post(_settle, done, None, exc)
+                    self.post(settle, done, None, exc)
                 else:
-                    self.post(_settle, done, result, None)
+                    self.post(settle, done, result, None)
 
             self.call(run)
             for i, vector in zip(group, await done):
@@ -202,12 +202,3 @@ class DecodeWorker(EngineLoop):
             for rid in list(self._streams):
                 self._deliver(rid, Tokens([], True, "error", f"decode engine failed: {exc}"))
         self.post(fail_all)
-
-
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
-    if future.done():  # the caller gave up (cancelled)
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

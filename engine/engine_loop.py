@@ -111,9 +111,9 @@ class EngineLoop:
                     self.engine.unload_weights()
                     seconds = 0.0
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
-                self.post(_settle, done, None, exc)
+                self.post(settle, done, None, exc)
             else:
-                self.post(_settle, done, seconds, None)
+                self.post(settle, done, seconds, None)
 
         self.call(run)
         return await done
@@ -167,7 +167,8 @@ class EngineLoop:
             self.on_fatal(exc)
 
 
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+def settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    """Resolve `future` (on its loop's thread) unless its caller gave up."""
     if future.done():  # the caller gave up (cancelled)
         return
     if exc is not None:

@@ -538,11 +538,16 @@ class IOSender(KVSender):
         # Peer silence first: when a transfer's own deadline (no grant, no ack) and the peer's
         # silence (heartbeat backends) expire together, the peer is dead, and saying so
         # (failed_peer) must not depend on which check happens to run first.
+        # A transfer deadline that expires while the peer has not answered even the pings of
+        # the last half of the wait (they go every ack_timeout_s / 4 while anything is
+        # outstanding) means a dead peer, not a transfer the receiver refused to expect.
         if self.heartbeat and self._quiet_since is not None and any(
-                (t.grant is None and t.asked_at is not None) or t.inflight
+                (t.grant is None and t.asked_at is not None
+                 and now > t.asked_at + self.ack_timeout_s)
+                or (t.inflight and now > next(iter(t.inflight.values())))
                 for t in self._open.values()):
             silent = now - max(self._last_heard, self._quiet_since)
-            if silent > self.ack_timeout_s:
+            if silent > self.ack_timeout_s / 2:
                 self._peer_failed(f"receiver at {self.endpoint} silent for {silent:.1f}s")
                 return
         outstanding = False
