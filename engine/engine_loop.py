@@ -29,12 +29,15 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.llm_engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
+
+HASHES_REFRESH_S = 0.25  # at most this often the engine thread copies the prefix cache's hashes
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,23 @@ class LoadSnapshot:
     cache_version: int = -1  # BlockManager.cache_version when cached_hashes was copied
     cached_hashes: tuple[bytes, ...] = ()  # the prefix cache's block hashes (routing)
     resident: bool = True  # the engine holds its weights (LLMEngine.resident)
+    hashes_at: float = 0.0  # time.monotonic() of the cached_hashes copy
 
     @classmethod
     def of(cls, engine: LLMEngine, previous: "LoadSnapshot | None" = None) -> "LoadSnapshot":
         sched, bm = engine.scheduler, engine.block_manager
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         queued += sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.num_output_tokens == 0)
-        if previous is not None and previous.cache_version == bm.cache_version:
-            hashes = previous.cached_hashes  # unchanged: no copy on the engine thread
+        now = time.monotonic()
+        if previous is not None and (previous.cache_version == bm.cache_version
+                                     or now - previous.hashes_at < HASHES_REFRESH_S):
+            # Unchanged, or copied moments ago: a decode batch registers a block every few
+            # steps, and heartbeats (about 1 s apart) need no fresher copy than this.
+            version, hashes, at = previous.cache_version, previous.cached_hashes, previous.hashes_at
         else:
-            hashes = tuple(bm.cached_hashes())
+            version, hashes, at = bm.cache_version, tuple(bm.cached_hashes()), now
         return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued,
-                   bm.cache_version, hashes, engine.resident)
+                   version, hashes, engine.resident, at)
 
 
 class EngineLoop:

@@ -38,6 +38,7 @@ import select
 import threading
 import time
 import uuid
+from abc import abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -622,10 +623,10 @@ class IOSender(KVSender):
 
     # -- the transport (subclasses) ----------------------------------------------------------
 
+    @abstractmethod
     def _handshake(self, endpoint: str, layout: KVLayout) -> None:
         """Engine thread, in connect(): set up the transport, check the layouts (raise on a
         mismatch). Blocks for at most connect_timeout_s."""
-        raise NotImplementedError
 
     def _handshake_request(self, layout: KVLayout) -> HandshakeRequest:
         pid, start = own_identity()
@@ -641,21 +642,21 @@ class IOSender(KVSender):
         `timeout` passes."""
         self._waker.wait(timeout)
 
+    @abstractmethod
     def _io_ask(self, t: _Transfer) -> None:
         """Ask the receiver for t's grant."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _io_transmit(
         self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         """Move source[:, src_ids] into the receiver's blocks dst_ids of `layer` as unit `seq`
         (its ack arrives later through _on_ack). Returns "" or why the transfer must fail."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _io_control(self, t: _Transfer, header: KVHeader) -> None:
         """Send a finish or abort unit."""
-        raise NotImplementedError
 
     def _io_revoked(self, transfer_id: str) -> None:
         """Tell the receiver this thread writes nothing more for transfer_id."""
