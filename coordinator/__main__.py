@@ -3,7 +3,8 @@
 The process entry: flags and the environment (read here only) -> config -> serve.
 Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
 environment variable, never a flag, since ps shows every process's command line);
-OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated).
+OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
+TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, engine/cluster_auth.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import logging
 import os
 import sys
 
+from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
+from engine.cluster_auth import add_auth_args, auth_from_args
 from engine.errors import TandemError
 
 DEFAULTS = CoordinatorConfig()
@@ -61,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=DEFAULTS.prefill_timeout_s)
     p.add_argument("--token-timeout", type=float, default=DEFAULTS.token_timeout_s)
     p.add_argument("--log-level", default="info")
+    add_auth_args(p)  # the internal plane's secret and TLS files
+    add_api_tls_args(p)  # the client APIs' TLS, separate from the internal plane's
     return p
 
 
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
             token_timeout_s=args.token_timeout,
             internal_api_from=tuple(args.internal_api_from),
+            cluster_auth=auth_from_args(args),
+            api_tls=api_tls_from(args.api_tls_cert, args.api_tls_key),
             api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
@@ -116,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "client APIs %s; browser origins allowed besides Ollama's defaults: %s",
         "require the API key (TANDEM_API_KEY)" if config.api_key else "are open (no API key)",
         ", ".join(config.allowed_origins) or "none")
+    logging.getLogger("coordinator").info(
+        "client APIs: %s", f"TLS ({config.api_tls.cert})" if config.api_tls else "plaintext")
+    logging.getLogger("coordinator").info("internal plane: %s", config.cluster_auth.describe())
     serve(config, model, store)
     return 0
 

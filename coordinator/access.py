@@ -42,6 +42,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.http_errors import error_response
+from engine.cluster_auth import refusal_handler
 from coordinator.model import shown
 
 OLLAMA_DEFAULT_ORIGINS = (
@@ -159,20 +160,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if self.key.matches(metadata.get("authorization")):
             return handler
         what = "invalid" if "authorization" in metadata else "missing"
-        return _refusal(handler, f"{what} API key: {GRPC_KEY_HINT}")
-
-
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts before reading any request."""
-
-    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                       ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                       ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                       ("stream_stream", grpc.stream_stream_rpc_method_handler)):
-        if getattr(handler, kind) is not None:
-            return make(refuse, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
-    raise TypeError(f"unknown kind of gRPC handler: {handler!r}")
+        return refusal_handler(handler, f"{what} API key: {GRPC_KEY_HINT}")

@@ -12,12 +12,16 @@ Streams are iterators of the generated messages; the last one has `done` set and
 figures. Leaving an iteration early (break, exception) cancels the request on the server.
 Options take Ollama's names; errors raise grpc.RpcError with the server's status and message.
 A server started with an API key wants it on every call: `TandemClient(target, api_key=KEY)`
-sends it as the metadata `authorization: Bearer KEY`.
+sends it as the metadata `authorization: Bearer KEY`. A server started with --api-tls-cert
+serves TLS only: `TandemClient(target, ca_file="ca.pem")` checks its certificate against that
+CA (`tls=True` alone: against the system's CAs; `server_name` when the certificate names
+another host than the target's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,8 +48,15 @@ def make_options(options: Mapping[str, Any] | None) -> pb.Options:
 
 class TandemClient:
     def __init__(self, target: str = "127.0.0.1:50051", timeout_s: float | None = None,
-                 api_key: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+                 api_key: str | None = None, *, tls: bool = False, ca_file: str | None = None,
+                 server_name: str = "") -> None:
+        if tls or ca_file:
+            roots = Path(ca_file).read_bytes() if ca_file else None  # None: the system's CAs
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self.channel = grpc.secure_channel(
+                target, grpc.ssl_channel_credentials(root_certificates=roots), options)
+        else:
+            self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.TandemStub(self.channel)
         self.timeout_s = timeout_s  # deadline of each call; None = none
         # Metadata, not call credentials: gRPC sends those over TLS channels only.

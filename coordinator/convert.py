@@ -38,6 +38,7 @@ class KVCounters:
     transfers_failed: int = 0
     transfer_seconds: float = 0.0  # sum over finished transfers of their duration
     skipped_blocks: int = 0  # blocks not moved because the receiver had them cached
+    auth_rejected: int = 0  # KV frames/handshakes refused for want of the cluster secret
 
 
 def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
@@ -61,7 +62,13 @@ def kv_from_status(status: pb.WorkerStatus) -> KVCounters | None:
     return KVCounters(backend=kv.backend, bytes_sent=kv.bytes_sent,
                       bytes_received=kv.bytes_received, transfers_done=kv.transfers_done,
                       transfers_failed=kv.transfers_failed,
-                      transfer_seconds=kv.transfer_seconds, skipped_blocks=kv.skipped_blocks)
+                      transfer_seconds=kv.transfer_seconds, skipped_blocks=kv.skipped_blocks,
+                      auth_rejected=kv.auth_rejected)
+
+
+def refused_from_status(status: pb.WorkerStatus) -> dict[tuple[str, str], int]:
+    """The worker's refused internal calls, (method, reason) -> count (engine/refused_calls.py)."""
+    return {(r.method, r.reason): r.count for r in status.refused_calls}
 
 
 def generate_request(request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -32,6 +32,7 @@ from coordinator.rpc import tandem_pb2_grpc as pb_grpc
 from coordinator.service import Coordinator
 from engine.errors import ModelNotFoundError, TandemError
 from engine.sampling_params import SamplingParams
+from engine.grpc_guard import guarded
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +178,18 @@ class _Health(health.aio.HealthServicer):
 async def start_client_api(coordinator: Coordinator, host: str, port: int
                            ) -> tuple[grpc.aio.Server, int]:
     """Serve Tandem + health + reflection on host:port (0 = a free port); with an API key,
-    every call but health's must carry it (coordinator/access.py)."""
+    every call but health's must carry it (coordinator/access.py); with API TLS files, over
+    TLS only (coordinator/api_tls.py)."""
     key = coordinator.config.api_key
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(ApiKey(key))] if key else None)
+    server = grpc.aio.server(interceptors=guarded([ApiKeyInterceptor(ApiKey(key))] if key else None))
     pb_grpc.add_TandemServicer_to_server(TandemServicer(coordinator), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(coordinator), server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = coordinator.config.api_tls
+    bound = (server.add_secure_port(f"{host}:{port}", tls.grpc_credentials()) if tls
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"cannot serve the gRPC client API on {host}:{port} (port in use?)")
     await server.start()

@@ -37,6 +37,7 @@ from coordinator.ollama_response import (
 from coordinator.embedding_routes import add_embedding_routes
 from coordinator.model_routes import add_model_routes
 from coordinator.openai_routes import add_openai_routes
+from coordinator.openapi import install_openapi
 from coordinator.tool_calls import (
     ToolCallParser, call_format, ollama_tool_calls, require_tool_support,
 )
@@ -177,8 +178,10 @@ async def collect(request: Request, generation: Generation) -> str | None:
 
 
 def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
-    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    # /openapi.json describes every route and its real request body (coordinator/openapi.py);
+    # no /docs page: the coordinator serves no HTML or scripts.
+    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
     model = coordinator.model
     info = model_info.describe(model)
     limits = coordinator.config
@@ -280,6 +283,7 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     add_openai_routes(app, coordinator, collect, check_model)
     add_model_routes(app, coordinator)
     add_embedding_routes(app, coordinator)
+    install_openapi(app)
     return app
 
 

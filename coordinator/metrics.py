@@ -135,8 +135,16 @@ class Metrics:
         self.kv_skipped = Gauge("tandem_worker_kv_skipped_blocks",
                                 "KV blocks not moved because the receiver had them cached",
                                 kv_labels, registry=r)
+        self.kv_rejected = Gauge("tandem_worker_kv_auth_rejected",
+                                 "KV frames and handshakes the worker refused for want of the "
+                                 "cluster secret", kv_labels, registry=r)
+        # Internal gRPC calls refused for want of a valid cluster proof (engine/refused_calls.py):
+        # the coordinator's own (process="coordinator") and each live worker's, as last reported.
+        self.grpc_refused = Gauge("tandem_grpc_refused_calls",
+                                  "Internal gRPC calls refused for want of a valid cluster proof",
+                                  ["process", "method", "reason"], registry=r)
         self._kv_gauges = (self.kv_sent, self.kv_received, self.kv_transfers, self.kv_seconds,
-                           self.kv_skipped)
+                           self.kv_skipped, self.kv_rejected)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
 
@@ -164,8 +172,10 @@ class Metrics:
     def count_refusal(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def render(self, workers: list[WorkerRecord], queue_depth: int, running: int) -> bytes:
-        """The exposition text, with the gauges refreshed from the registry first."""
+    def render(self, workers: list[WorkerRecord], queue_depth: int, running: int,
+               refused: dict[tuple[str, str], int] | None = None) -> bytes:
+        """The exposition text, with the gauges refreshed from the registry first. `refused`:
+        the coordinator's own refused internal calls, (method, reason) -> count."""
         self.queue_depth.set(queue_depth)
         self.running.set(running)
         live = dict.fromkeys(ROLES, 0)
@@ -173,6 +183,9 @@ class Metrics:
         self.kv_free.clear()
         for gauge in self._kv_gauges:
             gauge.clear()
+        self.grpc_refused.clear()
+        for (method, reason), count in (refused or {}).items():
+            self.grpc_refused.labels("coordinator", method, reason).set(count)
         for w in workers:
             if not w.alive:
                 continue
@@ -188,6 +201,9 @@ class Metrics:
                 self.kv_transfers.labels(*labels, "failed").set(w.kv.transfers_failed)
                 self.kv_seconds.labels(*labels).set(w.kv.transfer_seconds)
                 self.kv_skipped.labels(*labels).set(w.kv.skipped_blocks)
+                self.kv_rejected.labels(*labels).set(w.kv.auth_rejected)
+            for (method, reason), count in w.refused.items():
+                self.grpc_refused.labels(w.worker_id, method, reason).set(count)
         for role, count in live.items():
             self.live_workers.labels(role).set(count)
         return generate_latest(self.registry)

@@ -41,9 +41,13 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.convert import KVCounters, WorkerLoad, kv_from_status, load_from_status
+from coordinator.convert import (
+    KVCounters, WorkerLoad, kv_from_status, load_from_status, refused_from_status,
+)
+from engine.cluster_auth import PROOF_HEADER, REGISTER_REPLY
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
+from engine.grpc_guard import guarded
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ class WorkerRecord:
     assigned_prefill_tokens: int = 0
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
+    # Internal calls it refused, (method, reason) -> count, as last reported.
+    refused: dict[tuple[str, str], int] = field(default_factory=dict)
     resident: bool = True  # it holds the model's weights, as last reported (keep_alive)
     prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
     decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
@@ -103,7 +109,8 @@ class WorkerRecord:
             "num_running": load.num_running, "num_waiting": load.num_waiting,
             "queued_prefill_tokens": load.queued_prefill_tokens,
             "cached_blocks": len(load.cached_hashes),
-            "assigned_requests": self.assigned_requests, "resident": self.resident,
+            "assigned_requests": self.assigned_requests,
+            "assigned_prefill_tokens": self.assigned_prefill_tokens, "resident": self.resident,
             "kv": asdict(self.kv) if self.kv is not None else None,
         }
 
@@ -162,7 +169,7 @@ class WorkerRegistry:
         # Always a fresh channel: a worker registers again after it was declared dead or was
         # restarted (often at the same address); the old channel may sit in gRPC's reconnect
         # backoff after the old process died, failing the first calls with UNAVAILABLE.
-        channel = grpc.aio.insecure_channel(info.address)
+        channel = self.config.cluster_auth.aio_channel(info.address)
         if old is not None:
             _close_later(old.channel)
         record = WorkerRecord(
@@ -172,6 +179,7 @@ class WorkerRegistry:
             kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
             load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
             registrations=old.registrations + 1 if old else 1, kv=kv_from_status(info.status),
+            refused=refused_from_status(info.status),
             resident=not info.status.unloaded,
         )
         if info.role == "prefill":
@@ -193,6 +201,7 @@ class WorkerRegistry:
         if request.HasField("status"):
             record.load = load_from_status(request.status)
             record.kv = kv_from_status(request.status)
+            record.refused = refused_from_status(request.status)
             record.resident = not request.status.unloaded
         self._notify()
         return pb.HeartbeatResponse(known=True)
@@ -267,6 +276,7 @@ class WorkerRegistry:
             record.last_heartbeat = self.responsive_now()
             record.load = load_from_status(status)
             record.kv = kv_from_status(status)
+            record.refused = refused_from_status(status)
             self.probes_answered += 1
             self._notify()
 
@@ -337,6 +347,9 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         self._registry = registry
 
     async def Register(self, request: pb.WorkerInfo, context) -> pb.RegisterResponse:
+        auth = self._registry.config.cluster_auth
+        if auth.secret:  # the worker checks that we hold the secret too (engine/cluster_auth.py)
+            context.set_trailing_metadata(((PROOF_HEADER, auth.proof(REGISTER_REPLY)),))
         return self._registry.register(request)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -345,10 +358,13 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
 async def start_registry_server(registry: WorkerRegistry, host: str, port: int
                                 ) -> tuple[grpc.aio.Server, int]:
-    """Serve the Registry service on host:port (0 = a free port); returns (server, bound port)."""
-    server = grpc.aio.server()
+    """Serve the Registry service on host:port (0 = a free port); returns (server, bound port).
+    With a cluster secret, Register and Heartbeat without the worker's proof of it end
+    UNAUTHENTICATED (the worker exits); with TLS files, only mutual TLS connects."""
+    auth = registry.config.cluster_auth
+    server = grpc.aio.server(interceptors=guarded(auth.server_interceptors()))
     pb_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = auth.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen for workers on {host}:{port} (port in use?)")
     await server.start()

@@ -199,7 +199,7 @@ class RequestFlow:
             if read in done:
                 # The decode stream spoke before the first token: a failure or a worker gone
                 # ends the wait (an early token, unlikely, is kept for _tokens).
-                self._check_early(read, decode)
+                self._check_early(read, decode, prefill_id)
                 await asyncio.wait({prefill})
             try:
                 result = prefill.result()
@@ -219,7 +219,7 @@ class RequestFlow:
         return TokenIds([result.first_token], logprobs_from_proto(result.logprobs),
                         logprobs_from_proto(result.prompt_logprobs))
 
-    def _check_early(self, read: asyncio.Future, decode: WorkerRecord) -> None:
+    def _check_early(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str) -> None:
         """An event the decode worker sent before the first token: raises for a failure."""
         if not read.done():
             return
@@ -229,8 +229,7 @@ class RequestFlow:
                               "stream before the request finished")
         tokens = event.tokens
         if tokens.finished and tokens.finish_reason in ("error", "abort"):
-            detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
-            raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
+            _raise_failure(decode, tokens, prefill_id)
 
     async def _tokens(self, read: asyncio.Future, call, decode: WorkerRecord, out: FlowOutcome,
                       remote: bool) -> AsyncIterator[TokenIds]:
@@ -251,8 +250,7 @@ class RequestFlow:
                 if not remote and tokens.num_cached_tokens:
                     out.cached_tokens = tokens.num_cached_tokens
             if tokens.finished and tokens.finish_reason in ("error", "abort"):
-                detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
-                raise WorkerError(f"decode worker {decode.worker_id} failed the request: {detail}")
+                _raise_failure(decode, tokens, out.prefill_worker if remote else "")
             if tokens.token_ids:
                 yield TokenIds(tokens.token_ids, logprobs_from_proto(tokens.logprobs),
                                logprobs_from_proto(tokens.prompt_logprobs))
@@ -283,6 +281,18 @@ class RequestFlow:
         if max_tokens <= 1:
             return "length"
         return None
+
+
+def _raise_failure(decode: WorkerRecord, tokens: pb.Tokens, prefill_id: str) -> None:
+    """A decode worker's error event. A failed KV transfer from a prefill worker (its process
+    died mid-transfer, the link was cut, a frame was refused) leaves the decode worker sound:
+    the request moves, like one whose worker died, to a placement without that prefill worker
+    (for this request only: it may be alive). decode_node/connector.py words that failure."""
+    detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
+    message = f"decode worker {decode.worker_id} failed the request: {detail}"
+    if prefill_id and tokens.error.startswith("KV transfer failed"):
+        raise _WorkerDied(prefill_id, message)
+    raise WorkerError(message)
 
 
 def _rpc_message(role: str, record: WorkerRecord | None, exc: grpc.aio.AioRpcError) -> str:

@@ -27,9 +27,9 @@ def build_app(coordinator: Coordinator) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await coordinator.start()
-        log.info("tandem coordinator serving %s on http://%s:%d (registry port %d)",
-                 coordinator.model.name, coordinator.config.host, coordinator.config.port,
-                 coordinator.registry_port)
+        log.info("tandem coordinator serving %s on %s://%s:%d (registry port %d)",
+                 coordinator.model.name, "https" if coordinator.config.api_tls else "http",
+                 coordinator.config.host, coordinator.config.port, coordinator.registry_port)
         try:
             yield
         finally:
@@ -41,10 +41,11 @@ def build_app(coordinator: Coordinator) -> FastAPI:
 def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
                    graceful_timeout_s: float = 10.0) -> uvicorn.Server:
     config = coordinator.config
+    tls = config.api_tls.uvicorn_options() if config.api_tls else {}
     return uvicorn.Server(uvicorn.Config(
         build_app(coordinator), host=config.host, port=config.port, loop=loop,
         lifespan="on", log_level="info", access_log=False,
-        timeout_graceful_shutdown=graceful_timeout_s))
+        timeout_graceful_shutdown=graceful_timeout_s, **tls))
 
 
 def serve(config: CoordinatorConfig, model: ServedModel, store: ModelStore | None = None) -> None:

@@ -271,7 +271,8 @@ class Coordinator:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.registry.all(), self.admission.queue_depth,
-                                   self.admission.running)
+                                   self.admission.running,
+                                   self.config.cluster_auth.refused.snapshot())
 
     def workers_report(self) -> dict:
         return {"model": self.model.name, "model_fingerprint": self.model.fingerprint,

@@ -7,8 +7,11 @@ import asyncio
 import os
 import sys
 
+import torch
+
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
+from engine.errors import TandemError
 from engine.llm_engine import KV_TORCH_DTYPES
 from engine.model_identity import model_fingerprint
 from engine.model_runner import kv_cache_bytes_per_block
@@ -27,7 +30,7 @@ from engine.rpc import worker_pb2_grpc as pb_grpc
 
 
 def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
-    if backend == "zmq":
+    if backend in ("zmq", "dist"):  # dist: its control channel is zmq's
         return {"endpoint": f"tcp://{host}:{port or '*'}"}
     if backend == "grpc":
         return {"endpoint": f"{host}:{port}"}
@@ -50,20 +53,32 @@ async def main_async(args) -> None:
                                                                  KV_TORCH_DTYPES[args.kv_dtype]))
     layout = kv_layout(config, args.block_size, args.kv_dtype, fingerprint)
     shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if args.kv_backend == "shm" else None
-    cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
+    if args.device == "cpu":  # node_main resolved --device
+        cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
+    elif args.kv_backend != "shm":
+        # Every other receiver copies each validated payload into the cache wherever it lives
+        # (zmq and grpc from host frames, dist from its group, NCCL between two GPUs).
+        cache = kvtransfer.KVCacheBuffer(layout, num_blocks, torch.zeros(
+            layout.cache_shape(num_blocks), dtype=layout.torch_dtype, device=args.device))
+    else:
+        raise TandemError(f"a decode worker on {args.device} cannot use --kv-backend shm: its "
+                          f"senders write a host shared-memory pool; use dist, zmq or grpc")
     advertise = args.advertise_host or args.host
+    kv_auth = args.cluster_auth.kv()  # with a cluster secret: CURVE and per-transfer tokens
     receiver = kvtransfer.create_receiver(args.kv_backend, cache, layout,
-                                          **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port))
+                                          **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port),
+                                          **({"auth": kv_auth} if kv_auth else {}))
     engine = build_engine(args, path, kv_cache=cache.tensor, num_blocks=num_blocks)
     loop = asyncio.get_running_loop()
-    endpoint = receiver.endpoint.replace("0.0.0.0", advertise)
+    endpoint = args.kv_advertise or receiver.endpoint.replace("0.0.0.0", advertise)
     worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend, kv_endpoint=endpoint,
                           kv_deadline_s=args.kv_deadline)
     worker.start()
 
     def status():
         return worker_status(worker_id, args.role, worker,
-                             kv_counters(args.kv_backend, [receiver.stats()], sending=False))
+                             kv_counters(args.kv_backend, [receiver.stats()], sending=False),
+                             args.cluster_auth)
 
     identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
                             fingerprint, layout.description)

@@ -23,6 +23,11 @@ several times slower). aten reads ATEN_CPU_CAPABILITY once at import, so each le
 child (`--one-level --json` with that variable set) and the parent prints one table.
 --one-level runs only this process's level, in process. --kernels first runs the kernel
 micro-benchmarks (kernels.bench_linear, kernels.bench_attention).
+
+--device cuda (engine/device.py): the model and KV cache on the GPU, Triton kernels, decode
+steps as CUDA graphs unless --no-cuda-graphs; every timing ends with a device synchronize, the
+copy bandwidth is a device-to-device copy, and the one "level" runs in process (aten's CPU
+dispatch levels do not apply).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 import torch
 
 from engine.config import CacheConfig
+from engine.device import add_device_flags, resolve_device
 from engine.llm_engine import KV_TORCH_DTYPES
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
@@ -62,25 +68,36 @@ def weight_bytes(model) -> int:
     return layers + packed_bytes(model.lm_head)
 
 
-def time_it(fn, repeats: int) -> float:
+def synchronize(device: torch.device | str = "cpu") -> None:
+    """Waits for the device's queued work (a no-op on the CPU), so a timing covers it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn, repeats: int, device: torch.device | str = "cpu") -> float:
     fn()  # warm-up
+    synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
-    """Read+write GB/s of a plain tensor copy: the ceiling a decode step's weight reads can reach."""
-    src = torch.ones(mbytes * 2**20 // 4)
+def copy_bandwidth(mbytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Read+write GB/s of a plain tensor copy: the ceiling a decode step's weight reads can reach
+    (on a GPU, its HBM bandwidth as a device-to-device copy sees it)."""
+    src = torch.ones(mbytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # faults dst's pages in before timing
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / best / 1e9
 
@@ -105,25 +122,30 @@ def decode_step_s(runner: ModelRunner, tables: list[list[int]], context: int, st
         runner.execute([SequenceChunk([42], context + s, t, True) for t in tables])
 
     step(0)
+    synchronize(runner.device)
     times = []
     for s in range(steps):
         t0 = time.perf_counter()
         step(s)
+        synchronize(runner.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def bench_format(loaded, fmt: str, args) -> dict:
     config = loaded.config
-    model = model_class(config.architecture)(config, loaded.weights, fmt)
+    device = getattr(args, "device", "cpu")
+    model = model_class(config.architecture)(config, loaded.weights, fmt, device=device)
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = (max(args.prompt_len, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
     kv_dtype = KV_TORCH_DTYPES[args.kv_dtype]
-    runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq), kv_dtype)
+    runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq), kv_dtype,
+                         cuda_graphs=not getattr(args, "no_cuda_graphs", False))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(batches))]
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    prefill_s = time_it(lambda: runner.execute([SequenceChunk(prompt, 0, tables[0], True)]), args.repeats)
+    prefill_s = time_it(lambda: runner.execute([SequenceChunk(prompt, 0, tables[0], True)]), args.repeats,
+                        runner.device)
     fill_context(runner, tables, config.vocab_size, args.context, args.prompt_len)
     kv_per_seq = kv_cache_bytes_per_block(config, args.context, runner.kv_cache.dtype)
     decode = [{"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
@@ -135,7 +157,8 @@ def bench_format(loaded, fmt: str, args) -> dict:
 def run_level(args) -> dict:
     """Every format at this process's dispatch level. One weights load; one model and KV cache
     per format, freed before the next (batch 32 x context 512 of fp32 KV is over 1 GB)."""
-    level = native.dispatch_level()
+    device = torch.device(getattr(args, "device", "cpu"))
+    level = native.dispatch_level() if device.type == "cpu" else str(device)
     loaded = load_model(resolve(args.model))
     c = loaded.config
     rows = []
@@ -154,7 +177,8 @@ def run_child(args, level: str) -> dict:
     cmd = [sys.executable, "-m", "deploy.bench_engine", args.model, "--one-level", "--json",
            "--formats", args.formats, "--prompt-len", str(args.prompt_len), "--context", str(args.context),
            "--batches", args.batches, "--decode-steps", str(args.decode_steps),
-           "--repeats", str(args.repeats), "--threads", str(args.threads), "--kv-dtype", args.kv_dtype]
+           "--repeats", str(args.repeats), "--threads", str(args.threads), "--kv-dtype", args.kv_dtype,
+           "--device", args.device]
     env = {**worker_env(args.threads), "ATEN_CPU_CAPABILITY": level}
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])[0]
@@ -233,7 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", action="store_true", help="run the kernel micro-benchmarks first")
     parser.add_argument("--one-level", action="store_true", help="run this process's dispatch level only, in process")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    add_device_flags(parser)
     args = parser.parse_args(argv)
+    try:
+        args.device = str(resolve_device(args.device).torch_device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.device != "cpu":
+        args.one_level = True  # aten's CPU dispatch levels do not apply on a GPU
     configure_process(args.threads)
     if args.kernels:
         for module in ("kernels.bench_linear", "kernels.bench_attention"):
@@ -245,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(cpu_summary())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    copy_gb_s = copy_bandwidth()
-    print(f"copy bandwidth: {copy_gb_s:.2f} GB/s (dst.copy_(src), 256 MB fp32, read+write, best of 5)", flush=True)
+    copy_gb_s = copy_bandwidth(device=args.device)
+    print(f"copy bandwidth: {copy_gb_s:.2f} GB/s on {args.device} (dst.copy_(src), 256 MB fp32, "
+          f"read+write, best of 5)", flush=True)
     levels = [run_level(args)] if args.one_level else [run_child(args, lvl) for lvl in pick_levels(args.levels)]
     print_report(levels, args, copy_gb_s)
 

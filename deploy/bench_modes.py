@@ -126,7 +126,8 @@ def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) ->
     cores = args.threads_per_worker * WORKERS["disaggregated"]
     topology = Topology(model=model, model_path=model_path, log_dir=log_root / name, port=free_port(),
                         prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"),
-                        threads=cores // WORKERS[name], **MODES[name])
+                        threads=cores // WORKERS[name], device=getattr(args, "device", "auto"),
+                        cuda_graphs=not getattr(args, "no_cuda_graphs", False), **MODES[name])
     topology.log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)
     with LocalCluster(specs, ready, start_timeout_s=300) as cluster:
@@ -145,6 +146,7 @@ def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.device import add_device_flags
     from engine.model_store import ModelStore, default_home
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads-per-worker", type=int, default=1,
                    help="torch threads of each disaggregated worker; a colocated worker gets the pair's total")
     p.add_argument("--skip-transfer", action="store_true", help="skip the KV transfer table")
+    add_device_flags(p)  # every worker's --device / --no-cuda-graphs
     args = p.parse_args(argv)
     model_path = ModelStore(default_home()).resolve(args.model)
     rows = []

@@ -7,7 +7,7 @@ read here and nowhere deeper.
     tandem show MODEL                   a model's details (from the server, else the cache)
     tandem run MODEL [PROMPT] [opts]    generate (interactive chat without a prompt): through
                                         the running server, or in this process without one
-    tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc]
+    tandem serve [--prefill N --decode M | --colocated] [--kv-backend zmq|shm|grpc|dist]
                  [--prefill-quant F] [--decode-quant F] [--kv-dtype fp32|bf16] [--threads N]
                  [--num-blocks N] [--chunk-size N] [--local-chunk-size N] [--max-streams N]
                  [--host H] [--port P] [--api-key KEY]
@@ -19,7 +19,8 @@ read here and nowhere deeper.
     tandem --version                    the installed package's version
 
 The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI), and
-is sent $TANDEM_API_KEY, if set, as `Authorization: Bearer KEY`.
+is sent $TANDEM_API_KEY, if set, as `Authorization: Bearer KEY`. An https:// host's certificate
+is checked against --ca-file (else $TANDEM_CA_FILE, else the system's CAs).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _server(args: argparse.Namespace):
     from deploy.remote import Server, base_url
 
     return Server(base_url(args.host or os.environ.get("OLLAMA_HOST")),
-                  api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None)
+                  api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
+                  ca_file=args.ca_file or os.environ.get("TANDEM_CA_FILE", "").strip() or None)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
@@ -203,7 +205,8 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
     params = _sampling_params(args)
     path = _resolve_or_pull(args.model)
     engine = LLMEngine.from_path(path, role="colocated", weight_format=args.decode_quant,
-                                 prefill_format=args.prefill_quant, kv_dtype=args.kv_dtype)
+                                 prefill_format=args.prefill_quant, kv_dtype=args.kv_dtype,
+                                 device=args.device, cuda_graphs=not args.no_cuda_graphs)
 
     def answer(prompt: str) -> str:
         history.append({"role": "user", "content": prompt})
@@ -270,12 +273,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
                             threads=args.threads, num_blocks=args.num_blocks,
                             kv_dtype=args.kv_dtype, local_chunk_size=args.local_chunk_size,
-                            max_streams=args.max_streams,
-                            coordinator_args=("--grpc-port", str(args.grpc_port)))
+                            max_streams=args.max_streams, device=args.device,
+                            cuda_graphs=not args.no_cuda_graphs,
+                            coordinator_args=("--grpc-port", str(args.grpc_port)),
+                            api_tls=_api_tls(args))
+        from engine.device import resolve_device
+
+        resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them
     except ValueError as exc:
         raise TandemError(str(exc)) from None
     topology = dataclasses.replace(topology, model_path=_resolve_or_pull(args.model))
     return serve(topology, start_timeout_s=args.start_timeout, out=_log)
+
+
+def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:
+    """--api-tls-cert/--api-tls-key, checked here (files, PEM, matching key) before anything
+    starts, as the coordinator will check them again."""
+    from coordinator.api_tls import api_tls_from
+
+    tls = api_tls_from(args.api_tls_cert, args.api_tls_key)  # ValueError: a start-up error
+    return (str(tls.cert.resolve()), str(tls.key.resolve())) if tls else None
 
 
 def _log(line: str) -> None:
@@ -312,6 +329,9 @@ def add_quant_flags(p: argparse.ArgumentParser, serve: bool = False) -> None:
     p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
                    help=f"{decode_help} (default {DEFAULT_DECODE_QUANT})")
     add_kv_dtype_flag(p, serve)
+    from engine.device import add_device_flags  # torch-free
+
+    add_device_flags(p)
 
 
 def add_kv_dtype_flag(p: argparse.ArgumentParser, serve: bool = False) -> None:
@@ -355,15 +375,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", aliases=["ls"], help="list models (the server's, or cached)")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.add_argument("--ca-file", metavar="PEM", help="CA that signed an https:// server's "
+                                                   "certificate (default $TANDEM_CA_FILE)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("ps", help="models a running server has loaded")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.add_argument("--ca-file", metavar="PEM", help="CA that signed an https:// server's "
+                                                   "certificate (default $TANDEM_CA_FILE)")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("show", help="a model's details")
     p.add_argument("model", help="model name, GGUF file or Hugging Face directory")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.add_argument("--ca-file", metavar="PEM", help="CA that signed an https:// server's "
+                                                   "certificate (default $TANDEM_CA_FILE)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("bench", help="serving benchmark (load generator)")
@@ -390,9 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads of the in-process engine (default $TANDEM_THREADS or 1)")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
     p.add_argument("--host", help="server address (default $OLLAMA_HOST or 127.0.0.1:11434)")
+    p.add_argument("--ca-file", metavar="PEM", help="CA that signed an https:// server's "
+                                                   "certificate (default $TANDEM_CA_FILE)")
     p.add_argument("--local", action="store_true",
                    help="run the model in this process even if a server is running")
     p.set_defaults(func=cmd_run)
+
+    from deploy.local import KV_BACKENDS  # torch-free
 
     p = sub.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -412,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
-    p.add_argument("--kv-backend", choices=("zmq", "shm", "grpc"), default="zmq",
+    p.add_argument("--kv-backend", choices=KV_BACKENDS, default="zmq",
                    help="KV transfer between prefill and decode workers")
     p.add_argument("--chunk-size", type=int, default=512,
                    help="per-pass token budget of every worker, so also the largest prefill chunk "
@@ -429,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int,
                    help="most requests open at once, queued or running (429 above; coordinator "
                         "default 512)")
+    from coordinator.api_tls import add_api_tls_args  # torch-free
+
+    add_api_tls_args(p)
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for every worker to register (default 300)")

@@ -3,7 +3,8 @@
     topology = load_topology(path)        # file errors: TopologyError, nothing started
     pull_everywhere(topology)             # optional (--pull): `tandem pull` on every host
     preflight(topology)                   # each host: reachable? model there and identical?
-                                          #   ports free? (TopologyError, nothing started)
+                                          #   ports free? [security] files there and valid?
+                                          #   (TopologyError, nothing started)
     launch(topology, state_dir)           # coordinator, then workers; wait until every named
                                           #   worker is live; print endpoints; serve until
                                           #   Ctrl-C/SIGTERM or `tandem launch --down`
@@ -50,7 +51,8 @@ def preflight(t: ClusterTopology) -> dict[str, dict]:
         listen[role.host.name] += [f"{role.host.bind}:{port}" for _, port in role.ports()]
     with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
         answers = dict(zip([h.name for h in t.hosts],
-                           pool.map(lambda h: _probe(h, t.model, listen[h.name]), t.hosts)))
+                           pool.map(lambda h: _probe(h, t.model, listen[h.name], t.auth_args),
+                                    t.hosts)))
     problems = [a for a in answers.values() if isinstance(a, str)]
     fingerprints: dict[str, list[str]] = {}
     for host in t.hosts:
@@ -65,6 +67,8 @@ def preflight(t: ClusterTopology) -> dict[str, dict]:
             fingerprints.setdefault(model["fingerprint"], []).append(
                 f"{host.name} ({model['path']})")
         problems += [f"{host.describe()}: {why}" for why in answer["listen"]]
+        if answer.get("auth"):  # a probe of an older tandem reports no "auth"
+            problems.append(f"{host.describe()}: [security]: {answer['auth']} on that host")
     if len(fingerprints) > 1:
         listed = "; ".join(f"{fp} on {', '.join(hosts)}" for fp, hosts in fingerprints.items())
         problems.append(f"mismatched model: {t.model!r} is not the same model on every host "
@@ -99,8 +103,9 @@ def pull_everywhere(t: ClusterTopology, out: Callable[[str], None] = print) -> N
                             + "\n  - ".join(problems))
 
 
-def _probe(host: Host, model: str, listen: list[str]) -> dict | str:
-    argv = [python_of(host), "-m", "deploy.probe", "--model", model]
+def _probe(host: Host, model: str, listen: list[str], auth_args: tuple[str, ...] = ()
+           ) -> dict | str:
+    argv = [python_of(host), "-m", "deploy.probe", "--model", model, *auth_args]
     for item in listen:
         argv += ["--listen", item]
     command = host_command(host, argv)
@@ -165,7 +170,8 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
             argv += ["--grpc-host", host.bind, "--grpc-port", str(role.grpc_port)]
         if t.prefill_threshold is not None:
             argv += ["--prefill-threshold", str(t.prefill_threshold)]
-        return argv + _internal_api_from(t) + list(t.coordinator_args) + list(role.args)
+        return (argv + _internal_api_from(t) + list(t.auth_args) + list(t.coordinator_args)
+                + list(role.args))
     module = "prefill_node" if role.role == "prefill" else "decode_node"
     argv = [module, "--model", t.model, "--host", host.bind, "--advertise-host", host.address,
             "--port", str(role.port), "--coordinator", t.registry_address,
@@ -175,7 +181,7 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
         argv += ["--role", role.role]
         if role.kv_port:
             argv += ["--kv-port", str(role.kv_port)]
-    return argv + list(t.worker_args) + list(role.args)
+    return argv + list(t.auth_args) + list(t.worker_args) + list(role.args)
 
 
 # ---- run and stop -------------------------------------------------------------------------------

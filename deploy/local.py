@@ -22,6 +22,7 @@ Engine flags, each to the processes that use it (None leaves that process's own 
 prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
 format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
 worker, always (prefill and decode must agree on it: one value for the whole topology);
+device (and --no-cuda-graphs when cuda_graphs is False) to every worker, always;
 chunk_size (the per-pass token budget) to every worker and the coordinator; local_chunk_size
 and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
 come after them on every worker's command line, so a flag there wins. api_key reaches the
@@ -38,6 +39,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -49,10 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
+from engine.device import check_device_spec
 from engine.errors import TandemError
 from engine.runtime import worker_env
 
-KV_BACKENDS = ("zmq", "shm", "grpc")
+# kvtransfer.backends() less "fake", spelled out so that `tandem` starts without importing torch
+# (tests/test_kvtransfer_dist.py checks that the two agree).
+KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
 WORKER_HOST = "127.0.0.1"
 
 
@@ -80,11 +85,22 @@ class Topology:
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
     kv_dtype: str = "fp32"  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
+    device: str = "auto"  # every worker's --device (engine/device.py); each worker resolves it
+    cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
     worker_args: tuple[str, ...] = ()  # more flags for every worker, after the ones above
     # The client APIs' key (coordinator/access.py); None = open. repr=False: kept out of logs.
     api_key: str | None = field(default=None, repr=False)
+    # The internal plane (engine/cluster_auth.py): the cluster secret reaches every process in
+    # its environment (TANDEM_CLUSTER_SECRET), never on a command line; auth_args (e.g.
+    # --tls-cert/--tls-key/--tls-ca, --cluster-secret-file: paths only) go to every process.
+    # Both also pass through from this process's own environment, which children inherit.
+    cluster_secret: str | None = field(default=None, repr=False)
+    auth_args: tuple[str, ...] = ()
+    # The client APIs' TLS (coordinator/api_tls.py): (cert, key) PEM paths, or None = plaintext.
+    # The coordinator alone gets them, and the readiness poll then speaks https.
+    api_tls: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -108,6 +124,7 @@ class Topology:
                              f"memory-bound: weight-only formats), got {self.decode_quant!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        check_device_spec(self.device)
         if self.api_key is not None and not (self.api_key and all(
                 "!" <= c <= "~" for c in self.api_key)):  # as coordinator/config.py checks it
             raise ValueError("the API key must be a non-empty string of visible ASCII "
@@ -137,7 +154,8 @@ class Topology:
 
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
-        flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype]
+        flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype,
+                 "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
                   "decode": [("--decode-quant", self.decode_quant)],
                   "colocated": [("--prefill-quant", self.prefill_quant),
@@ -175,12 +193,19 @@ def free_port() -> int:
 
 def plan(t: Topology, port_picker: Callable[[], int] = free_port
          ) -> tuple[list[ProcessSpec], Readiness]:
+    # A port picked free is free only until its owner binds it: two picks (the caller's HTTP
+    # port, this registry port) can return the same one, and then one bind fails.
     registry_port = port_picker()
+    while registry_port == t.port:
+        registry_port = port_picker()
     coordinator = [sys.executable, "-m", "coordinator", "--model", t.model,
                    "--host", t.host, "--port", str(t.port),
                    "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
-                   *t.coordinator_flags()]
-    secrets = (("TANDEM_API_KEY", t.api_key),) if t.api_key else ()
+                   *t.coordinator_flags(), *t.auth_args]
+    cluster = (("TANDEM_CLUSTER_SECRET", t.cluster_secret),) if t.cluster_secret else ()
+    secrets = ((("TANDEM_API_KEY", t.api_key),) if t.api_key else ()) + cluster
+    if t.api_tls:
+        coordinator += ["--api-tls-cert", t.api_tls[0], "--api-tls-key", t.api_tls[1]]
     specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
                          t.log_dir / "coordinator.log", env=secrets)]
     if t.colocated:
@@ -194,14 +219,16 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         argv = [sys.executable, "-m", module, "--model", str(t.model_path),
                 "--host", WORKER_HOST, "--port", str(port_picker()),
                 "--coordinator", f"{WORKER_HOST}:{registry_port}",
-                "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role)]
+                "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role),
+                *t.auth_args]
         if module == "decode_node":
             argv += ["--role", role]
         argv += list(t.worker_args)
-        specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log"))
+        specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log", env=cluster))
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
-    return specs, Readiness(f"http://{host}:{t.port}", t.expected_workers())
+    scheme = "https" if t.api_tls else "http"
+    return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers())
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -268,6 +295,16 @@ class LocalCluster:
             log = open(spec.log_path, "ab")
             self.children.append(_Child(spec, self._popen(spec, log), log))
 
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Start the named process again with its own argv and log (it must have exited): the
+        chaos suite's restart of a killed role, without the supervisor's backoff."""
+        child = next(c for c in self.children if c.spec.name == name)
+        if child.process.poll() is None:
+            raise LaunchError(f"{name} is still running (pid {child.process.pid})")
+        child.process = self._popen(child.spec, child.log)
+        child.started, child.restart_at = time.monotonic(), None
+        return child.process
+
     def _popen(self, spec: ProcessSpec, log) -> subprocess.Popen:
         return subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env={**self.env, **dict(spec.env)},
@@ -308,7 +345,12 @@ class LocalCluster:
     def _live_workers(self) -> tuple[dict[str, int], set[str]] | str:
         """(live counts by role, ids of live workers), or why the coordinator did not say."""
         try:
-            with urllib.request.urlopen(f"{self.ready.url}/internal/workers", timeout=2) as r:
+            # Over https the poll does not check the certificate: it is made for the names
+            # clients use, maybe not for this address, and the answer is only a count of
+            # live workers, from a process this launcher started.
+            context = ssl._create_unverified_context() if self.ready.url.startswith("https") else None
+            with urllib.request.urlopen(f"{self.ready.url}/internal/workers", timeout=2,
+                                        context=context) as r:
                 report = json.loads(r.read())
             return report["live"], {w["worker_id"] for w in report["workers"] if w["alive"]}
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:

@@ -1,8 +1,12 @@
-"""`python -m deploy.probe --model M [--listen ADDR:PORT ...]`: run on each host before a launch.
+"""`python -m deploy.probe --model M [--listen ADDR:PORT ...] [--cluster-secret-file F --tls-* F]`:
+run on each host before a launch.
 
 Prints one JSON object: whether the model resolves in this host's own store (and its
-fingerprint, which must be the same on every host), and which of the given addresses cannot be
-listened on (port in use, or an address this host does not have). Exits 0 whenever it could
+fingerprint, which must be the same on every host), which of the given addresses cannot be
+listened on (port in use, or an address this host does not have), and whether the internal
+plane's files (the [security] paths, as this host sees them) exist and hold what the roles will
+ask of them: the same start-up check a role makes (engine/cluster_auth.py), made before any
+role starts. The secret itself is read here but never printed. Exits 0 whenever it could
 answer; the launcher judges the answer. Torch-free, so it answers in well under a second.
 """
 
@@ -45,10 +49,24 @@ def check_listen(address: str, port: int) -> str | None:
     return None
 
 
+def check_auth(args: argparse.Namespace) -> str | None:
+    """Why the roles' --cluster-secret-file / --tls-* files would not do here, or None."""
+    from engine.cluster_auth import auth_from_args
+
+    try:
+        auth_from_args(args)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    from engine.cluster_auth import add_auth_args
+
     p = argparse.ArgumentParser(prog="python -m deploy.probe")
     p.add_argument("--model", required=True)
     p.add_argument("--listen", action="append", default=[], metavar="ADDR:PORT")
+    add_auth_args(p)  # the roles' own flags, checked as the roles will check them
     args = p.parse_args(argv)
     busy = []
     for item in args.listen:
@@ -57,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             busy.append(problem)
     print(json.dumps({"hostname": socket.gethostname(), "model": check_model(args.model),
-                      "listen": busy}))
+                      "listen": busy, "auth": check_auth(args)}))
     return 0
 
 

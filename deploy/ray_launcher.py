@@ -110,6 +110,15 @@ class RayTopology:
     coordinator_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1",
                                                          "OMP_WAIT_POLICY": "PASSIVE"})
+    # The internal plane's secret (engine/cluster_auth.py): in every process's environment
+    # (TANDEM_CLUSTER_SECRET, through the actor's start), never on a command line or in a repr.
+    cluster_secret: str | None = field(default=None, repr=False)
+
+    def process_env(self) -> dict[str, str]:
+        """The environment every process of the topology is started with."""
+        if not self.cluster_secret:
+            return dict(self.env)
+        return {**self.env, "TANDEM_CLUSTER_SECRET": self.cluster_secret}
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("zmq", "grpc"):
@@ -186,7 +195,7 @@ class RayLauncher:
         driver_ip = ray.util.get_node_ip_address()
         if driver_ip != node["ip"]:
             argv += ["--internal-api-from", driver_ip]
-        pid = ray.get(actor.start.remote(argv + list(self.t.coordinator_args), self.t.env))
+        pid = ray.get(actor.start.remote(argv + list(self.t.coordinator_args), self.t.process_env()))
         self.url = f"http://{node['ip']}:{http_port}"
         self.registry = f"{node['ip']}:{node['ports'][0]}"
         self.roles.append(PlacedRole("coordinator", "coordinator", actor, node["node_id"],
@@ -202,7 +211,7 @@ class RayLauncher:
                 "--worker-id", name, "--max-batched-tokens", str(self.t.chunk_size)]
         if module == "decode_node":
             argv += ["--role", role, "--kv-port", str(node["ports"][1])]
-        pid = ray.get(actor.start.remote(argv + list(self.t.worker_args), self.t.env))
+        pid = ray.get(actor.start.remote(argv + list(self.t.worker_args), self.t.process_env()))
         self.roles.append(PlacedRole(name, role, actor, node["node_id"],
                                      f"{node['ip']}:{node['ports'][0]}", pid))
 

@@ -9,6 +9,7 @@ an in-process engine when none does. A server started with an API key gets it as
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,15 +71,27 @@ class ServerError(TandemError):
 
 
 class Server:
-    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None,
+                 ca_file: str | None = None) -> None:
         self.url = url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self.client = httpx.Client(base_url=url, headers=headers,
+        # An https:// server's certificate is checked against ca_file, else the system's CAs.
+        try:
+            verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        except (OSError, ssl.SSLError) as exc:
+            raise TandemError(f"CA file {ca_file} (--ca-file / TANDEM_CA_FILE) is not usable: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
+        self.client = httpx.Client(base_url=url, headers=headers, verify=verify,
                                    timeout=httpx.Timeout(timeout_s, connect=2.0))
 
     def running(self) -> bool:
         try:
             return self.client.get("/", timeout=2.0).status_code == 200
+        except httpx.ConnectError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # a server, but not one we trust
+                raise TandemError(f"{self.url}: the server's certificate is not trusted "
+                                  f"({exc}); pass its CA with --ca-file") from None
+            return False
         except httpx.HTTPError:
             return False
 

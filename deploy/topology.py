@@ -26,6 +26,13 @@
     port = 50071
     kv_port = 50081              # the KV receiver (0 or absent: any free port)
 
+    [security]                   # optional: the authenticated internal plane (engine/cluster_auth.py)
+    cluster_secret_file = "/etc/tandem/secret"   # paths as every host sees them
+    tls_cert = "/etc/tandem/node.pem"            # mutual TLS: all three, or none
+    tls_key = "/etc/tandem/node.key"
+    tls_ca = "/etc/tandem/ca.pem"
+    # tls_server_name = "tandem.internal"        # one cluster certificate for every host
+
 Every mistake that can be seen in the file alone raises TopologyError here, naming the key:
 unknown roles and settings, missing or clashing ports, a role on an undeclared host that is
 not an address, shm across hosts, workers whose flags give different KV layouts.
@@ -53,7 +60,8 @@ KV_BACKENDS = ("zmq", "grpc", "shm")
 DEFAULT_BLOCK_SIZE = 16  # engine/node_server.py's --block-size default
 
 _TOP_KEYS = {"model", "kv_backend", "chunk_size", "prefill_threshold", "log_dir", "worker_args",
-             "coordinator_args", "hosts", "start_timeout_s"}
+             "coordinator_args", "hosts", "start_timeout_s", "security"}
+_SECURITY_KEYS = {"cluster_secret_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name"}
 _HOST_KEYS = {"address", "bind", "ssh", "ssh_options", "exec", "python", "env", "workdir"}
 _COORDINATOR_KEYS = {"host", "port", "registry_port", "grpc_port", "args"}
 _WORKER_KEYS = {"host", "port", "kv_port", "name", "args"}
@@ -116,6 +124,9 @@ class ClusterTopology:
     start_timeout_s: float = 300.0
     worker_args: tuple[str, ...] = ()
     coordinator_args: tuple[str, ...] = ()
+    # Flags of [security] for every process (paths only: the secret itself never travels
+    # on a command line); see engine/cluster_auth.py.
+    auth_args: tuple[str, ...] = ()
     hosts: tuple[Host, ...] = field(default=(), repr=False)  # every host a role runs on
 
     @property
@@ -218,9 +229,30 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         start_timeout_s=float(_int(data, "start_timeout_s", where, 300, minimum=1)),
         worker_args=_strings(data, "worker_args", where),
         coordinator_args=_strings(data, "coordinator_args", where),
+        auth_args=_security_args(data.get("security", {}), f"{where} [security]", source),
         hosts=tuple(used.values()))
     _check_workers(topology, where)
     return topology
+
+
+def _security_args(table: object, at: str, source: Path) -> tuple[str, ...]:
+    """[security] as flags; relative paths are taken from the topology file's folder."""
+    if not isinstance(table, dict):
+        raise TopologyError(f"{at} must be a table")
+    _check_keys(table, _SECURITY_KEYS, at)
+    tls = [k for k in ("tls_cert", "tls_key", "tls_ca") if k in table]
+    if tls and len(tls) != 3:
+        raise TopologyError(f"{at}: mutual TLS needs tls_cert, tls_key and tls_ca together")
+    flags: list[str] = []
+    for key in sorted(_SECURITY_KEYS):
+        value = _string(table, key, at)
+        if value:
+            if key != "tls_server_name" and not Path(value).expanduser().is_absolute():
+                value = str((source.parent / value).resolve())
+            elif key != "tls_server_name":
+                value = str(Path(value).expanduser())
+            flags += [f"--{key.replace('_', '-')}", value]
+    return tuple(flags)
 
 
 def _check_workers(t: ClusterTopology, where: str) -> None:

@@ -8,12 +8,15 @@ entry points (CLI, servers), never here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import inf
 
 
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or value <= 0:
+        # `not 0 < value < inf` rather than `value <= 0`: NaN compares false to everything,
+        # and a NaN or infinite rope_theta read from a corrupt file would pass the latter.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < inf:
             raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
 
 
@@ -58,6 +61,13 @@ class ModelConfig:
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
                   "max_position")
+        # A model file may say 32.0 or "32" where a count belongs; a float count would make
+        # every weight shape a float and every loop over layers a TypeError much later.
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ModelConfig.{name} must be an integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")

@@ -39,6 +39,15 @@ class ForwardBatch:
     # prefill worker uses it to start that layer's transfer while later layers compute.
     on_layer_done: Callable[[int], None] | None = None
 
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """The same batch with its tensors on `device` (itself when they already are)."""
+        if self.input_ids.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
+                            move(self.cu_seqlens_q), move(self.seq_lens), move(self.block_tables),
+                            move(self.logits_indices), self.has_decode, self.on_layer_done)
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager
 from engine.config import (
     KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
+from engine.device import resolve_device
 from engine.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
@@ -87,9 +88,11 @@ def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
                  kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None,
-                 tokenizer_path: str | Path | None = None) -> None:
+                 tokenizer_path: str | Path | None = None, cuda_graphs: bool = True) -> None:
         """The KV cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must
-        agree with it, and so must a caller-provided `kv_cache` tensor."""
+        agree with it, and so must a caller-provided `kv_cache` tensor. The cache lives on
+        the model's device; cuda_graphs: replay decode steps as CUDA graphs there (CUDA only,
+        engine/cuda_graphs.py)."""
         want = config.cache.kv_dtype
         if kv_dtype is not None and kv_dtype_name(kv_dtype) != want:
             raise ValueError(f"kv_dtype {kv_dtype_name(kv_dtype)!r} contradicts the engine config's "
@@ -106,7 +109,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache)
+        self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache, cuda_graphs)
         # The KV connector of a worker that transfers KV (engine/kv_connector.py); None for
         # an engine that never does (colocated, `tandem run`).
         self.connector: KVConnector | None = None
@@ -127,21 +130,25 @@ class LLMEngine:
                   num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                   scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
                   enable_prefix_caching: bool = True, kv_dtype: str | torch.dtype = "fp32",
-                  load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None) -> "LLMEngine":
+                  load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None,
+                  device: str | torch.device = "cpu", cuda_graphs: bool = True) -> "LLMEngine":
         """weight_format is the decode format, prefill_format the prefill format; which of
         them the model packs is the role's choice (engine.config.role_formats): a prefill
         engine only prefill_format (weight_format when None), a decode engine only
         weight_format, a colocated engine both when they differ. kv_dtype: the KV cache's
-        element type, "fp32" or "bf16" (or the torch dtype); checked before the model loads."""
+        element type, "fp32" or "bf16" (or the torch dtype); checked before the model loads,
+        as is `device` (engine/device.py: cpu, cuda, cuda:N, auto) where the weights, the KV
+        cache and sampling go."""
         from engine.loaders import load_model
         from engine.tokenizer import Tokenizer
 
         main_format, second_format = role_formats(role, weight_format, prefill_format)
         kv_name = kv_dtype_name(kv_dtype)
+        target = resolve_device(device).torch_device
         t0 = time.monotonic()
         loaded = load_model(Path(path))
         model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
-                                                        prefill_format=second_format)
+                                                        prefill_format=second_format, device=target)
         if num_blocks is None:
             per_block = kv_cache_bytes_per_block(loaded.config, block_size, KV_TORCH_DTYPES[kv_name])
             num_blocks = max(1, kv_cache_bytes // per_block)
@@ -156,13 +163,14 @@ class LLMEngine:
             max_model_len=max_model_len,
         )
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
+        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path,
+                     cuda_graphs=cuda_graphs)
         engine.load_duration_s = time.monotonic() - t0
 
         def reload():  # the same path and formats, for load_weights after unload_weights
             again = load_model(Path(path))
             return model_class(again.config.architecture)(again.config, again.weights, main_format,
-                                                          prefill_format=second_format)
+                                                          prefill_format=second_format, device=target)
 
         engine._reload_model = reload
         return engine
@@ -185,6 +193,8 @@ class LLMEngine:
             return
         self.model = None
         self.runner.model = None
+        if self.runner.graphs is not None:  # captured graphs hold the weights too
+            self.runner.graphs.release()
         gc.collect()
 
     def load_weights(self) -> float:

@@ -5,6 +5,11 @@ run is the scheduler's decision, what to do with the logits is the engine's.
 KV cache: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 (dim 1: K, V). Block b of every layer belongs to whichever request's block table holds b; the
 block manager decides that, the runner only writes slots it is given.
+
+Device: the cache and every batch tensor live on the model's device (`model.device`, CPU
+when the model does not say); the batch is built on the host and copied over in one go per
+tensor. On CUDA, decode steps replay captured CUDA graphs (engine/cuda_graphs.py) unless
+`cuda_graphs` is False.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from typing import Callable, Sequence
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch
+from kernels._triton import use_triton
 
 
 @dataclass(frozen=True)
@@ -48,15 +55,22 @@ def kv_cache_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.d
 
 class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, kv_dtype: torch.dtype = torch.float32,
-                 kv_cache: torch.Tensor | None = None) -> None:
+                 kv_cache: torch.Tensor | None = None, cuda_graphs: bool = True) -> None:
         self.model = model
         self.block_size = cache_config.block_size
+        self.device = torch.device(getattr(model, "device", "cpu"))
         shape = kv_cache_shape(model.config, cache_config)
         if kv_cache is not None and tuple(kv_cache.shape) != shape:
             raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)}, expected {shape}")
+        if kv_cache is not None and kv_cache.device != self.device:
+            raise ValueError(f"kv_cache is on {kv_cache.device}, the model on {self.device}")
         # A caller-provided cache (e.g. in shared memory for a same-host KV receiver) is used
         # as is; otherwise allocate.
-        self.kv_cache = kv_cache if kv_cache is not None else torch.zeros(shape, dtype=kv_dtype)
+        self.kv_cache = (kv_cache if kv_cache is not None
+                         else torch.zeros(shape, dtype=kv_dtype, device=self.device))
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graphs and self.device.type == "cuda" and use_triton(self.kv_cache):
+            self.graphs = DecodeGraphRunner(model, self.kv_cache, capture=True)
 
     def prepare(self, chunks: Sequence[SequenceChunk]) -> ForwardBatch:
         bs = self.block_size
@@ -92,7 +106,7 @@ class ModelRunner:
             block_tables=tables,
             logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.int64),
             has_decode=any(c.decodes for c in chunks),
-        )
+        ).to(self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SequenceChunk],
@@ -100,9 +114,15 @@ class ModelRunner:
         """Runs one forward pass; returns fp32 logits [number of chunks needing logits, vocab],
         in chunk order, followed by the rows of every chunk's prompt_logits, in chunk order
         (none unless a chunk asks)."""
+        if (self.graphs is not None and on_layer_done is None and self.graphs.accepts(
+                [len(c.token_ids) for c in chunks], [len(c.block_table) for c in chunks],
+                all(c.needs_logits and not c.prompt_logits for c in chunks))):
+            if self.graphs.model is not self.model:  # weights reloaded (keep_alive): new graphs
+                self.graphs = DecodeGraphRunner(self.model, self.kv_cache, capture=self.graphs.capture)
+            return self.graphs.run(self.prepare(chunks))
         batch = self.prepare(chunks)
         batch.on_layer_done = on_layer_done
         hidden = self.model.forward(batch, self.kv_cache)
         if batch.logits_indices.numel() == 0:
-            return torch.empty(0, self.model.config.vocab_size)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[batch.logits_indices], batch)

@@ -17,15 +17,22 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import kvtransfer
+
+from engine.cluster_auth import (
+    PROOF_HEADER, REGISTER_REPLY, ClusterAuth, add_auth_args, auth_from_args,
+)
 from engine.config import (
     DECODE_FORMATS, KV_DTYPE_TORCH_NAMES, KV_DTYPES, PREFILL_FORMATS, SchedulerConfig,
 )
+from engine.device import add_device_flags, resolve_device
 from engine.engine_loop import EngineLoop
 from engine.errors import ResidencyError, TandemError
 from engine.llm_engine import LLMEngine
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from engine.runtime import configure_process
+from engine.grpc_guard import guarded
 
 log = logging.getLogger("tandem.node")
 
@@ -53,8 +60,11 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
-    p.add_argument("--kv-backend", default="zmq", choices=["zmq", "shm", "grpc"])
+    p.add_argument("--kv-backend", default="zmq", choices=[b for b in kvtransfer.backends() if b != "fake"])
     p.add_argument("--kv-port", type=int, default=0, help="decode: port of the KV receiver (0 = any)")
+    p.add_argument("--kv-advertise", default=None,
+                   help="decode: the KV endpoint peers connect to (e.g. tcp://HOST:PORT), when it "
+                        "differs from the bound one: a port forward, NAT, a proxy in the path")
     p.add_argument("--kv-deadline", type=float, default=330.0,
                    help="decode: seconds from reservation until all of a request's KV must have arrived")
     p.add_argument("--worker-id", default=None)
@@ -80,7 +90,9 @@ def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParse
                    help="weight format of decode workers, every pass (and of a colocated worker's "
                         "passes with decode tokens)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads of this process")
+    add_device_flags(p)
     p.add_argument("--log-level", default="INFO")
+    add_auth_args(p)
     return p
 
 
@@ -101,10 +113,12 @@ def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks
         path, role=args.role, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
         block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
-        kv_dtype=args.kv_dtype, load_tokenizer=False)
-    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads", args.role,
+        kv_dtype=args.kv_dtype, load_tokenizer=False, device=args.device,
+        cuda_graphs=not args.no_cuda_graphs)
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", args.role,
              "+".join(engine.model.formats), engine.config.cache.num_blocks,
-             engine.config.cache.kv_dtype, args.threads)
+             engine.config.cache.kv_dtype, args.threads, engine.runner.device,
+             " (CUDA graphs)" if engine.runner.graphs is not None else "")
     return engine
 
 
@@ -120,10 +134,11 @@ def kv_layout(config, block_size: int, kv_dtype: str, model_id: str):
 
 
 def worker_status(worker_id: str, role: str, loop: EngineLoop,
-                  kv: pb.KVTransferCounters | None = None) -> pb.WorkerStatus:
+                  kv: pb.KVTransferCounters | None = None,
+                  refused: ClusterAuth | None = None) -> pb.WorkerStatus:
     """From the engine thread's last published snapshot: the scheduler's own queues belong to
     the engine thread and must not be iterated from here. `kv`: the worker's transfer
-    counters (kv_counters)."""
+    counters (kv_counters); `refused`: the auth whose refused calls the heartbeat reports."""
     snap = loop.snapshot
     config = loop.engine.config
     return pb.WorkerStatus(
@@ -132,7 +147,10 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
         queued_prefill_tokens=snap.queued_prefill_tokens,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv,
-        unloaded=not snap.resident)
+        unloaded=not snap.resident,
+        refused_calls=[pb.RefusedCalls(method=method, reason=reason, count=count)
+                       for (method, reason), count in sorted(
+                           (refused.refused.snapshot() if refused else {}).items())])
 
 
 async def set_resident(worker: EngineLoop, request: pb.ResidencyRequest,
@@ -151,18 +169,19 @@ async def set_resident(worker: EngineLoop, request: pb.ResidencyRequest,
 def kv_counters(backend: str, stats, sending: bool) -> pb.KVTransferCounters:
     """kvtransfer.TransferStats (one, or the sum of several) as the heartbeat's counters."""
     stats = list(stats)
-    total = dict(bytes=0, done=0, failed=0, seconds=0.0, skipped=0)
+    total = dict(bytes=0, done=0, failed=0, seconds=0.0, skipped=0, rejected=0)
     for st in stats:
         total["bytes"] += st.bytes
         total["done"] += st.transfers_done
         total["failed"] += st.transfers_failed
         total["seconds"] += st.seconds
         total["skipped"] += st.skipped_blocks
+        total["rejected"] += st.auth_rejected
     return pb.KVTransferCounters(
         backend=backend, bytes_sent=total["bytes"] if sending else 0,
         bytes_received=0 if sending else total["bytes"], transfers_done=total["done"],
         transfers_failed=total["failed"], transfer_seconds=total["seconds"],
-        skipped_blocks=total["skipped"])
+        skipped_blocks=total["skipped"], auth_rejected=total["rejected"])
 
 
 class NodeFailure(TandemError):
@@ -185,12 +204,19 @@ def new_worker_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:8]}"
 
 
+# The coordinator's verdict that we do not hold the cluster's secret (engine/cluster_auth.py):
+# retrying cannot help, so it is as fatal as a refused registration.
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
-                                 status: Callable[[], pb.WorkerStatus], stop: asyncio.Event) -> None:
+                                 status: Callable[[], pb.WorkerStatus], stop: asyncio.Event,
+                                 auth: ClusterAuth = ClusterAuth()) -> None:
     """Registers (retrying while the coordinator is not up yet), then heartbeats; registers
-    again whenever the coordinator has forgotten us. A refusal (e.g. a model mismatch) is
-    fatal: the worker exits rather than serve a cluster it does not belong to."""
-    async with grpc.aio.insecure_channel(coordinator) as channel:
+    again whenever the coordinator has forgotten us. A refusal (e.g. a model mismatch, or no
+    cluster secret) is fatal: the worker exits rather than serve a cluster it does not belong
+    to."""
+    async with auth.aio_channel(coordinator) as channel:
         stub = pb_grpc.RegistryStub(channel)
         interval = 1.0
         registered = False
@@ -203,7 +229,10 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                                          model_fingerprint=identity.model_fingerprint,
                                          kv_layout_fingerprint=identity.kv_layout_fingerprint,
                                          status=status())
-                    reply = await stub.Register(info, timeout=5)
+                    call = stub.Register(info, timeout=5)
+                    reply = await call
+                    if auth.secret:
+                        await _check_coordinator(auth, coordinator, call)
                     if not reply.accepted:
                         log.error("coordinator refused registration: %s", reply.reason)
                         raise NodeFailure(f"registration refused: {reply.reason}")
@@ -215,12 +244,30 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                                                                      status=status()), timeout=5)
                     registered = reply.known
             except grpc.aio.AioRpcError as exc:
-                log.warning("coordinator %s unreachable: %s", coordinator, exc.code().name)
+                if exc.code() in _REFUSALS:
+                    hint = ("this worker has a cluster secret: is it the coordinator's?" if auth.secret
+                            else "give this worker the cluster's secret (--cluster-secret-file "
+                                 "or TANDEM_CLUSTER_SECRET)")
+                    log.error("coordinator refused us: %s", exc.details())
+                    raise NodeFailure(f"registration refused: {exc.details()} ({hint})") from None
+                # The details tell a coordinator that is down from a TLS mismatch.
+                log.warning("coordinator %s unreachable: %s (%s)", coordinator, exc.code().name,
+                            exc.details())
                 registered = False
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
+
+
+async def _check_coordinator(auth: ClusterAuth, coordinator: str, call) -> None:
+    """The Registry proves the secret in its reply's trailing metadata: a worker must not
+    serve (and hand its KV endpoint to) a coordinator outside the cluster."""
+    metadata = dict(await call.trailing_metadata() or ())
+    reason = auth.check(REGISTER_REPLY, metadata.get(PROOF_HEADER))
+    if reason:
+        raise NodeFailure(f"the coordinator at {coordinator} did not prove the cluster secret: "
+                          f"{reason.replace('the caller', 'it')}")
 
 
 async def watch_engine(engine_loop: EngineLoop, stop: asyncio.Event, period_s: float = 0.5) -> None:
@@ -239,15 +286,18 @@ async def run_node(args: argparse.Namespace, service_name: str,
                    add_servicer: Callable[[grpc.aio.Server], None], identity: NodeIdentity,
                    status: Callable[[], pb.WorkerStatus], engine_loop: EngineLoop,
                    on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    auth: ClusterAuth = args.cluster_auth
+    # With a secret, only the coordinator's calls (they carry its proof) are served.
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=guarded(auth.server_interceptors()))
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = auth.add_port(server, f"{args.host}:{args.port}")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s %s serving on %s:%d", identity.role, identity.worker_id, args.host, port)
+    log.info("%s %s serving on %s:%d (%s)", identity.role, identity.worker_id, args.host, port,
+             auth.describe())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -255,7 +305,8 @@ async def run_node(args: argparse.Namespace, service_name: str,
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
     if args.coordinator:
-        tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop)))
+        tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop,
+                                                                 auth)))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     failures = [t.exception() for t in done if t is not waiter and t.exception() is not None]
@@ -280,6 +331,12 @@ def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | N
 
     args = node_arg_parser(prog, roles).parse_args(argv)
     setup_logging(args.log_level)
+    try:
+        args.cluster_auth = auth_from_args(args)  # checked before the model loads
+        args.device = str(resolve_device(args.device).torch_device)  # so is the device
+    except ValueError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
     try:
         uvloop.run(main_async(args))
     except TandemError as exc:

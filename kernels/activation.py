@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, record_launch, tl, triton, use_triton
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     t, i = x2.shape[0], two_i // 2
     y = torch.empty(t, i, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(i))
+    record_launch("silu_and_mul")
     _silu_and_mul_kernel[(t, triton.cdiv(i, block))](x2, y, i, x2.stride(0), BLOCK=block)
     return y.reshape(*lead, i)
 

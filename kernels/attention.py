@@ -132,6 +132,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     seq_lens: [B] int32; block_tables: [B, max_blocks] int32 -> [T, Hq, D].
     plan: from plan_paged_attention for these index tensors (optional; saves per-layer work)."""
     if use_triton(q):
+        if q.dtype != k_cache.dtype:  # the model's fp32 queries over a bf16 cache: the Triton
+            # kernels take one dtype, so the queries go to the cache's (its precision anyway)
+            return paged_attention_triton(q.to(k_cache.dtype), k_cache, v_cache, cu_seqlens_q,
+                                          seq_lens, block_tables, scale).to(q.dtype)
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                       scale)
     return paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, plan)

@@ -27,7 +27,7 @@ bottom-right-aligned causal mask.
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, triton, tl
+from kernels._triton import HAS_TRITON, record_launch, triton, tl
 
 _LOG2E = 1.4426950408889634
 
@@ -221,6 +221,7 @@ def flash_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    record_launch("flash_attention")
     _flash_attention_kernel[grid](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, out_ptr=out,
         cu_seqlens_q_ptr=cu_seqlens_q, seq_lens_ptr=seq_lens, block_tables_ptr=block_tables,

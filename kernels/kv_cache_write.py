@@ -13,7 +13,7 @@ index_copy_ per cache) and a Triton kernel (one program per token) used on CUDA.
 
 import torch
 
-from kernels._triton import HAS_TRITON, triton, tl, use_triton
+from kernels._triton import HAS_TRITON, record_launch, triton, tl, use_triton
 
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -95,6 +95,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         raise ValueError("k, v, k_cache, v_cache and slot_mapping must share one device")
     if num_tokens == 0:
         return
+    record_launch("kv_cache_write")
     _write_kv_cache_kernel[(num_tokens,)](
         k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_ptr=slot_mapping,
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),

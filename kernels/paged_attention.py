@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import native
-from kernels._triton import HAS_TRITON, triton, tl
+from kernels._triton import HAS_TRITON, record_launch, triton, tl
 from kernels.flash_attention import _LOG2E, _dot_precision, check_paged_attention_args
 
 if HAS_TRITON:
@@ -220,6 +220,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out       # not touched: NUM_SPLITS == 1 compiles those paths out
+    record_launch("paged_decode")
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, out_ptr=out,
         part_out_ptr=part_out, part_lse_ptr=part_lse,
@@ -239,6 +240,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_warps=4,
     )
     if num_splits > 1:
+        record_launch("merge_splits")
         _merge_splits_kernel[(num_tokens, num_heads)](
             out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse,
             stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),

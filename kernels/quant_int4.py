@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import (HAS_TRITON, activation_dtype, record_launch, tl, triton, triton_layouts,
+                             use_triton)
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -117,7 +118,7 @@ def default_layout(device: torch.device) -> str:
     """CUDA: "nibbles" (Triton). CPU: the faster of the native "q4_1" kernel and aten's
     "cpu" kernel on this host, measured once (kernels/layout_choice.py): aten's int4 GEMV is
     fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones."""
-    if device.type != "cpu":
+    if device.type != "cpu" or triton_layouts(device):
         return "nibbles"
     candidates = [name for name, ok in (("q4_1", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
     if not candidates:
@@ -287,7 +288,7 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     if packed.layout == "cpu":
         return int4_linear_cpu(x, packed)
     if use_triton(x):
-        y = int4_linear_triton(x.to(torch.bfloat16), packed.weight, packed.scales, packed.group_size, packed.bias)
+        y = int4_linear_triton(x.to(activation_dtype(x)), packed.weight, packed.scales, packed.group_size, packed.bias)
         return y.to(x.dtype)
     y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
@@ -391,6 +392,7 @@ def int4_linear_triton(x: torch.Tensor, w: torch.Tensor, scales_and_zeros: torch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = (1, 64, 128) if m == 1 else (min(64, max(16, triton.next_power_of_2(m))), 64, 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    record_launch("int4_gemm")
     _int4_weight_only_kernel[grid](
         x, w, scales_and_zeros, bias if bias is not None else scales_and_zeros, y,
         m, n, k, kp, x.stride(0), w.stride(0), y.stride(0),

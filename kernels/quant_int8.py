@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import (HAS_TRITON, activation_dtype, record_launch, tl, triton, triton_layouts,
+                             use_triton)
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -66,7 +67,7 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
 
 
 def default_layout(device: torch.device) -> str:
-    if device.type == "cuda":
+    if device.type == "cuda" or triton_layouts(device):
         return "triton"
     return "native" if native.available() else "cpu"
 
@@ -88,7 +89,7 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)
     if use_triton(x):
-        return int8_linear_triton(x.to(torch.bfloat16), packed.weight, packed.scales, packed.bias).to(x.dtype)
+        return int8_linear_triton(x.to(activation_dtype(x)), packed.weight, packed.scales, packed.bias).to(x.dtype)
     y = F.linear(x.to(torch.bfloat16), dequantize(packed).to(torch.bfloat16)).float()
     return (y if packed.bias is None else y + packed.bias).to(x.dtype)
 
@@ -185,6 +186,7 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = gemm_blocks(m)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    record_launch("int8_gemm")
     _int8_weight_only_kernel[grid](
         x, q, scales, bias if bias is not None else scales, y,
         m, n, k, x.stride(0), q.stride(0), y.stride(0),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, record_launch, tl, triton, use_triton
 from kernels.linear import PackedLinear, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -203,6 +203,7 @@ def quantize_per_token_triton(x: torch.Tensor, act_scale: torch.Tensor | None = 
     assert act_scale is None or (act_scale.shape == (k,) and act_scale.dtype == torch.float32)
     q = torch.empty(m, kp, dtype=torch.int8, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
+    record_launch("quantize_per_token")
     _quantize_per_token_kernel[(m,)](
         x, act_scale if act_scale is not None else s, q, s, k, kp, x.stride(0), q.stride(0),
         HAS_ACT_SCALE=act_scale is not None, BLOCK_K=min(4096, triton.next_power_of_2(kp)),
@@ -225,6 +226,7 @@ def w8a8_gemm_triton(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: t
     y = torch.empty(m, n, dtype=out_dtype, device=qx.device)
     block_m, block_n, block_k = min(128, max(16, triton.next_power_of_2(m))), 64, 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    record_launch("w8a8_gemm")
     _w8a8_gemm_kernel[grid](
         qx, qw, sx, sw, bias if bias is not None else sw, y,
         m, n, kp, qx.stride(0), qw.stride(0), y.stride(0),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels import native
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, record_launch, tl, triton, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -85,6 +85,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)
     h_out = torch.empty_like(y) if residual is not None else x
     block_h = triton.next_power_of_2(h)
+    record_launch("rms_norm")
     _rms_norm_kernel[(t,)](
         x, residual if residual is not None else x, weight, y, h_out,
         h, eps, x.stride(0), residual.stride(0) if residual is not None else 0,

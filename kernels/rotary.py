@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, record_launch, tl, triton, use_triton
 
 
 def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -89,6 +89,7 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     k_out = torch.empty(t, hkv, d, dtype=k.dtype, device=k.device)
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(hq, hkv)), max(1, 4096 // block_d))
+    record_launch("rotary")
     _rotary_kernel[(t,)](
         q, k, q_out, k_out, positions, cos, sin,
         hq, hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels import native
+from kernels._triton import use_triton
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from kernels.rotary import apply_rotary, apply_rotary_reference
 
@@ -42,7 +43,7 @@ def rotary_kv_write_reference(qkv, positions, cos, sin, k_cache, v_cache, slot_m
 def native_supported(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> bool:
     nb, bs, hkv, d = k_cache.shape
-    return (native.available() and not qkv.is_cuda and qkv.dtype == torch.float32
+    return (native.available() and not qkv.is_cuda and not use_triton(qkv) and qkv.dtype == torch.float32
             and qkv.stride(1) == 1 and cos.dtype == torch.float32 and cos.is_contiguous()
             and k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -25,6 +25,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "zmq": ("kvtransfer.zmq_backend", "ZmqSender", "ZmqReceiver"),
     "shm": ("kvtransfer.shm_backend", "ShmSender", "ShmReceiver"),
     "grpc": ("kvtransfer.grpc_backend", "GrpcSender", "GrpcReceiver"),
+    "dist": ("kvtransfer.dist_backend", "DistSender", "DistReceiver"),
 }
 
 

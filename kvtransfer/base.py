@@ -1,5 +1,5 @@
 """The KV transfer contract: a prefill worker's `KVSender` pushes KV blocks into a decode
-worker's `KVReceiver`. Every backend (fake, zmq, shm, grpc) implements exactly this.
+worker's `KVReceiver`. Every backend (fake, zmq, shm, grpc, dist) implements exactly this.
 
 Who calls what (modelled on vLLM v1's KVConnectorBase_V1 and SGLang's disaggregation base).
 A transfer is named by a transfer id that the coordinator gives both sides at once; neither
@@ -78,7 +78,7 @@ Invariants every receiver keeps:
   transfer only.
 - Block reuse only when no writer remains: RELEASED is reported only when nothing can write
   into the transfer's blocks again. Where the receiver does every write itself (fake, zmq,
-  grpc) that is at once, under its table lock. Where the sender writes into the cache directly
+  grpc, dist) that is at once, under its table lock. Where the sender writes into the cache directly
   (shm), only after the sender acknowledged the revocation from its writer thread (its writes
   are ordered with that ack) or its process is gone; never on a timer.
 - COMPLETE means every granted block of every layer and the finish have arrived; no write for
@@ -150,6 +150,9 @@ class TransferStats:
     transfers_failed: int = 0
     seconds: float = 0.0  # sum over finished transfers of first send (or expect) -> terminal
     skipped_blocks: int = 0  # blocks not sent because the receiver had them cached (grant skip)
+    # Receiver: units, grant requests and handshakes refused for want of the cluster's
+    # credentials (bad or missing token, failed CURVE handshake; kvtransfer/auth.py).
+    auth_rejected: int = 0
 
 
 class KVSender(ABC):

@@ -1,6 +1,6 @@
 """Transfer throughput per backend, next to a plain memory copy measured in the same run.
 
-    python -m kvtransfer.bench [--backends zmq shm shm-rverify grpc] [--tokens 128 512 2048] [--reps 3]
+    python -m kvtransfer.bench [--backends zmq shm shm-rverify grpc dist] [--tokens 128 512 2048] [--reps 3]
 
 Layout: SmolLM2-135M's KV (30 layers x 3 KV heads x 64 dims, block 16, fp32). One "request"
 is a prompt of N tokens sent layer by layer out of a source cache (30 units of N/16 blocks
@@ -112,7 +112,7 @@ def _bench_copy(tokens: list[int], reps: int) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc"])
+    parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc", "dist"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()

@@ -18,6 +18,12 @@ holds a future, not a thread, so any number of transfers may wait for their expe
 have no channel here; none is needed, since the receiver writes every byte itself (RELEASED at
 once) and a sender still pushing for a cancelled transfer is refused unit by unit. Payload bytes
 are copied into protobuf messages (unlike zmq); that is the price of the fallback.
+
+Authentication (with a KVAuth, kvtransfer/auth.py): the Handshake carries a proof of the secret
+in its metadata (refused UNAUTHENTICATED and counted without one, before the layout is told);
+every Grant and Push carries its transfer's token and the table drops and counts one without a
+valid token before anything else; with TLS
+material both sides use mutual TLS, as every other gRPC channel of the internal plane.
 """
 
 from __future__ import annotations
@@ -30,10 +36,15 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import torch
 
+# Torch- and tandem-free: the one gRPC guard every tandem server installs.
+from engine.grpc_guard import guarded
+
+from .auth import HANDSHAKE_PROOF_HEADER, KVAuth
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
-    Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, Revoke, tensor_bytes,
+    Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
+    tensor_bytes,
 )
 from .pb import kvtransfer_pb2 as pb
 from .pb import kvtransfer_pb2_grpc as pb_grpc
@@ -55,17 +66,29 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeReply:  # noqa: N802
         r = self.receiver
-        r.table.register_sender(HandshakeRequest.from_pb(request))
+        try:
+            hello = HandshakeRequest.from_pb(request)
+        except MessageError as e:  # an invalid layout: the peer's fault, not ours (UNKNOWN)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if r.auth is not None and r.auth.keyed:
+            proof = dict(context.invocation_metadata() or ()).get(HANDSHAKE_PROOF_HEADER)
+            if not r.auth.handshake_ok(hello.sender_id, proof):
+                r.table.count_rejected(f"handshake of {hello.sender_id[:64]!r} without a valid proof")
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "KV handshake without a valid proof of the cluster secret")
+        r.table.register_sender(hello)
         return HandshakeReply(r.layout, r.cache.num_blocks).to_pb()
 
     async def Grant(self, request: pb.GrantRequest, context) -> pb.GrantReply:  # noqa: N802
         ask = GrantRequest.from_pb(request)
         r = self.receiver
+        if not r.table.authentic(ask.transfer_id, ask.auth_token, "grant request"):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing KV token")
         key = (ask.sender_id, ask.transfer_id)
         waiter = r.loop.create_future()
         r.waiters[key] = waiter
         try:
-            r.table.ask(ask.sender_id, ask.transfer_id)  # may answer at once (call_soon)
+            r.table.ask(ask.sender_id, ask.transfer_id, ask.auth_token)  # may answer at once
             remaining = context.time_remaining()
             budget = MAX_LONG_POLL_S if remaining is None else min(MAX_LONG_POLL_S, remaining - 0.05)
             try:
@@ -87,6 +110,12 @@ class _Servicer(pb_grpc.KVTransferServicer):
         async for chunk in request_iterator:
             if first is None:
                 first = chunk
+                header = first.header
+                # Before buffering a byte of a rogue's payload; the table checks again.
+                if (self.receiver.auth is not None and self.receiver.auth.keyed and header.transfer_id
+                        and not table.authentic(header.transfer_id, header.auth_token, "data unit")):
+                    return Ack(header.seq, header.transfer_id, header.layer, False,
+                               "unauthenticated unit dropped").to_pb()
             total += len(chunk.data)
             if total > limit:
                 header = KVHeader.from_pb(first.header)
@@ -104,9 +133,10 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
 
 class GrpcReceiver(TableReceiver):
-    def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "127.0.0.1:0") -> None:
-        self.cache, self.layout = cache, layout
-        self.table = ReceiveTable(cache, layout, self._deliver, "grpc")
+    def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "127.0.0.1:0",
+                 auth: KVAuth | None = None) -> None:
+        self.cache, self.layout, self.auth = cache, layout, auth
+        self.table = ReceiveTable(cache, layout, self._deliver, "grpc", auth=auth)
         self.waiters: dict[tuple[str, str], asyncio.Future] = {}  # (sender, transfer) -> grant
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"kv-recv {endpoint}",
@@ -121,10 +151,16 @@ class GrpcReceiver(TableReceiver):
         self._endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
 
     async def _start(self, endpoint: str) -> int:
-        self._server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+        self._server = grpc.aio.server(options=_CHANNEL_OPTIONS, interceptors=guarded())
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
         try:
-            port = self._server.add_insecure_port(endpoint)
+            if self.auth is not None and self.auth.tls:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.auth.tls_key, self.auth.tls_cert)], root_certificates=self.auth.tls_ca,
+                    require_client_auth=True)
+                port = self._server.add_secure_port(endpoint, credentials)
+            else:
+                port = self._server.add_insecure_port(endpoint)
         except RuntimeError as e:
             raise KVTransferError(f"cannot bind {endpoint}: {e}") from e
         await self._server.start()
@@ -159,19 +195,22 @@ class GrpcReceiver(TableReceiver):
 class GrpcSender(IOSender):
     backend = "grpc"
 
-    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
-        super().__init__(ack_timeout_s, connect_timeout_s)
+    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                 auth: KVAuth | None = None) -> None:
+        super().__init__(ack_timeout_s, connect_timeout_s, auth)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVTransferStub | None = None
         self._calls: set[grpc.Future] = set()
 
     def _handshake(self, endpoint: str, layout: KVLayout) -> None:
-        channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        channel = _channel(endpoint, self.auth)
         stub = pb_grpc.KVTransferStub(channel)
         try:
+            keyed = self.auth is not None and self.auth.keyed
+            metadata = ((HANDSHAKE_PROOF_HEADER, self.auth.handshake_proof(self.sender_id)),) if keyed else None
             reply = stub.Handshake(
                 self._handshake_request(layout).to_pb(), timeout=self.connect_timeout_s,
-                wait_for_ready=True,
+                wait_for_ready=True, metadata=metadata,
             )
             self._check_layout(layout, HandshakeReply.from_pb(reply).layout, endpoint)
         except grpc.RpcError as e:
@@ -187,7 +226,8 @@ class GrpcSender(IOSender):
     def _io_ask(self, t: _Transfer) -> None:
         assert self._stub is not None
         remaining = (t.asked_at or 0.0) + self.ack_timeout_s - time.monotonic()
-        call = self._stub.Grant.future(GrantRequest(t.transfer_id, self.sender_id).to_pb(),
+        ask = GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id))
+        call = self._stub.Grant.future(ask.to_pb(),
                                        timeout=max(remaining, 0.01))
         self._watch(call, t.transfer_id, "grant request",
                     lambda reply: self._post(("grant", Grant.from_pb(reply))))
@@ -241,6 +281,15 @@ class GrpcSender(IOSender):
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+
+
+def _channel(endpoint: str, auth: KVAuth | None) -> grpc.Channel:
+    if auth is None or not auth.tls:
+        return grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=auth.tls_ca,
+                                               private_key=auth.tls_key, certificate_chain=auth.tls_cert)
+    names = [("grpc.ssl_target_name_override", auth.tls_server_name)] if auth.tls_server_name else []
+    return grpc.secure_channel(endpoint, credentials, options=_CHANNEL_OPTIONS + names)
 
 
 def _chunks(header: KVHeader, payload: torch.Tensor) -> Iterator[pb.PushChunk]:

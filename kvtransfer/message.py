@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import crc32c as _crc32c
 import torch
@@ -95,6 +95,7 @@ class KVHeader:
     finish: bool = False  # the transfer's last unit
     first_token: int = 0  # finish only
     num_units: int = 0  # finish only: data units sent for this transfer
+    auth_token: bytes = field(default=b"", repr=False)  # kvtransfer/auth.py; empty = none
 
     @property
     def is_abort(self) -> bool:
@@ -110,7 +111,7 @@ class KVHeader:
             dtype=self.dtype, shape=self.shape, fingerprint=self.fingerprint,
             checksum=self.checksum, seq=self.seq, payload_nbytes=self.payload_nbytes,
             sender_error=self.sender_error, sender_id=self.sender_id, finish=self.finish,
-            first_token=self.first_token, num_units=self.num_units,
+            first_token=self.first_token, num_units=self.num_units, auth_token=self.auth_token,
         )
 
     def encode(self) -> bytes:
@@ -123,7 +124,7 @@ class KVHeader:
             dtype=m.dtype, shape=tuple(m.shape), fingerprint=m.fingerprint,
             checksum=m.checksum, seq=m.seq, payload_nbytes=m.payload_nbytes,
             sender_error=m.sender_error, sender_id=m.sender_id, finish=m.finish,
-            first_token=m.first_token, num_units=m.num_units,
+            first_token=m.first_token, num_units=m.num_units, auth_token=m.auth_token,
         )
 
     @classmethod
@@ -137,6 +138,7 @@ class KVHeader:
     def for_payload(
         cls, transfer_id: str, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor,
         layout: KVLayout, seq: int, sender_id: str = "", crc: int | None = None,
+        auth_token: bytes = b"",
     ) -> KVHeader:
         """A data unit's header; `crc` when the caller computed it without a gathered payload."""
         return cls(
@@ -144,6 +146,7 @@ class KVHeader:
             shape=layout.payload_shape(len(block_ids)), fingerprint=layout.fingerprint,
             checksum=checksum(payload) if crc is None else crc, seq=seq,
             payload_nbytes=layout.payload_nbytes(len(block_ids)), sender_id=sender_id,
+            auth_token=auth_token,
         )
 
     def check_against(self, layout: KVLayout, num_cache_blocks: int) -> None:
@@ -240,16 +243,18 @@ class Grant:
 class GrantRequest:
     transfer_id: str
     sender_id: str
+    auth_token: bytes = field(default=b"", repr=False)  # as KVHeader.auth_token
 
     def to_pb(self) -> pb.GrantRequest:
-        return pb.GrantRequest(transfer_id=self.transfer_id, sender_id=self.sender_id)
+        return pb.GrantRequest(transfer_id=self.transfer_id, sender_id=self.sender_id,
+                               auth_token=self.auth_token)
 
     def encode(self) -> bytes:
         return self.to_pb().SerializeToString()
 
     @classmethod
     def from_pb(cls, m: pb.GrantRequest) -> GrantRequest:
-        return cls(m.transfer_id, m.sender_id)
+        return cls(m.transfer_id, m.sender_id, m.auth_token)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> GrantRequest:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .auth import KVAuth
 from .base import KVReceiver, ReceiveEvent, ReceiveKind, TransferStats
 from .fence import process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
@@ -94,6 +95,7 @@ class ReceiveTable:
         on_claim: Callable[[str, tuple[int, ...]], None] | None = None,
         on_release: Callable[[tuple[int, ...]], None] | None = None,
         verify_in_place: bool = True,
+        auth: KVAuth | None = None,
     ) -> None:
         if cache.layout != layout:
             raise ValueError(f"cache layout differs from receiver layout: {cache.layout.diff(layout)}")
@@ -103,6 +105,11 @@ class ReceiveTable:
         # one_sided: checksum the blocks in place (else the sender verified its own copy)
         self.verify_in_place = verify_in_place
         self._deliver = deliver
+        # With credentials, every unit and grant request must carry its transfer's token;
+        # one that does not is dropped and counted, and fails nothing (a rogue must not be
+        # able to fail a live transfer by naming it).
+        self.auth = auth
+        self.last_rejected = ""
         self._on_claim = on_claim  # shm: publish block ownership to senders
         self._on_release = on_release
         self._lock = threading.Lock()
@@ -192,8 +199,25 @@ class ReceiveTable:
         with self._lock:
             self._senders[request.sender_id] = _SenderInfo(request.pid, request.start_time, fenceable)
 
-    def ask(self, sender_id: str, transfer_id: str) -> None:
-        """A sender asks for transfer_id's grant; answered through deliver(), now or at expect()."""
+    def authentic(self, transfer_id: str, token: bytes, what: str) -> bool:
+        """Whether `token` is transfer_id's; else counts the refusal (any thread)."""
+        if self.auth is None or self.auth.token_ok(transfer_id, token):
+            return True
+        self._stats.add(auth_rejected=1)
+        self.last_rejected = f"{what} for {transfer_id[:64]!r} with a {'wrong' if token else 'missing'} token"
+        return False
+
+    def count_rejected(self, reason: str) -> None:
+        """A peer refused before any message (failed CURVE handshake)."""
+        self._stats.add(auth_rejected=1)
+        self.last_rejected = reason
+
+    def ask(self, sender_id: str, transfer_id: str, token: bytes = b"") -> None:
+        """A sender asks for transfer_id's grant; answered through deliver(), now or at expect().
+        An unauthenticated ask is dropped without an answer: its sender id may be a real
+        sender's, which a refusal would reach."""
+        if not self.authentic(transfer_id, token, "grant request"):
+            return
         with self._lock:
             exp = self._active.get(transfer_id)
             if exp is not None:
@@ -220,6 +244,8 @@ class ReceiveTable:
     def control(self, header: KVHeader) -> Ack | None:
         """A finish unit (acked) or an abort unit (not acked)."""
         rid, sender = header.transfer_id, header.sender_id
+        if not self.authentic(rid, header.auth_token, "abort" if header.is_abort else "finish"):
+            return None if header.is_abort else self._nack(header, "unauthenticated unit dropped")
         with self._lock:
             exp = self._active.get(rid)
             if header.is_abort:
@@ -277,6 +303,8 @@ class ReceiveTable:
 
         data=None means the sender already wrote the blocks in place (shm): verify them instead.
         """
+        if not self.authentic(header.transfer_id, header.auth_token, "data unit"):
+            return self._nack(header, "unauthenticated unit dropped")
         with self._lock:
             refusal = self._admit(header)
         if refusal is not None:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .auth import KVAuth
 from .base import (
     KVLayoutMismatch, KVSender, KVTransferError, TransferState, TransferStats, TransferStatus,
 )
@@ -145,13 +146,15 @@ class IOSender(KVSender):
     backend = "?"
     heartbeat = False  # the transport answers _io_ping(): silence then means a dead peer
 
-    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                 auth: KVAuth | None = None) -> None:
         if not ack_timeout_s > 0:
             raise ValueError(f"ack_timeout_s must be > 0, got {ack_timeout_s!r}")
         if not connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s!r}")
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.auth = auth  # with one, every header and grant request carries the transfer's token
         self.sender_id = uuid.uuid4().hex
         self.layout: KVLayout | None = None
         self.endpoint = ""
@@ -506,7 +509,8 @@ class IOSender(KVSender):
         seq = self._track(t, -1)
         t.finish_seq = seq
         self._io_control(t, KVHeader(t.transfer_id, seq=seq, sender_id=self.sender_id, finish=True,
-                                     first_token=fin.first_token, num_units=t.units_sent))
+                                     first_token=fin.first_token, num_units=t.units_sent,
+                                     auth_token=self.token(t.transfer_id)))
 
     def _track(self, t: _Transfer, layer: int) -> int:
         self._seq += 1
@@ -531,7 +535,12 @@ class IOSender(KVSender):
     ) -> KVHeader:
         assert self.layout is not None
         return KVHeader.for_payload(t.transfer_id, layer, dst_ids, payload, self.layout, seq,
-                                    sender_id=self.sender_id, crc=crc)
+                                    sender_id=self.sender_id, crc=crc,
+                                    auth_token=self.token(t.transfer_id))
+
+    def token(self, transfer_id: str) -> bytes:
+        """The transfer's token (kvtransfer/auth.py), b"" without credentials."""
+        return b"" if self.auth is None else self.auth.token(transfer_id)
 
     # -- I/O thread: deadlines and failures --------------------------------------------------
 
@@ -593,7 +602,8 @@ class IOSender(KVSender):
         if tell_receiver and not self._failed_peer:
             try:
                 self._io_control(t, KVHeader(t.transfer_id, sender_id=self.sender_id,
-                                             sender_error=tell_receiver))
+                                             sender_error=tell_receiver,
+                                             auth_token=self.token(t.transfer_id)))
             except Exception as e:  # best effort: the receiver's deadline covers a lost abort
                 log.warning("could not tell %s about aborting %s: %r", self.endpoint, t.transfer_id, e)
 

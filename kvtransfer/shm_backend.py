@@ -63,6 +63,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from .auth import KVAuth
 from .base import KVTransferError
 from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor
 from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
@@ -85,7 +86,7 @@ VERIFY_MODES = ("sender", "receiver")
 
 class ShmReceiver(ZmqReceiver):
     def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str | None = None,
-                 verify: str = "sender") -> None:
+                 verify: str = "sender", auth: KVAuth | None = None) -> None:
         if cache.shm_name is None:
             raise ValueError("shm receiver needs a cache allocated with shared_memory_name=...")
         if verify not in VERIFY_MODES:
@@ -98,7 +99,7 @@ class ShmReceiver(ZmqReceiver):
         self._owners.zero_()
         self._next_fence = 0.0
         try:
-            super().__init__(cache, layout, endpoint or default_ipc_endpoint("tandem-kv-shm"))
+            super().__init__(cache, layout, endpoint or default_ipc_endpoint("tandem-kv-shm"), auth)
         except BaseException:
             self._release_owner_table()
             raise
@@ -106,7 +107,7 @@ class ShmReceiver(ZmqReceiver):
     def _make_table(self) -> ReceiveTable:
         return ReceiveTable(self.cache, self.layout, self._deliver, "shm", one_sided=True,
                             on_claim=self._claim, on_release=self._unclaim,
-                            verify_in_place=self.verify == "receiver")
+                            verify_in_place=self.verify == "receiver", auth=self.auth)
 
     def _claim(self, transfer_id: str, block_ids: tuple[int, ...]) -> None:
         if block_ids:
@@ -152,9 +153,9 @@ class ShmSender(ZmqSender):
 
     def __init__(
         self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
-        pre_write_hook: Callable[[KVHeader], None] | None = None,
+        pre_write_hook: Callable[[KVHeader], None] | None = None, auth: KVAuth | None = None,
     ) -> None:
-        super().__init__(ack_timeout_s, connect_timeout_s)
+        super().__init__(ack_timeout_s, connect_timeout_s, auth)
         self.pre_write_hook = pre_write_hook
         self._segments: list[AttachedSegment] = []
         self._cache: torch.Tensor | None = None

@@ -18,6 +18,12 @@ owned by one I/O thread, woken by a self-pipe registered in the same zmq.Poller)
                                       <---   [p]
     [B, sender id]  (closing)         --->   its transfers fail, their blocks are released
 
+Authentication (with a KVAuth, kvtransfer/auth.py): the ROUTER is a CURVE server whose ZAP
+handler admits only the cluster's client key, so a peer without the secret never completes a
+handshake and no frame of its reaches `_handle`; a socket monitor counts each failed handshake
+in the receiver's `auth_rejected`. Every header and grant request also carries its transfer's
+token, checked by the table (shm inherits all of this: its control channel is this one).
+
 Zero copy: the payload frame is a memoryview of the gathered tensor sent with copy=False, so
 libzmq reads it directly; the receiver views the received frame as a tensor and copies it once,
 into the cache. No high-water marks: the payloads are ours anyway, and the engine never waits.
@@ -30,11 +36,13 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections import deque
 
 import torch
 import zmq
 
+from .auth import KVAuth
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
@@ -48,8 +56,13 @@ log = logging.getLogger(__name__)
 
 HELLO, WELCOME, ASK, GRANT, DATA, NOTIFY, CONTROL, ACK = b"H", b"W", b"G", b"g", b"D", b"N", b"C", b"A"
 REVOKE, REVOKED, PING, PONG, BYE = b"R", b"r", b"P", b"p", b"B"
+_FENCE_INTERVAL_S = 0.5  # how often the receiver looks for dead same-host senders
 _POLL_MS = 100  # receiver thread wake-up when idle (stop flag, fences); messages wake it at once
 _IPC_IDS = itertools.count()
+_ZAP_DOMAIN = "tandem-kv"
+# Every way a peer's handshake can fail: no CURVE, wrong server key, refused client key.
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def default_ipc_endpoint(prefix: str) -> str:
@@ -69,17 +82,20 @@ class ZmqReceiver(TableReceiver):
     one_sided = False
 
     def __init__(
-        self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*"
+        self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
+        auth: KVAuth | None = None,
     ) -> None:
-        self.cache, self.layout = cache, layout
+        self.cache, self.layout, self.auth = cache, layout, auth
         self.table = self._make_table()
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, zmq.ROUTER)
+        self._zap = self._monitor = None
         try:
+            if auth is not None and auth.keyed:
+                self._secure(auth)
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
-            self._sock.close()
-            self._ctx.term()
+            self._close_sockets()
             raise KVTransferError(f"cannot bind {endpoint}: {e}") from e
         self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outbox: deque[tuple[str, Grant | Revoke]] = deque()  # from any thread
@@ -92,7 +108,52 @@ class ZmqReceiver(TableReceiver):
         self._thread.start()
 
     def _make_table(self) -> ReceiveTable:
-        return ReceiveTable(self.cache, self.layout, self._deliver, "zmq")
+        return ReceiveTable(self.cache, self.layout, self._deliver, "zmq", auth=self.auth)
+
+    def _secure(self, auth: KVAuth) -> None:
+        """CURVE server, ZAP admitting only the cluster's client key, a monitor for failures."""
+        from zmq.auth.thread import ThreadAuthenticator  # noqa: PLC0415
+
+        public, secret = auth.curve_server()
+        client_key = auth.curve_client()[0]
+        table = self.table
+
+        class OnlyCluster:  # ZAP's credentials provider: called with each client's public key
+            def callback(self, domain: str, key: bytes) -> bool:
+                ok = key == client_key  # z85 text of a public key: not a secret
+                if not ok:
+                    table.count_rejected("CURVE client key is not the cluster's")
+                return ok
+
+        self._zap = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".zap"))
+        self._zap.start()
+        self._zap.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=OnlyCluster())
+        self._sock.curve_server = True
+        self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+        self._sock.zap_domain = _ZAP_DOMAIN.encode()
+        self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
+
+    def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
+        self._ctx.term()
+
+    def _drain_monitor(self) -> None:
+        """I/O thread: count failed handshakes (ZAP refusals are counted by the provider)."""
+        from zmq.utils.monitor import recv_monitor_message  # noqa: PLC0415
+
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP's, counted already
+                self.table.count_rejected(f"KV handshake failed from {event['endpoint']!r}: "
+                                          f"{zmq.strerror(event['value'])}")
 
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(self.layout, self.cache.num_blocks)
@@ -109,8 +170,7 @@ class ZmqReceiver(TableReceiver):
         self._stop.set()
         self._waker.wake()
         self._thread.join(timeout=5.0)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._close_sockets()
         self._waker.close()
         if self._endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
             try:
@@ -125,9 +185,13 @@ class ZmqReceiver(TableReceiver):
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             poller.poll(_POLL_MS)
             self._waker.drain()
+            if self._monitor is not None:
+                self._drain_monitor()
             self._flush_outbox()
             while True:
                 try:
@@ -146,7 +210,15 @@ class ZmqReceiver(TableReceiver):
             self._on_idle()
 
     def _on_idle(self) -> None:
-        """Once per loop (shm checks its fences)."""
+        """Once per loop, at most every _FENCE_INTERVAL_S: fail the transfers of a same-host
+        sender whose process died. kill -9 sends no goodbye, so without this its granted
+        transfers would wait out their whole deadline (kv-deadline, 330 s by default) holding
+        their blocks. A sender on another host is not visible here (fence.py): its deadline
+        stays the bound."""
+        now = time.monotonic()
+        if now >= getattr(self, "_next_fence", 0.0):
+            self._next_fence = now + _FENCE_INTERVAL_S
+            self.table.check_fences()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -172,7 +244,7 @@ class ZmqReceiver(TableReceiver):
             if kind == ASK and len(frames) == 3:
                 ask = GrantRequest.decode(frames[2].buffer)
                 self._idents[ask.sender_id] = ident
-                self.table.ask(ask.sender_id, ask.transfer_id)
+                self.table.ask(ask.sender_id, ask.transfer_id, ask.auth_token)
                 return None
             if kind == REVOKED and len(frames) == 3:
                 done = Revoked.decode(frames[2].buffer)
@@ -199,8 +271,9 @@ class ZmqSender(IOSender):
     backend = "zmq"
     heartbeat = True
 
-    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0) -> None:
-        super().__init__(ack_timeout_s, connect_timeout_s)
+    def __init__(self, ack_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                 auth: KVAuth | None = None) -> None:
+        super().__init__(ack_timeout_s, connect_timeout_s, auth)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
@@ -209,10 +282,15 @@ class ZmqSender(IOSender):
         ctx = zmq.Context()
         sock = _socket(ctx, zmq.DEALER)
         try:
+            if self.auth is not None and self.auth.keyed:
+                sock.curve_serverkey = self.auth.curve_server()[0]
+                sock.curve_publickey, sock.curve_secretkey = self.auth.curve_client()
             sock.connect(endpoint)
             sock.send_multipart([HELLO, self._handshake_request(layout).encode()])
             if not sock.poll(int(self.connect_timeout_s * 1000)):
-                raise KVTransferError(f"no handshake reply from {endpoint} within {self.connect_timeout_s}s")
+                hint = " (or its cluster secret differs from ours)" if self.auth and self.auth.keyed else ""
+                raise KVTransferError(f"no handshake reply from {endpoint} within "
+                                      f"{self.connect_timeout_s}s{hint}")
             frames = sock.recv_multipart()
             if len(frames) != 2 or frames[0] != WELCOME:
                 raise KVTransferError(f"bad handshake reply from {endpoint}")
@@ -264,7 +342,7 @@ class ZmqSender(IOSender):
         self._sock.send_multipart(frames, copy=copy)  # no HWM: never blocks
 
     def _io_ask(self, t: _Transfer) -> None:
-        self._send([ASK, GrantRequest(t.transfer_id, self.sender_id).encode()])
+        self._send([ASK, GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id)).encode()])
 
     def _io_transmit(
         self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],

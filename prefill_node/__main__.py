@@ -37,11 +37,12 @@ async def main_async(args) -> None:
     worker_id = args.worker_id or new_worker_id("prefill")
     worker = PrefillWorker(engine, asyncio.get_running_loop())
     worker.start()
-    senders = SenderPool(layout)
+    senders = SenderPool(layout, auth=args.cluster_auth.kv())
 
     def status():
         return worker_status(worker_id, "prefill", worker,
-                             kv_counters(args.kv_backend, senders.stats(), sending=True))
+                             kv_counters(args.kv_backend, senders.stats(), sending=True),
+                             args.cluster_auth)
 
     identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
                             args.kv_backend, fingerprint, layout.description)

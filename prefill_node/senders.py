@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 class SenderPool:
     def __init__(self, layout: kvtransfer.KVLayout, ack_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, auth=None) -> None:
         self.layout = layout
+        self.auth = auth  # kvtransfer.auth.KVAuth with a cluster secret, else None
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._senders: dict[tuple[str, str], kvtransfer.KVSender] = {}
@@ -42,7 +43,8 @@ class SenderPool:
                 self._retired.append(sender)
             try:
                 sender = kvtransfer.create_sender(backend, ack_timeout_s=self.ack_timeout_s,
-                                                  connect_timeout_s=self.connect_timeout_s)
+                                                  connect_timeout_s=self.connect_timeout_s,
+                                                  **({"auth": self.auth} if self.auth else {}))
                 await asyncio.to_thread(sender.connect, endpoint, self.layout)
             except kvtransfer.KVLayoutMismatch as exc:
                 raise TandemError(f"KV layout of {endpoint} does not match this worker's: {exc}") from exc

@@ -46,12 +46,14 @@ def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", pre
                     decode: int = 1, colocated: bool = False, kv_backend: str = "zmq",
                     chunk_size: int = 256, prefill_threshold: int | None = None,
                     worker_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
-                    start_timeout_s: float = 120.0):
+                    start_timeout_s: float = 120.0, cluster_secret: str | None = None,
+                    auth_args: tuple[str, ...] = ()):
     topology = Topology(model=str(model_path), model_path=model_path,
                         log_dir=log_dir, port=free_port(), prefill=prefill, decode=decode,
                         colocated=colocated, kv_backend=kv_backend, chunk_size=chunk_size,
                         prefill_threshold=prefill_threshold, worker_args=worker_args,
-                        coordinator_args=("--model-name", model, *coordinator_args))
+                        coordinator_args=("--model-name", model, *coordinator_args),
+                        cluster_secret=cluster_secret, auth_args=auth_args)
     log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)
     handle = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,10 +29,12 @@ from engine.logprobs import TokenLogprob
 from engine.rpc import worker_pb2 as pb
 from engine.rpc import worker_pb2_grpc as pb_grpc
 from engine.wire import logprobs_to_proto
+from engine.grpc_guard import guarded
 from tests.model_factory import write_tiny_tokenizer
 
 LAYOUT = "layout-A"
 DEADLINE_S = 20.0  # every wait in these tests ends by then
+EMBED_SIZE = 64  # the fake decode's vectors: make_tiny_model_dir's hidden_size
 
 
 def run(coro, timeout: float = 60.0):
@@ -131,7 +134,7 @@ class FakeWorker:
         self.address = ""
 
     async def start(self) -> FakeWorker:
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=guarded())  # as the real workers
         if self.role == "prefill":
             pb_grpc.add_PrefillWorkerServicer_to_server(_Prefill(self), self._server)
         else:
@@ -255,6 +258,15 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
     async def SetResident(self, request, context):
         return await self.w.set_resident(request, context)
 
+    async def Embed(self, request: pb.EmbedRequest, context):
+        """A vector of EMBED_SIZE (make_tiny_model_dir's hidden size) per input: its token
+        count, then zeros (unit length when normalize)."""
+        self.w.requests.append(request)
+        await self.w.refuse_unloaded(context)
+        return pb.EmbedResult(embeddings=[
+            pb.Embedding(values=[1.0 if request.normalize else float(len(ids.token_ids))]
+                         + [0.0] * (EMBED_SIZE - 1)) for ids in request.inputs])
+
     async def Status(self, request, context):
         if not self.w.status_answers:
             await asyncio.sleep(DEADLINE_S)  # hung: the probe's deadline ends it
@@ -332,7 +344,8 @@ async def coordinator_harness(model: ServedModel, store: ModelStore | None = Non
         await wait_until(lambda: server.started or task.done(), "uvicorn to start")
         if task.done():
             task.result()
-        harness = Harness(coordinator, f"http://127.0.0.1:{config.port}",
+        scheme = "https" if config.api_tls else "http"
+        harness = Harness(coordinator, f"{scheme}://127.0.0.1:{config.port}",
                           f"127.0.0.1:{coordinator.registry_port}")
         yield harness
     finally:
@@ -341,6 +354,34 @@ async def coordinator_harness(model: ServedModel, store: ModelStore | None = Non
                 await worker.stop()
         server.should_exit = True
         await asyncio.wait_for(task, DEADLINE_S)
+
+
+@contextlib.contextmanager
+def harness_on_thread(model: ServedModel, setup: Callable[[Harness], Awaitable[object]],
+                      store: ModelStore | None = None, **overrides) -> Iterator[object]:
+    """A coordinator_harness on its own thread and event loop, for synchronous tests (module
+    fixtures, blocking clients): yields what `await setup(harness)` returned (workers added,
+    addresses), and stops the harness and its workers on exit."""
+    started, state = threading.Event(), {}
+
+    async def main() -> None:
+        state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            async with coordinator_harness(model, store, **overrides) as h:
+                state["value"] = await setup(h)
+                started.set()
+                await state["stop"].wait()
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    assert started.wait(DEADLINE_S) and "value" in state, "the coordinator did not start"
+    try:
+        yield state["value"]
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(DEADLINE_S)
 
 
 def load_model(dir: Path) -> ServedModel:

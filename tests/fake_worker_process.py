@@ -18,7 +18,7 @@ from tests.coordinator_fakes import FakeWorker, Script
 async def main() -> None:
     p = argparse.ArgumentParser()
     for flag in ("--model", "--host", "--port", "--coordinator", "--kv-backend", "--worker-id",
-                 "--max-batched-tokens", "--kv-dtype"):
+                 "--max-batched-tokens", "--kv-dtype", "--device"):
         p.add_argument(flag)
     p.add_argument("--role", default="prefill")
     args = p.parse_args()

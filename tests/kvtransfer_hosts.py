@@ -1,7 +1,7 @@
 """Receiver hosts and raw clients for the kvtransfer tests (tests/test_kvtransfer_*.py).
 
-zmq, shm and grpc receivers live in a spawned host process per backend, driven through a pipe
-(open a receiver, expect, cancel, wait for events, read the cache back); the fake's lives in
+zmq, shm, grpc and dist receivers live in a spawned host process per backend, driven through
+a pipe (open a receiver, expect, cancel, wait for events, read the cache back); the fake's lives in
 the test process behind the same interface. The test process is the sender. Units that no
 honest sender would send (bad checksum, foreign blocks) come from `RawClient`, which speaks
 each backend's wire protocol by hand.
@@ -24,7 +24,7 @@ from kvtransfer.message import (
     Ack, Grant, GrantRequest, HandshakeRequest, KVHeader,
 )
 
-BACKENDS = ["fake", "zmq", "shm", "grpc"]
+BACKENDS = ["fake", "zmq", "shm", "grpc", "dist"]
 SHM_PREFIX = f"tkvt{os.getpid()}"
 HOST_PIDS: list[int] = []  # receiver hosts started here, for the leak check
 COMPLETE, FAILED, RELEASED = "complete", "failed", "released"
@@ -263,6 +263,8 @@ class RawClient:
             self.sock.connect(endpoint)
             self.sock.send_multipart([b"H", hello.encode()])
             assert self.recv(b"W")
+            if backend == "dist":  # the payloads' process group, joined as an honest sender would
+                self.group = join_dist_pair(self, endpoint)
 
     def recv(self, kind: bytes) -> bytes:
         deadline = time.monotonic() + 10
@@ -294,6 +296,12 @@ class RawClient:
 
             chunk = pb.PushChunk(header=header.to_pb(), data=data or b"")
             return Ack.from_pb(self.stub.Push(iter([chunk]), timeout=10))
+        if self.backend == "dist":  # the tensor over the group, then its header
+            work = self.group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, 0)
+            self.sock.send_multipart([b"T", header.encode()])
+            ack = Ack.decode(self.recv(b"A"))
+            work.wait()
+            return ack
         if data is None:
             self.sock.send_multipart([b"N", header.encode()])
         else:
@@ -315,5 +323,23 @@ class RawClient:
         if self.backend == "grpc":
             self.channel.close()
         elif self.backend != "fake":
+            self.group = None  # dist: drops the pair's connections
             self.sock.close()
             self.ctx.term()
+
+
+def join_dist_pair(raw: RawClient, endpoint: str):
+    """A raw client's process group with a dist receiver (rank 1, as DistSender joins it)."""
+    import json
+
+    from kvtransfer import dist_group
+    from kvtransfer.fence import own_identity
+
+    pid, start = own_identity()
+    request = {"sender_id": raw.sender_id, "pid": pid, "start": start}
+    raw.sock.send_multipart([b"S", json.dumps(request).encode()])
+    reply = json.loads(raw.recv(b"s"))
+    assert reply["ok"], reply
+    host = dist_group.endpoint_host(endpoint)
+    store = dist_group.join_store(host, reply["port"], 10.0)
+    return dist_group.pair_group(store, raw.sender_id, dist_group.SENDER_RANK, reply["backend"], host, 10.0)

@@ -10,10 +10,8 @@ module on a background event loop: none of these requests should ever reach a wo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import threading
 
 import grpc
 import httpx
@@ -21,7 +19,7 @@ import pytest
 
 from coordinator.client import TandemClient
 from tests.coordinator_fakes import (
-    DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir,
+    DEADLINE_S, Script, harness_on_thread, load_model, make_tiny_model_dir,
 )
 
 TEXT = "Hello world! How are you?"
@@ -68,26 +66,13 @@ class Server:
 def server(tmp_path_factory):
     model = load_model(make_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
     tokens = model.tokenizer.encode(TEXT, add_special_tokens=False)
-    started = threading.Event()
-    state: dict = {}
 
-    async def main() -> None:
-        state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            async with coordinator_harness(model, prefill_threshold=10_000) as h:
-                decode = await h.add_worker("d1", "decode", Script(tokens=tokens))
-                state["server"] = Server(h.url, f"127.0.0.1:{h.coordinator.grpc_port}", decode)
-                started.set()
-                await state["stop"].wait()
-        finally:
-            started.set()
+    async def setup(h):
+        decode = await h.add_worker("d1", "decode", Script(tokens=tokens))
+        return Server(h.url, f"127.0.0.1:{h.coordinator.grpc_port}", decode)
 
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(DEADLINE_S) and "server" in state, "the coordinator did not start"
-    yield state["server"]
-    state["loop"].call_soon_threadsafe(state["stop"].set)
-    thread.join(DEADLINE_S)
+    with harness_on_thread(model, setup, prefill_threshold=10_000) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

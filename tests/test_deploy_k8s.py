@@ -109,3 +109,20 @@ def test_the_image_holds_every_package_and_the_manifests_use_it():
                         d["spec"]["template"]["spec"]["initContainers"])}
     assert images == {"tandem:0.1.0"}
     assert "-t tandem:0.1.0" in dockerfile
+
+
+def test_every_process_takes_the_cluster_secret_from_the_same_secret():
+    """The internal plane's secret (engine/cluster_auth.py) reaches the coordinator and every
+    worker from one Kubernetes Secret, in the environment: never in args (ps shows those)."""
+    refs = {}
+    for (kind, name), doc in documents().items():
+        if kind != "Deployment":
+            continue
+        c = container(doc)
+        env = {e["name"]: e for e in c["env"]}
+        refs[name] = env["TANDEM_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert "value" not in env["TANDEM_CLUSTER_SECRET"]
+        assert not any("secret" in a.lower() for a in c["args"]), c["args"]
+    assert set(refs) == {"tandem-coordinator", "tandem-prefill", "tandem-decode"}
+    assert len({(r["name"], r["key"]) for r in refs.values()}) == 1
+    assert not any(r.get("optional") for r in refs.values())  # a pod without it does not start

@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from deploy.ray_launcher import RayLauncher, RayTopology  # noqa: E402
 from tests.model_factory import make_tiny_gguf  # noqa: E402
 
+SECRET = "ray-test-cluster-secret-0123456789"
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
 
 
@@ -63,7 +64,10 @@ def test_roles_are_pinned_by_resource_and_serve_a_request(two_node_cluster, tmp_
         model="tiny", http_port=0, prefill_threshold=0, log_dir=str(tmp_path / "logs"),
         coordinator_resources={"coordinator": 1},
         worker_args=("--kv-cache-gb", "0.05", "--decode-quant", "fp32", "--prefill-quant", "fp32"),
-        env={"TANDEM_HOME": str(home), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+        env={"TANDEM_HOME": str(home), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"},
+        cluster_secret=SECRET)  # every process gets it in its environment, none on argv
+    assert SECRET not in repr(topology)
+    assert topology.process_env()["TANDEM_CLUSTER_SECRET"] == SECRET
     with RayLauncher(topology, start_timeout_s=120, grace_s=10) as launcher:
         launcher.start()
         placed = {r.name: r for r in launcher.roles}

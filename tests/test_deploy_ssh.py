@@ -102,3 +102,48 @@ kv_port = {p + 4}
     assert [name for name, pid in pids.items() if alive(pid)] == []
     for run_dir in run_dirs:
         shutil.rmtree(run_dir)
+
+
+def test_security_files_missing_on_an_ssh_host_stop_the_launch_before_anything_starts(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    make_tiny_gguf(home / "models" / "tiny.gguf")
+    missing = tmp_path / "etc tandem" / "ca.pem"  # a space: the remote command quotes it
+    p = free_port_block()
+    topology = tmp_path / "ssh.toml"
+    topology.write_text(f"""
+model = "tiny"
+log_dir = "{tmp_path / 'logs'}"
+[security]
+cluster_secret_file = "{tmp_path / 'secret'}"
+tls_cert = "{missing}"
+tls_key = "{missing}"
+tls_ca = "{missing}"
+[hosts.far]
+address = "127.0.0.1"
+ssh = "tandem@far"
+python = "{sys.executable}"
+env = {{ TANDEM_HOME = "{home}" }}
+[coordinator]
+host = "far"
+port = {p}
+registry_port = {p + 1}
+[[decode]]
+host = "far"
+port = {p + 3}
+kv_port = {p + 4}
+""")
+    (tmp_path / "secret").write_text("correct horse battery staple 42\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(topology)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert ("host 'far' (127.0.0.1, via ssh tandem@far): [security]: TLS cert file "
+            f"{missing} does not exist on that host") in done.stderr
+    calls = (bin_dir / "calls.log").read_text().splitlines()
+    assert len(calls) == 1 and "deploy.probe" in calls[0]  # the probe only: no role started
+    assert not (tmp_path / "logs").exists()

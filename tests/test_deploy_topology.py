@@ -226,6 +226,44 @@ def test_missing_model_and_busy_port_are_reported_per_host(tmp_path, models):
     assert f"host 'one' (127.0.0.1, via this machine): port {base + 2} is in use" in message
 
 
+def test_missing_or_bad_security_files_are_reported_per_host_before_anything_starts(tmp_path, models):
+    from tests.tls_certs import issue, make_ca
+
+    node = issue(tmp_path, make_ca(tmp_path / "ca"), "node")
+    secret = tmp_path / "secret"
+    security = (f'[security]\ncluster_secret_file = "{tmp_path / "nope"}"\n'
+                f'tls_cert = "{node.cert}"\ntls_key = "{node.key}"\ntls_ca = "{node.ca}"\n')
+    path = tmp_path / "t.toml"
+    path.write_text(two_hosts(models["a"], models["a2"], extra=security))
+    with pytest.raises(TopologyError) as info:
+        launch(load_topology(path), tmp_path / "state")
+    message = str(info.value)
+    assert "cannot launch, nothing was started" in message
+    for host in ("host 'one' (127.0.0.1, via this machine)", "host 'two' (127.0.0.2, via this machine)"):
+        assert (f"{host}: [security]: cluster secret file {tmp_path / 'nope'} does not exist "
+                "on that host") in message
+    assert not (tmp_path / "state").exists()
+
+    secret.write_text("short\n")  # the roles would refuse it at start-up: so does the probe
+    path.write_text(two_hosts(models["a"], models["a2"], extra=security.replace(
+        str(tmp_path / "nope"), str(secret))))
+    with pytest.raises(TopologyError, match="the cluster secret is too short"):
+        preflight(load_topology(path))
+
+    secret.write_text("correct horse battery staple 42\n")
+    path.write_text(two_hosts(models["a"], models["a2"], extra=security.replace(
+        str(tmp_path / "nope"), str(secret)).replace(str(node.key), str(node.cert))))
+    with pytest.raises(TopologyError) as info:
+        preflight(load_topology(path))
+    assert f"TLS key file {node.cert} holds no PEM private key on that host" in str(info.value)
+
+    path.write_text(two_hosts(models["a"], models["a2"], extra=security.replace(
+        str(tmp_path / "nope"), str(secret))))
+    answers = preflight(load_topology(path))
+    assert answers["one"]["auth"] is None and answers["two"]["auth"] is None
+    assert "correct horse" not in json.dumps(answers)  # the probe never prints the secret
+
+
 def test_same_model_on_every_host_passes_preflight(tmp_path, models):
     path = tmp_path / "t.toml"
     path.write_text(two_hosts(models["a"], models["a2"]))

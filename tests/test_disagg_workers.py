@@ -11,6 +11,7 @@ and that token have landed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import os
@@ -487,7 +488,10 @@ async def test_shm_cancel_mid_prefill_never_lets_a_late_write_hit_a_reused_block
         results.append(tokens)
     for prompt, tokens in zip(flood, results):
         assert tokens == expected(reference, prompt, 6)
-    with pytest.raises(asyncio.CancelledError):
+    # The hook holds the sender's I/O thread, not the engine: on a fast pass the prefill may
+    # have computed its last chunk (and returned its first token) before the cancel arrived.
+    # Either way the held write is the late one the revocation must wait for.
+    with contextlib.suppress(asyncio.CancelledError):
         await prefill
     assert events.empty() or (await events.get()).finished
     assert await pair.wait_pools_full()

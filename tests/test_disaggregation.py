@@ -56,7 +56,7 @@ def assert_pools_full(cluster) -> None:
     assert workers and all(w["num_free_blocks"] == w["num_blocks"] for w in workers), workers
 
 
-@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc"])
+@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc", "dist"])
 def test_greedy_through_each_backend_equals_single_process(tiny, reference, tmp_path, backend):
     contents = [text_prompt(n, seed=n) for n in (3, 40, 150)]
     with running_cluster(tiny, tmp_path / "logs", kv_backend=backend, prefill_threshold=1,
@@ -73,7 +73,7 @@ def reference_bf16(tiny) -> LLMEngine:
     return LLMEngine.from_path(tiny, num_blocks=1024, kv_dtype="bf16")
 
 
-@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc"])
+@pytest.mark.parametrize("backend", ["zmq", "shm", "grpc", "dist"])
 def test_bf16_kv_through_each_backend_equals_single_process_bf16(tiny, reference_bf16, tmp_path, backend):
     contents = [text_prompt(n, seed=100 + n) for n in (3, 40, 150)]
     with running_cluster(tiny, tmp_path / "logs", kv_backend=backend, prefill_threshold=1, chunk_size=64,
@@ -189,14 +189,15 @@ def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
 
 
 @pytest.mark.model
-def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_path):
+@pytest.mark.parametrize("backend", ["zmq", "dist"])
+def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_path, backend):
     engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="fp32", num_blocks=256)
     questions = ["List four primary colors.", "What is continuous batching?",
                  "Summarize: " + text_prompt(120, seed=3)]
     expected = [expected_text(engine, q, 24) for q in questions]
     del engine
     with running_cluster(default_gguf, tmp_path / "logs", model="smollm2", prefill_threshold=1,
-                         worker_args=("--kv-cache-gb", "0.2")) as cluster:
+                         kv_backend=backend, worker_args=("--kv-cache-gb", "0.2")) as cluster:
         for q, want in zip(questions, expected):
             reply = cluster.chat([{"role": "user", "content": q}], model="smollm2",
                                  options={"temperature": 0, "num_predict": 24})

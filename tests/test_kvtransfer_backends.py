@@ -1,4 +1,4 @@
-"""Every backend (fake, zmq, shm, grpc) through one parametrized suite of the contract in
+"""Every backend (fake, zmq, shm, grpc, dist) through one parametrized suite of the contract in
 kvtransfer/base.py (hosts and raw clients: tests/kvtransfer_hosts.py)."""
 
 from __future__ import annotations

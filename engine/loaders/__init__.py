@@ -12,7 +12,8 @@ dtype. The torch-needing loaders are imported inside functions so that importing
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +38,20 @@ class LoadedModel:
     generation_config: dict[str, Any]  # HF generation_config.json contents; {} for GGUF
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(config: ModelConfig, present: Iterable[str] | None = None
+                  ) -> dict[str, tuple[int, ...]]:
     """Every weight a model of this config needs, lm_head.weight included, with its torch shape
-    ([out_features, in_features] for projections)."""
+    ([out_features, in_features] for projections).
+
+    `present`: the HF names a file holds. The layers are then listed only up to one past the
+    number of layers those names cover: a corrupt block_count of 2**60 must not become a loop
+    of 2**60 layers. The listing stays in order and still includes a layer the file lacks
+    whenever the config claims more than it holds, so check_weights names the same first
+    missing tensor as it would with every layer listed."""
     c = config
+    if present is not None:
+        held = {n.split(".", 3)[2] for n in present if n.startswith("model.layers.")}
+        c = replace(c, num_layers=min(c.num_layers, len(held) + 1))
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
         "model.norm.weight": (c.hidden_size,),
@@ -65,7 +76,7 @@ def check_weights(path: Path, weights: dict[str, Any], config: ModelConfig,
                   source_names: dict[str, str] | None = None) -> None:
     """ModelFormatError naming the first missing or misshapen tensor. `source_names` maps HF
     names back to the file's own names so that the message names what the user can find."""
-    for name, shape in weight_shapes(config).items():
+    for name, shape in weight_shapes(config, weights).items():
         shown = (source_names or {}).get(name, name)
         if name not in weights:
             raise ModelFormatError(f"{path}: missing tensor {shown}")

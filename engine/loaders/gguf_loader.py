@@ -19,6 +19,7 @@ unpermuted.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +120,8 @@ def load_gguf(path: Path) -> LoadedModel:
 
     if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    check_weights(path, weights, config, {hf: gguf_name(hf) for hf in weight_shapes(config)})
+    check_weights(path, weights, config,
+                  {hf: gguf_name(hf) for hf in weight_shapes(config, weights)})
     return LoadedModel(config=config, weights=weights, format="gguf", path=path, generation_config={})
 
 
@@ -138,7 +140,13 @@ def _read_tensor(header: GGUFHeader, mapped: np.memmap, name: str, type_id: int,
     if shape[-1] % block:
         raise ModelFormatError(f"{path}: tensor {name} row length {shape[-1]} is not a multiple "
                                f"of the {qtype.name} block size {block}")
-    n_elements = int(np.prod(shape))
+    if any(d == 0 for d in shape):
+        # Every weight has a size; a zero dimension would let the others be anything (the
+        # size check below passes) and numpy then refuses dimensions past int64.
+        raise ModelFormatError(f"{path}: tensor {name} has a zero dimension: {list(shape)}")
+    # math.prod over Python ints: np.prod wraps around in int64, so two corrupt dimensions of
+    # 2**40 would multiply to 0 bytes and pass the size check.
+    n_elements = math.prod(shape)
     n_bytes = n_elements // block * block_bytes
     if offset + n_bytes > header.file_size:
         raise ModelFormatError(f"{path}: truncated: tensor {name} needs bytes up to "

@@ -168,13 +168,22 @@ def gguf_config(metadata: dict[str, Any], name: str | None = None) -> ModelConfi
             raise ModelFormatError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden = get("embedding_length")
-    num_heads = get("attention.head_count")
+    def count(key: str, default: Any = None) -> int:
+        # A count of another type (a string, a float, an array) is a corrupt file: said here,
+        # before `hidden // num_heads` divides by it or a loop runs over it.
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelFormatError(f"GGUF metadata {arch}.{key} must be a positive integer, "
+                                   f"got {_short(value)}")
+        return value
+
+    hidden = count("embedding_length")
+    num_heads = count("attention.head_count")
     num_kv_heads = get("attention.head_count_kv", num_heads)
     # Some files store a per-layer list of kv head counts; we need them all equal.
     if isinstance(num_kv_heads, list):
-        if len(set(num_kv_heads)) != 1:
-            raise UnsupportedModelError(f"per-layer kv head counts {sorted(set(num_kv_heads))} "
+        if len(set(map(repr, num_kv_heads))) != 1:
+            raise UnsupportedModelError(f"per-layer kv head counts {_short(num_kv_heads)} "
                                         "are not supported")
         num_kv_heads = num_kv_heads[0]
     head_dim = get("attention.key_length", hidden // num_heads)
@@ -214,8 +223,14 @@ def gguf_config(metadata: dict[str, Any], name: str | None = None) -> ModelConfi
             attention_bias=attention_bias,
             name=name or metadata.get("general.name") or "model",
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: float() of an array-valued key
         raise ModelFormatError(f"GGUF metadata describes an invalid model: {e}") from e
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A metadata value in a message: a corrupt array may hold millions of items."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> RopeScaling | None:

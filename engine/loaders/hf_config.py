@@ -54,9 +54,11 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelConfig:
     """ModelConfig from the parsed contents of a Hugging Face config.json."""
     model_type = config_json.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         archs = config_json.get("architectures") or []
-        known = [HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES]
+        if not isinstance(archs, list):
+            archs = [archs]
+        known = [HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES]
         if not known:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} / architectures {archs} is not supported "
@@ -73,14 +75,14 @@ def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelCo
     if config_json.get("mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=true is not supported")
 
-    num_heads = config_json["num_attention_heads"]
-    hidden = config_json["hidden_size"]
-    head_dim = config_json.get("head_dim") or hidden // num_heads
+    num_heads = _count(config_json, "num_attention_heads")
+    hidden = _count(config_json, "hidden_size")
+    head_dim = _count(config_json, "head_dim", None) or hidden // num_heads
     try:
         rope_theta, rope_scaling = _rope(config_json)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: float() of a list, a non-object entry
         raise ModelFormatError(f"config.json has invalid rope settings: {e}") from e
-    max_position = config_json.get("max_position_embeddings", 2048)
+    max_position = _count(config_json, "max_position_embeddings", 2048)
     window = _sliding_window(config_json, model_type)
     if window is not None and window < max_position:
         # Within its window, sliding-window attention equals full attention, so capping the
@@ -97,7 +99,7 @@ def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelCo
             num_heads=num_heads,
             num_kv_heads=config_json.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(config_json.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(config_json, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position=max_position,
@@ -107,6 +109,28 @@ def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelCo
         )
     except ValueError as e:
         raise ModelFormatError(f"config.json describes an invalid model: {e}") from e
+
+
+def _count(config_json: dict[str, Any], key: str, default: Any = ...) -> Any:
+    """A positive integer field (`default` when absent or null), else ModelFormatError: a
+    string or a list where a count belongs would fail as a TypeError far from the cause."""
+    value = config_json.get(key)
+    if value is None and default is not ...:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelFormatError(f"config.json: {key} must be a positive integer, "
+                               f"got {json.dumps(value)[:60]}")
+    return value
+
+
+def _number(config_json: dict[str, Any], key: str, default: float) -> float:
+    value = config_json.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFormatError(f"config.json: {key} must be a number, "
+                               f"got {json.dumps(value)[:60]}")
+    return float(value)
 
 
 def _sliding_window(config_json: dict[str, Any], model_type: str) -> int | None:
@@ -119,8 +143,13 @@ def _sliding_window(config_json: dict[str, Any], model_type: str) -> int | None:
 def _rope(config_json: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = config_json.get("rope_parameters")
     if params is None:
-        params = dict(config_json.get("rope_scaling") or {})
+        params = config_json.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_scaling must be an object, got {json.dumps(params)[:60]}")
+        params = dict(params)
         params.setdefault("rope_theta", config_json.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be an object, got {json.dumps(params)[:60]}")
     theta = float(params.get("rope_theta", config_json.get("rope_theta", 10000.0)))
     # transformers 4.x older checkpoints spell the key "type"; newer ones "rope_type".
     kind = params.get("rope_type", params.get("type", "default"))

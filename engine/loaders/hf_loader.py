@@ -8,7 +8,9 @@ read, so extras such as old checkpoints' `rotary_emb.inv_freq` buffers are skipp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,21 +44,30 @@ def weight_files(model_dir: Path) -> dict[str, list[str]]:
     return {name: [] for name in found}
 
 
+def _read(file_path: Path, read: Callable[[Any], Any]) -> Any:
+    """`read(f)` on the open safetensors file; ModelFormatError naming it if that fails."""
+    try:
+        with safe_open(str(file_path), framework="pt") as f:
+            return read(f)
+    except (SafetensorError, OSError) as e:
+        raise ModelFormatError(f"{file_path}: cannot read safetensors: {e}") from e
+
+
 def load_hf(model_dir: Path) -> LoadedModel:
     config = read_hf_config(model_dir)
-    wanted = weight_shapes(config)
-    weights: dict[str, torch.Tensor] = {}
+    listing: dict[Path, list[str]] = {}
     for file, names in weight_files(model_dir).items():
         file_path = model_dir / file
         if not file_path.is_file():
             raise ModelFormatError(f"{model_dir}: {INDEX_FILE} lists {file}, which is missing")
-        try:
-            with safe_open(str(file_path), framework="pt") as f:
-                for name in names or list(f.keys()):
-                    if name in wanted:
-                        weights[name] = f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ModelFormatError(f"{file_path}: cannot read safetensors: {e}") from e
+        listing[file_path] = names or _read(file_path, lambda f: list(f.keys()))
+    # The names the files hold bound the layers listed (weight_shapes): a config.json that
+    # says 10**12 layers is a missing tensor, not a loop of 10**12.
+    wanted = weight_shapes(config, [n for names in listing.values() for n in names])
+    weights: dict[str, torch.Tensor] = {}
+    for file_path, names in listing.items():
+        weights.update(_read(file_path, lambda f: {n: f.get_tensor(n) for n in names
+                                                   if n in wanted}))
 
     if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
         # Tied means one tensor: a stored copy of lm_head (some checkpoints keep one) is dropped.

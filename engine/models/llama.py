@@ -2,7 +2,8 @@
 
 Plain PyTorch over the ops in kernels/. Weights are packed once at load: q/k/v fused into one
 projection and gate/up into another (one GEMM each instead of three and two). The residual
-stream stays fp32; each linear casts to its weight format; logits are fp32.
+stream stays fp32; each linear casts to its weight format; logits are fp32. Every tensor of
+the model lives on `device` (engine/device.py), packed there in that device's layouts.
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ class LlamaForCausalLM:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
-                 lm_head_format: str | None = None, prefill_format: str | None = None) -> None:
+                 lm_head_format: str | None = None, prefill_format: str | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.config = config
+        self.device = device = torch.device(device)
         get = self._getter(weights)
-        self.embed_tokens = to_float(get("model.embed_tokens.weight"))
-        self.norm = to_float(get("model.norm.weight"))
+        self.embed_tokens = to_float(get("model.embed_tokens.weight")).to(device)
+        self.norm = to_float(get("model.norm.weight")).to(device)
         tied = get("lm_head.weight") is weights.get("model.embed_tokens.weight")
         heads: dict[str, PackedLinear] = {}
 
@@ -101,7 +104,7 @@ class LlamaForCausalLM:
                     heads[head_fmt] = PackedLinear("fp32", config.hidden_size, config.vocab_size,
                                                    self.embed_tokens)
                 else:
-                    heads[head_fmt] = pack_linear(get("lm_head.weight"), None, head_fmt)
+                    heads[head_fmt] = pack_linear(get("lm_head.weight"), None, head_fmt, device=device)
             return FormatSet(fmt, [self._load_layer(get, i, fmt) for i in range(config.num_layers)],
                              heads[head_fmt])
 
@@ -109,8 +112,9 @@ class LlamaForCausalLM:
         # A second copy only for a distinct prefill format (colocated engines).
         self.prefill_copy = (format_set(prefill_format)
                              if prefill_format is not None and prefill_format != weight_format else None)
-        self.cos, self.sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
-                                         config.rope_scaling)
+        cos, sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
+                               config.rope_scaling)
+        self.cos, self.sin = cos.to(device), sin.to(device)
         self.scale = config.head_dim ** -0.5
 
     @property
@@ -160,16 +164,19 @@ class LlamaForCausalLM:
 
     def _load_layer(self, get, i: int, fmt: str) -> DecoderLayer:
         p = f"model.layers.{i}."
+        dev = self.device
         qkv_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([to_float(get(p + f"self_attn.{n}_proj.bias")) for n in "qkv"])
         return DecoderLayer(
-            input_norm=to_float(get(p + "input_layernorm.weight")),
-            qkv=pack_linear(concat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, fmt),
-            o_proj=pack_linear(get(p + "self_attn.o_proj.weight"), None, fmt),
-            post_attention_norm=to_float(get(p + "post_attention_layernorm.weight")),
-            gate_up=pack_linear(concat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None, fmt),
-            down=pack_linear(get(p + "mlp.down_proj.weight"), None, fmt),
+            input_norm=to_float(get(p + "input_layernorm.weight")).to(dev),
+            qkv=pack_linear(concat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, fmt,
+                            device=dev),
+            o_proj=pack_linear(get(p + "self_attn.o_proj.weight"), None, fmt, device=dev),
+            post_attention_norm=to_float(get(p + "post_attention_layernorm.weight")).to(dev),
+            gate_up=pack_linear(concat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None,
+                                fmt, device=dev),
+            down=pack_linear(get(p + "mlp.down_proj.weight"), None, fmt, device=dev),
         )
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from engine.models.llama import LlamaForCausalLM
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
-                 lm_head_format: str | None = None, prefill_format: str | None = None) -> None:
+                 lm_head_format: str | None = None, prefill_format: str | None = None,
+                 device="cpu") -> None:
         if not config.attention_bias:
             raise ValueError("Qwen2 models carry q/k/v biases: config.attention_bias must be set")
-        super().__init__(config, weights, weight_format, lm_head_format, prefill_format)
+        super().__init__(config, weights, weight_format, lm_head_format, prefill_format, device)

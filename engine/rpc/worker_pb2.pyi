@@ -153,7 +153,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded")
+    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded", "refused_calls")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class WorkerStatus(_message.Message):
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -178,10 +179,21 @@ class WorkerStatus(_message.Message):
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     kv: KVTransferCounters
     unloaded: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ...) -> None: ...
+    refused_calls: _containers.RepeatedCompositeFieldContainer[RefusedCalls]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ..., refused_calls: _Optional[_Iterable[_Union[RefusedCalls, _Mapping]]] = ...) -> None: ...
+
+class RefusedCalls(_message.Message):
+    __slots__ = ("method", "reason", "count")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    reason: str
+    count: int
+    def __init__(self, method: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class KVTransferCounters(_message.Message):
-    __slots__ = ("backend", "bytes_sent", "bytes_received", "transfers_done", "transfers_failed", "transfer_seconds", "skipped_blocks")
+    __slots__ = ("backend", "bytes_sent", "bytes_received", "transfers_done", "transfers_failed", "transfer_seconds", "skipped_blocks", "auth_rejected")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +201,7 @@ class KVTransferCounters(_message.Message):
     TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REJECTED_FIELD_NUMBER: _ClassVar[int]
     backend: str
     bytes_sent: int
     bytes_received: int
@@ -196,7 +209,8 @@ class KVTransferCounters(_message.Message):
     transfers_failed: int
     transfer_seconds: float
     skipped_blocks: int
-    def __init__(self, backend: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., skipped_blocks: _Optional[int] = ...) -> None: ...
+    auth_rejected: int
+    def __init__(self, backend: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., skipped_blocks: _Optional[int] = ..., auth_rejected: _Optional[int] = ...) -> None: ...
 
 class ResidencyRequest(_message.Message):
     __slots__ = ("resident",)

@@ -25,7 +25,7 @@ class Layout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("transfer_id", "layer", "block_ids", "dtype", "shape", "fingerprint", "checksum", "seq", "payload_nbytes", "sender_error", "sender_id", "finish", "first_token", "num_units")
+    __slots__ = ("transfer_id", "layer", "block_ids", "dtype", "shape", "fingerprint", "checksum", "seq", "payload_nbytes", "sender_error", "sender_id", "finish", "first_token", "num_units", "auth_token")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class KVHeader(_message.Message):
     FINISH_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_UNITS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +55,8 @@ class KVHeader(_message.Message):
     finish: bool
     first_token: int
     num_units: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., seq: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., sender_error: _Optional[str] = ..., sender_id: _Optional[str] = ..., finish: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_units: _Optional[int] = ...) -> None: ...
+    auth_token: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., seq: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., sender_error: _Optional[str] = ..., sender_id: _Optional[str] = ..., finish: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_units: _Optional[int] = ..., auth_token: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "transfer_id", "layer", "ok", "reason")
@@ -95,12 +97,14 @@ class HandshakeReply(_message.Message):
     def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., owner_shm_name: _Optional[str] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_id")
+    __slots__ = ("transfer_id", "sender_id", "auth_token")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_id: _Optional[str] = ...) -> None: ...
+    auth_token: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., auth_token: _Optional[bytes] = ...) -> None: ...
 
 class GrantReply(_message.Message):
     __slots__ = ("transfer_id", "ok", "reason", "skip_blocks", "block_ids", "num_layers")

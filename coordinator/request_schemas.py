@@ -1,0 +1,260 @@
+"""The request bodies of the HTTP API as pydantic models: documentation, never the parser.
+
+The routes parse their bodies by hand (ollama_request.py, openai_api.py, model_routes.py,
+embedding_routes.py), because Ollama's and OpenAI's error messages and leniencies are part of
+the API and pydantic's would differ. These models describe what those parsers accept, for
+/openapi.json (openapi.py) and for the schema-driven fuzzer (tests/test_fuzz_http.py): field
+names, types, enums and ranges, taken from the parsers' own constants so the two cannot drift
+apart silently. Unknown fields are allowed (`extra="allow"`) because every parser ignores them,
+as Ollama's Go decoder and OpenAI-compatible servers do.
+
+A value the schema allows may still be refused with a 400 for a reason no schema can say (an
+option out of a model-dependent range, a tool_choice naming no tool); a value outside it always
+is.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.ollama_request import _ROLES
+from engine.logprobs import MAX_LOGPROBS
+from engine.sampling_params import MAX_COUNT
+
+Count = Field(default=None, ge=0, le=MAX_COUNT)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Options(_Body):
+    """Ollama's `options` (engine/sampling_params.py): null means the default."""
+
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_k: int | None = Count
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    typical_p: float | None = Field(default=None, ge=0, le=1)
+    repeat_penalty: float | None = Field(default=None, ge=0.001, le=100)
+    repeat_last_n: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
+    presence_penalty: float | None = Field(default=None, ge=-100, le=100)
+    frequency_penalty: float | None = Field(default=None, ge=-100, le=100)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
+    num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
+    stop: str | list[str] | None = None
+    num_ctx: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    num_keep: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
+    num_batch: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    num_thread: int | None = Count
+
+
+KeepAlive = Union[str, float, None]  # a Go duration ("5m"), or seconds; 0 unloads
+Format = Union[Literal["", "json"], dict[str, Any], None]  # "json" or a JSON schema
+
+
+class ToolFunction(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema object
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class OllamaMessage(_Body):
+    role: Literal[_ROLES]  # type: ignore[valid-type]
+    content: str | None = None  # null is "", as in Ollama
+    images: list[str] | None = Field(default=None, max_length=0)  # no vision input
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+
+
+class _OllamaGeneration(_Body):
+    model: str = Field(min_length=1)
+    stream: bool | None = None  # true unless false
+    format: Format = None
+    options: Options | None = None
+    keep_alive: KeepAlive = None
+    think: Literal[False] | None = None  # the served models do not think
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class ChatRequest(_OllamaGeneration):
+    """POST /api/chat. No messages: load the model (keep_alive 0: unload)."""
+
+    messages: list[OllamaMessage] | None = None
+    tools: list[Tool] | None = None
+
+
+class GenerateRequest(_OllamaGeneration):
+    """POST /api/generate. No prompt and no context: load the model."""
+
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool | None = None
+    context: list[int] | None = Field(default=None, json_schema_extra={"items": {"minimum": 0}})
+    suffix: Literal[""] | None = None  # no insert
+    template: Literal[""] | None = None  # the model's own template only
+    images: list[str] | None = Field(default=None, max_length=0)
+
+
+class ModelName(_Body):
+    """/api/show, /api/delete, /api/pull: `model`, or the older `name`."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "anyOf": [{"required": ["model"]}, {"required": ["name"]}]})
+
+    model: str | None = Field(default=None, min_length=1)
+    name: str | None = Field(default=None, min_length=1)
+
+
+class PullRequest(ModelName):
+    stream: bool | None = None
+    insecure: bool | None = None  # accepted, ignored: tandem pulls over pip's own TLS
+
+
+class CopyRequest(_Body):
+    source: str = Field(min_length=1)
+    destination: str = Field(min_length=1)
+
+
+class CreateRequest(ModelName):
+    """POST /api/create: `from` is an absolute path on the server's host or a model name.
+    files, adapters, quantize, template, system, parameters, messages and license are
+    refused with a 400 when they ask for anything."""
+
+    from_: str = Field(alias="from", min_length=1)
+    stream: bool | None = None
+
+
+class _EmbedOptions(_Body):
+    num_ctx: int | None = Field(default=None, ge=1)
+
+
+class EmbedRequest(_Body):
+    """POST /api/embed."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] = Field(min_length=1)
+    truncate: bool | None = None
+    options: _EmbedOptions | None = None
+    dimensions: int | None = None  # the model's hidden size only
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsRequest(_Body):
+    """POST /api/embeddings (legacy): one prompt, one vector, not normalized."""
+
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    options: _EmbedOptions | None = None
+    keep_alive: KeepAlive = None
+
+
+# ---- OpenAI ----------------------------------------------------------------------------------
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # null on assistant messages only
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema"} for json_schema
+
+
+class _OpenAIGeneration(_Body):
+    model: str = Field(min_length=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # 0: with echo only
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
+    frequency_penalty: float | None = Field(default=None, ge=-100, le=100)
+    presence_penalty: float | None = Field(default=None, ge=-100, le=100)
+    stop: str | list[str] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)  # vLLM's; -1 and 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, ge=0.001, le=100)
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_OpenAIGeneration):
+    """POST /v1/chat/completions."""
+
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs
+
+
+class CompletionRequest(_OpenAIGeneration):
+    """POST /v1/completions: one prompt (a batch of one is unwrapped)."""
+
+    prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[int], Field(min_length=1)],
+                  Annotated[list[Annotated[str, Field(min_length=1)]],
+                            Field(min_length=1, max_length=1)],
+                  Annotated[list[Annotated[list[int], Field(min_length=1)]],
+                            Field(min_length=1, max_length=1)]]
+    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class OpenAIEmbeddingRequest(_Body):
+    """POST /v1/embeddings."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None  # the model's hidden size only
+    user: str | None = None
+
+
+# (method, path) -> the model of its JSON body
+REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("post", "/api/chat"): ChatRequest,
+    ("post", "/api/generate"): GenerateRequest,
+    ("post", "/api/show"): ModelName,
+    ("post", "/api/pull"): PullRequest,
+    ("post", "/api/copy"): CopyRequest,
+    ("post", "/api/create"): CreateRequest,
+    ("delete", "/api/delete"): ModelName,
+    ("post", "/api/embed"): EmbedRequest,
+    ("post", "/api/embeddings"): EmbeddingsRequest,
+    ("post", "/v1/chat/completions"): ChatCompletionRequest,
+    ("post", "/v1/completions"): CompletionRequest,
+    ("post", "/v1/embeddings"): OpenAIEmbeddingRequest,
+}
