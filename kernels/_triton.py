@@ -100,5 +100,19 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.is_cuda else torch.float32
 
 
+def gemm_tiles(m: int, on: torch.Tensor, max_block_m: int = 64) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMM/GEMV kernels for M rows of `on`'s device: a GEMV
+    tile for decode, tensor-core tiles otherwise. A whole model run through the interpreter (the
+    "triton" path on CPU tensors) takes large tiles: the interpreter runs every program's ops
+    one after the other as numpy calls, so a pass costs per program and loop step, not per
+    FLOP (the default model's pass ~6x faster). Launchers called directly (the kernel tests,
+    under "auto") keep the GPU's tiles, so grids and K loops of many steps stay tested; GPUs
+    never take the large tiles."""
+    block_m = 1 if m == 1 else min(max_block_m, max(16, triton.next_power_of_2(m)))
+    if INTERPRETER and not on.is_cuda and _path == "triton":
+        return block_m, 1024, 512
+    return (1, 64, 128) if m == 1 else (block_m, 64, 64)
+
+
 def record_launch(name: str) -> None:
     launches[name] += 1

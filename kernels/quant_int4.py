@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels._triton import (HAS_TRITON, activation_dtype, record_launch, tl, triton, triton_layouts,
+from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
@@ -390,7 +390,7 @@ def int4_linear_triton(x: torch.Tensor, w: torch.Tensor, scales_and_zeros: torch
     assert scales_and_zeros.shape == (kp // group_size, n, 2) and scales_and_zeros.is_contiguous()
     assert bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = (1, 64, 128) if m == 1 else (min(64, max(16, triton.next_power_of_2(m))), 64, 64)
+    block_m, block_n, block_k = gemm_tiles(m, x)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     record_launch("int4_gemm")
     _int4_weight_only_kernel[grid](

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels._triton import (HAS_TRITON, activation_dtype, record_launch, tl, triton, triton_layouts,
+from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
@@ -166,13 +166,6 @@ if HAS_TRITON:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemm_blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for M rows: a GEMV tile for decode, tensor-core tiles otherwise."""
-    if m == 1:
-        return 1, 64, 128
-    return min(64, max(16, triton.next_power_of_2(m))), 64, 64
-
-
 def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """x: [M, K] float; q: int8 [N, Kp >= K]; scales: fp32 [N]; bias: fp32 [N] -> [M, N] in x's dtype."""
@@ -184,7 +177,7 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     assert scales.shape == (n,) and scales.dtype == torch.float32
     assert bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = gemm_blocks(m)
+    block_m, block_n, block_k = gemm_tiles(m, x)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     record_launch("int8_gemm")
     _int8_weight_only_kernel[grid](

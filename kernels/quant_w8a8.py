@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, record_launch, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, gemm_tiles, record_launch, tl, triton, use_triton
 from kernels.linear import PackedLinear, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -224,7 +224,7 @@ def w8a8_gemm_triton(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: t
     assert sx.dtype == torch.float32 and sw.dtype == torch.float32
     assert bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)
     y = torch.empty(m, n, dtype=out_dtype, device=qx.device)
-    block_m, block_n, block_k = min(128, max(16, triton.next_power_of_2(m))), 64, 64
+    block_m, block_n, block_k = gemm_tiles(max(m, 2), qx, max_block_m=128)  # tl.dot: >= 16 rows
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     record_launch("w8a8_gemm")
     _w8a8_gemm_kernel[grid](
