@@ -67,7 +67,7 @@ from .layout import KVCacheBuffer, KVLayout
 from .message import Ack, KVHeader, MessageError, tensor_bytes
 from .receiving import ReceiveTable
 from .sending import _Transfer
-from .zmq_backend import ACK, BYE, DATA, NOTIFY, ZmqReceiver, ZmqSender
+from .zmq_backend import ACK, BYE, DATA, NOTIFY, SENDER_SILENCE_S, ZmqReceiver, ZmqSender
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,8 @@ class DistReceiver(ZmqReceiver):
     one_sided = False
 
     def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
-                 group_timeout_s: float = GROUP_TIMEOUT_S, auth: KVAuth | None = None) -> None:
+                 group_timeout_s: float = GROUP_TIMEOUT_S, auth: KVAuth | None = None,
+                 sender_silence_s: float = SENDER_SILENCE_S) -> None:
         if not group_timeout_s > 0:
             raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
         self.group_timeout_s = group_timeout_s
@@ -194,7 +195,7 @@ class DistReceiver(ZmqReceiver):
         self._by_ident: dict[bytes, _Pair] = {}
         self._acks: deque[tuple[bytes, Ack]] = deque()  # from pair threads to the I/O thread
         self._next_fence = 0.0
-        super().__init__(cache, layout, endpoint, auth)
+        super().__init__(cache, layout, endpoint, auth, sender_silence_s)
 
     def _make_table(self) -> ReceiveTable:
         return ReceiveTable(self.cache, self.layout, self._deliver, "dist", auth=self.auth)
@@ -281,6 +282,7 @@ class DistReceiver(ZmqReceiver):
         now = time.monotonic()
         if now >= self._next_fence:
             self._next_fence = now + FENCE_INTERVAL_S
+            self._fail_silent_senders(now)  # a tensor still arriving then names a closed transfer
             for sender_id, pair in list(self._pairs.items()):
                 if pair.fence is not None and not same_process_alive(*pair.fence):
                     pair.kill(f"sender process {pair.fence[0]} is gone")

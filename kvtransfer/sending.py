@@ -582,6 +582,11 @@ class IOSender(KVSender):
                                tell_receiver="no ack in time")
         if not self.heartbeat:
             return
+        # Pings go while any transfer is open, even one waiting for its next layer: the
+        # receiver takes a granted sender's silence for a cut link (zmq_backend.SENDER_SILENCE_S).
+        if self._open and now - self._last_ping > min(1.0, self.ack_timeout_s / 4):
+            self._last_ping = now
+            self._io_ping()
         if not outstanding:
             self._quiet_since = None
             return
@@ -590,9 +595,6 @@ class IOSender(KVSender):
         silent = now - max(self._last_heard, self._quiet_since)
         if silent > self.ack_timeout_s:
             self._peer_failed(f"receiver at {self.endpoint} silent for {silent:.1f}s")
-        elif now - self._last_ping > min(1.0, self.ack_timeout_s / 4):
-            self._last_ping = now
-            self._io_ping()
 
     def _fail(self, t: _Transfer, reason: str, tell_receiver: str = "") -> None:
         """FAILED; with tell_receiver, an abort unit tells the receiver we stopped (and why)."""

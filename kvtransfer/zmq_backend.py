@@ -78,14 +78,22 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
+# A sender pings every second at most while it has a transfer open (sending.py), so this
+# much silence from a sender that holds a grant means a cut link or a frozen peer.
+SENDER_SILENCE_S = 8.0
+
+
 class ZmqReceiver(TableReceiver):
     one_sided = False
 
     def __init__(
         self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
-        auth: KVAuth | None = None,
+        auth: KVAuth | None = None, sender_silence_s: float = SENDER_SILENCE_S,
     ) -> None:
+        if not sender_silence_s > 0:
+            raise ValueError(f"sender_silence_s must be positive, got {sender_silence_s!r}")
         self.cache, self.layout, self.auth = cache, layout, auth
+        self.sender_silence_s = sender_silence_s
         self.table = self._make_table()
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, zmq.ROUTER)
@@ -101,6 +109,7 @@ class ZmqReceiver(TableReceiver):
         self._outbox: deque[tuple[str, Grant | Revoke]] = deque()  # from any thread
         self._waker = Waker()
         self._idents: dict[str, bytes] = {}  # sender id -> zmq routing id (I/O thread)
+        self._heard: dict[bytes, float] = {}  # routing id -> when its last frame came (I/O thread)
         self._stop = threading.Event()
         self._closed = False
         # The socket now belongs to the I/O thread; this thread touches it again only after join.
@@ -219,6 +228,21 @@ class ZmqReceiver(TableReceiver):
         if now >= getattr(self, "_next_fence", 0.0):
             self._next_fence = now + _FENCE_INTERVAL_S
             self.table.check_fences()
+            if not self.table.one_sided:
+                self._fail_silent_senders(now)
+
+    def _fail_silent_senders(self, now: float) -> None:
+        """Fails the transfers granted to senders silent for sender_silence_s (a cut link, a
+        frozen or vanished host: no goodbye comes, and the fence sees only this host's
+        processes), so the coordinator places them again instead of waiting out kv-deadline.
+        Only where this receiver does every write itself (zmq, dist): their blocks are free
+        at once, since a frame that arrives later names a closed transfer and is refused. An
+        shm writer may still be writing while silent, so shm keeps its own rule."""
+        silent = [sid for sid, ident in self._idents.items()
+                  if now - self._heard.get(ident, now) > self.sender_silence_s]
+        if silent:
+            self.table.fail_silent(silent, f"sender silent for over {self.sender_silence_s:.0f}s "
+                                           "(link cut or peer frozen)")
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -232,6 +256,7 @@ class ZmqReceiver(TableReceiver):
 
     def _handle(self, frames: list[zmq.Frame]) -> list[bytes] | None:
         ident = frames[0].bytes
+        self._heard[ident] = time.monotonic()
         kind = frames[1].bytes if len(frames) > 1 else b""
         try:
             if kind == HELLO and len(frames) == 3:

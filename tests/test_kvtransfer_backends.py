@@ -315,3 +315,31 @@ def test_sender_close_fails_open_transfers_and_releases(hosts, backend):
         host.call("cancel", key, "open")
         assert host.call("wait", key, 1, 5.0) == [("open", RELEASED, "", None)]
     host.call("close", key)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "dist"])
+def test_a_silent_granted_sender_fails_its_transfer_and_a_pinging_one_does_not(hosts, backend):
+    """A cut link sends no goodbye, and the fence sees only this host's processes: a receiver
+    that does every write itself fails the transfers of a granted sender silent for
+    sender_silence_s (here 1.5 s: three of the honest sender's pings, one per ack_timeout_s / 4), so they are placed again instead of waiting out their
+    deadline; an honest sender between two layers (pinging while its transfer is open) is not
+    taken for silent."""
+    host = hosts(backend)
+    layout = make_layout()
+    key, endpoint = open_receiver(host, sender_silence_s=1.5)
+    expect(host, key, "mute", [0], deadline_s=60.0)
+    expect(host, key, "slow", [1], deadline_s=60.0)
+    raw = RawClient(backend, host, key, endpoint, layout)
+    assert raw.ask("mute").ok  # granted, then nothing: the raw client never pings
+    source = source_cache(layout, 1, seed=11)
+    sender = connected_sender(backend, endpoint, layout, ack_timeout_s=2.0)
+    sender.send("slow", 0, 0, source[0], [0])
+    events = host.call("wait", key, 2, 15.0)
+    assert [(e[0], e[1]) for e in events] == [("mute", FAILED), ("mute", RELEASED)], events
+    assert "sender silent" in events[0][2]
+    time.sleep(3.0)  # twice the silence bound, between two layers of "slow"
+    send_all(sender, "slow", source, [0], first_token=5, layers=range(1, layout.num_layers))
+    assert wait_all(sender, ["slow"])["slow"].done
+    assert host.call("wait", key, 1, 5.0) == [("slow", COMPLETE, "", 5)]
+    sender.close()
+    host.call("close", key)
