@@ -216,6 +216,17 @@ def _wait(receiver, count: int = 1, timeout_s: float = 10.0) -> list:
     return events
 
 
+
+def _honest_grpc_transfer(receiver, cache, auth) -> None:
+    """A sender with the cluster's credentials completes transfer "t1" (blocks 0 and 1)."""
+    sender = kt.create_sender("grpc", auth=auth)
+    sender.connect(receiver.endpoint, LAYOUT)
+    source = torch.randn(LAYOUT.num_layers, 2, 8, 4, 2, 4)
+    assert _send(sender, "t1", source).done
+    assert [e.kind for e in _wait(receiver)] == [kt.ReceiveKind.COMPLETE]
+    assert torch.equal(cache.tensor[:, :, :2], source[:, :, :2])
+    sender.close()
+
 def _send(sender, transfer_id: str, source: torch.Tensor) -> kt.TransferStatus:
     for layer in range(LAYOUT.num_layers):
         sender.send(transfer_id, layer, 0, source[layer], [0, 1])
@@ -321,13 +332,7 @@ def test_a_grpc_unit_with_a_bad_token_is_dropped_and_counted():
         assert all("unauthenticated" in a.reason for a in acks)
         assert receiver.stats().auth_rejected == 4 and receiver.stats().units == 0
         assert not cache.tensor.any() and receiver.poll() == []  # the transfer lives on
-        sender = kt.create_sender("grpc", auth=auth)
-        sender.connect(receiver.endpoint, LAYOUT)
-        source = torch.randn(LAYOUT.num_layers, 2, 8, 4, 2, 4)
-        assert _send(sender, "t1", source).done
-        assert [e.kind for e in _wait(receiver)] == [kt.ReceiveKind.COMPLETE]
-        assert torch.equal(cache.tensor[:, :, :2], source[:, :, :2])
-        sender.close()
+        _honest_grpc_transfer(receiver, cache, auth)
     finally:
         receiver.close()
         cache.close()
@@ -506,13 +511,7 @@ def test_the_grpc_kv_backend_is_mutual_tls_with_the_cluster_files(tmp_path, secr
             plain.connect(receiver.endpoint, LAYOUT)
         plain.close()
         receiver.expect("t1", [0, 1], LAYOUT.num_layers, 30.0)
-        sender = kt.create_sender("grpc", auth=auth)
-        sender.connect(receiver.endpoint, LAYOUT)
-        source = torch.randn(LAYOUT.num_layers, 2, 8, 4, 2, 4)
-        assert _send(sender, "t1", source).done
-        assert [e.kind for e in _wait(receiver)] == [kt.ReceiveKind.COMPLETE]
-        assert torch.equal(cache.tensor[:, :, :2], source[:, :, :2])
-        sender.close()
+        _honest_grpc_transfer(receiver, cache, auth)
     finally:
         receiver.close()
         cache.close()
