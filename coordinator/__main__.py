@@ -4,7 +4,7 @@ The process entry: flags and the environment (read here only) -> config -> serve
 Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
 environment variable, never a flag, since ps shows every process's command line);
 OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
-TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, engine/cluster_auth.py).
+TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 
 from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
-from engine.cluster_auth import add_auth_args, auth_from_args
-from engine.errors import TandemError
+from common.cluster_auth import add_auth_args, auth_from_args
+from common.errors import TandemError
 
 DEFAULTS = CoordinatorConfig()
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from coordinator.model import load_served_model
         from coordinator.server import serve
-        from engine.model_store import ModelStore, default_home
+        from common.model_store import ModelStore, default_home
 
         config = CoordinatorConfig(
             host=args.host, port=args.port, registry_host=args.registry_host,

@@ -42,7 +42,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.http_errors import error_response
-from engine.cluster_auth import refusal_handler
+from common.cluster_auth import refusal_handler
 from coordinator.model import shown
 
 OLLAMA_DEFAULT_ORIGINS = (

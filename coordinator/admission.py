@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from engine.errors import TandemError
+from common.errors import TandemError
 
 
 class Overloaded(TandemError):

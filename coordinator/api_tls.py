@@ -4,7 +4,7 @@
 
 Server-side TLS only: clients check the server's certificate (against their CA file, or the
 system's store); who a client is stays the API key's business (coordinator/access.py). These
-files are separate from the internal plane's (engine/cluster_auth.py): the public certificate
+files are separate from the internal plane's (common/cluster_auth.py): the public certificate
 is usually a public CA's, for a public name, while the cluster's is a private CA's.
 
 Both files are read and the pair is checked (the key must be the certificate's) once at

@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.rpc import tandem_pb2 as pb
-from coordinator.rpc import tandem_pb2_grpc as pb_grpc
+from common.rpc import tandem_pb2 as pb
+from common.rpc import tandem_pb2_grpc as pb_grpc
 
 __all__ = ["TandemClient", "pb"]
 

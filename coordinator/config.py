@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.api_tls import ApiTLS
-from engine.cluster_auth import ClusterAuth
+from common.cluster_auth import ClusterAuth
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CoordinatorConfig:
     # Browser origins allowed besides Ollama's defaults (localhost, app://, ...): OLLAMA_ORIGINS'
     # entries, each an origin where `*` matches any text; "*" alone allows every origin.
     allowed_origins: tuple[str, ...] = ()
-    # The internal plane's credentials (engine/cluster_auth.py): with a secret the Registry
+    # The internal plane's credentials (common/cluster_auth.py): with a secret the Registry
     # refuses workers that cannot prove it and calls to workers carry our proof; with TLS
     # files the Registry and every channel to a worker are mutual TLS. Default: neither.
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth, repr=False)

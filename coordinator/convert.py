@@ -1,13 +1,13 @@
 """The one place where the coordinator's typed values map onto worker.proto messages (sampling
-options go through engine.wire, which the workers use to read them back)."""
+options go through common.wire, which the workers use to read them back)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.rpc import worker_pb2 as pb
-from engine.sampling_params import SamplingParams
-from engine.wire import sampling_to_proto
+from common.rpc import worker_pb2 as pb
+from common.sampling_params import SamplingParams
+from common.wire import sampling_to_proto
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def kv_from_status(status: pb.WorkerStatus) -> KVCounters | None:
 
 
 def refused_from_status(status: pb.WorkerStatus) -> dict[tuple[str, str], int]:
-    """The worker's refused internal calls, (method, reason) -> count (engine/refused_calls.py)."""
+    """The worker's refused internal calls, (method, reason) -> count (common/refused_calls.py)."""
     return {(r.method, r.reason): r.count for r in status.refused_calls}
 
 

@@ -25,7 +25,7 @@ from coordinator.model import ServedModel, shown
 from coordinator.ollama_request import RequestError
 from coordinator.prompts import encode, off_loop
 from coordinator.service import Coordinator
-from engine.errors import ContextLengthError, ModelNotFoundError
+from common.errors import ContextLengthError, ModelNotFoundError
 
 
 def _model_name(body: dict[str, Any], coordinator: Coordinator) -> str:

@@ -19,8 +19,8 @@ from coordinator.logprobs import completion_logprobs, content_entries, prompt_co
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, RequestFlow, WorkerError
 from coordinator.text_stream import TextStream
-from engine.logprobs import TokenLogprob
-from engine.tokenizer import Tokenizer
+from common.logprobs import TokenLogprob
+from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Generation:
         self.done_reason: str | None = None  # "stop" | "length" once finished normally
         self.error: str | None = None
         self.output_ids: list[int] = []  # generated token ids (Ollama's `context` needs them)
-        # Logprob entries of the tokens so far, when the request asked (engine/logprobs.py);
+        # Logprob entries of the tokens so far, when the request asked (common/logprobs.py);
         # those not yet taken by take_logprobs() start at _logprobs_taken.
         self.logprobs: list[TokenLogprob] = []
         self._logprobs_taken = 0

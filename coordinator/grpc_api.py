@@ -27,12 +27,12 @@ from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.registry import DECODE_ROLES
 from coordinator.request_flow import NoWorkers, WorkerError
-from coordinator.rpc import tandem_pb2 as pb
-from coordinator.rpc import tandem_pb2_grpc as pb_grpc
+from common.rpc import tandem_pb2 as pb
+from common.rpc import tandem_pb2_grpc as pb_grpc
 from coordinator.service import Coordinator
-from engine.errors import ModelNotFoundError, TandemError
-from engine.sampling_params import SamplingParams
-from engine.grpc_guard import guarded
+from common.errors import ModelNotFoundError, TandemError
+from common.sampling_params import SamplingParams
+from common.grpc_guard import guarded
 
 log = logging.getLogger(__name__)
 

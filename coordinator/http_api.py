@@ -45,7 +45,7 @@ from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import NoWorkers, WorkerError
 from coordinator.service import Coordinator
-from engine.errors import ModelNotFoundError, TandemError
+from common.errors import ModelNotFoundError, TandemError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Log probabilities in each API's shape. The engine's entries (engine/logprobs.py: token ids
+"""Log probabilities in each API's shape. The engine's entries (common/logprobs.py: token ids
 and raw-distribution logprobs) get their text here, from the coordinator's tokenizer: each id
 decoded alone, with special tokens, and its UTF-8 bytes (a token that is part of a multi-byte
 character decodes to U+FFFD; its bytes then say less than the model's own byte token would).
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.logprobs import TokenLogprob
-from engine.tokenizer import Tokenizer
+from common.logprobs import TokenLogprob
+from common.tokenizer import Tokenizer
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -138,7 +138,7 @@ class Metrics:
         self.kv_rejected = Gauge("tandem_worker_kv_auth_rejected",
                                  "KV frames and handshakes the worker refused for want of the "
                                  "cluster secret", kv_labels, registry=r)
-        # Internal gRPC calls refused for want of a valid cluster proof (engine/refused_calls.py):
+        # Internal gRPC calls refused for want of a valid cluster proof (common/refused_calls.py):
         # the coordinator's own (process="coordinator") and each live worker's, as last reported.
         self.grpc_refused = Gauge("tandem_grpc_refused_calls",
                                   "Internal gRPC calls refused for want of a valid cluster proof",

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ModelConfig
-from engine.loaders import load_config
-from engine.model_identity import model_fingerprint
-from engine.tokenizer import Tokenizer
+from common.model_config import ModelConfig
+from common.model_files import load_config
+from common.model_identity import model_fingerprint
+from common.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

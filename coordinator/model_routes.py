@@ -1,4 +1,4 @@
-"""Ollama's model management routes over the coordinator's model store (engine/model_store.py).
+"""Ollama's model management routes over the coordinator's model store (common/model_store.py).
 
     POST   /api/pull    {model, stream?}          NDJSON lines: pulling manifest; downloading
                                                   <digest> with total and completed bytes (pip's
@@ -40,8 +40,8 @@ from coordinator.model import shown
 from coordinator.ollama_request import RequestError, stream_flag
 from coordinator.ollama_response import error_body, ndjson
 from coordinator.service import Coordinator
-from engine.errors import ModelNotFoundError, TandemError
-from engine.model_store import ModelStore, PullProgress, PullStatus, normalize_name
+from common.errors import ModelNotFoundError, TandemError
+from common.model_store import ModelStore, PullProgress, PullStatus, normalize_name
 
 log = logging.getLogger(__name__)
 

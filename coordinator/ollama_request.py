@@ -16,9 +16,9 @@ from typing import Any
 from coordinator.residency import KeepAliveError, parse_keep_alive
 from coordinator.structured_output import ollama_format
 from coordinator.tool_calls import check_tool_list
-from engine.errors import TandemError
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import SamplingParams
+from common.errors import TandemError
+from common.logprobs import MAX_LOGPROBS
+from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

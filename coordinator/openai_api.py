@@ -18,7 +18,7 @@ is a grammar (coordinator/structured_output.py); `tools` and `tool_choice` are
 coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Fields that change
 nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
 ones are logged and ignored, as vLLM and Ollama do.
-Ranges are SamplingParams' (engine/sampling_params.py): `presence_penalty` and
+Ranges are SamplingParams' (common/sampling_params.py): `presence_penalty` and
 `frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
 layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
 does (the Ollama routes read it as "", as Ollama does).
@@ -38,9 +38,9 @@ from coordinator.structured_output import openai_response_format
 from coordinator.tool_calls import (
     ToolCall, ToolChoice, check_tool_list, forced_grammar, openai_tool_calls, parse_tool_choice,
 )
-from engine.errors import InvalidOptionError
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import MAX_COUNT, SamplingParams
+from common.errors import InvalidOptionError
+from common.logprobs import MAX_LOGPROBS
+from common.sampling_params import MAX_COUNT, SamplingParams
 
 log = logging.getLogger(__name__)
 

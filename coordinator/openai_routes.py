@@ -22,7 +22,7 @@ from coordinator.service import Coordinator
 from coordinator.tool_calls import (
     ToolCallParser, call_format, openai_tool_calls, require_tool_support,
 )
-from engine.errors import ModelNotFoundError
+from common.errors import ModelNotFoundError
 
 
 def _usage(g: Generation) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.registry import WorkerSnapshot
-from engine.block_manager import block_hashes
+from common.block_hash import block_hashes
 
 OVERLAP_WEIGHT = 1.0
 

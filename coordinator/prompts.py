@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from coordinator.model import ServedModel
-from engine.errors import ContextLengthError
+from common.errors import ContextLengthError
 
 T = TypeVar("T")
 

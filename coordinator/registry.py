@@ -44,10 +44,10 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import (
     KVCounters, WorkerLoad, kv_from_status, load_from_status, refused_from_status,
 )
-from engine.cluster_auth import PROOF_HEADER, REGISTER_REPLY
-from engine.rpc import worker_pb2 as pb
-from engine.rpc import worker_pb2_grpc as pb_grpc
-from engine.grpc_guard import guarded
+from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY
+from common.rpc import worker_pb2 as pb
+from common.rpc import worker_pb2_grpc as pb_grpc
+from common.grpc_guard import guarded
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
     async def Register(self, request: pb.WorkerInfo, context) -> pb.RegisterResponse:
         auth = self._registry.config.cluster_auth
-        if auth.secret:  # the worker checks that we hold the secret too (engine/cluster_auth.py)
+        if auth.secret:  # the worker checks that we hold the secret too (common/cluster_auth.py)
             context.set_trailing_metadata(((PROOF_HEADER, auth.proof(REGISTER_REPLY)),))
         return self._registry.register(request)
 

@@ -39,11 +39,11 @@ from coordinator import convert
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
-from engine.errors import KV_TRANSFER_FAILED, TandemError
-from engine.logprobs import TokenLogprob
-from engine.rpc import worker_pb2 as pb
-from engine.sampling_params import SamplingParams
-from engine.wire import logprobs_from_proto
+from common.errors import KV_TRANSFER_FAILED, TandemError
+from common.logprobs import TokenLogprob
+from common.rpc import worker_pb2 as pb
+from common.sampling_params import SamplingParams
+from common.wire import logprobs_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The routes parse their bodies by hand (ollama_request.py, openai_api.py, model_routes.py,
 embedding_routes.py), because Ollama's and OpenAI's error messages and leniencies are part of
 the API and pydantic's would differ. These models describe what those parsers accept, for
-/openapi.json (openapi.py) and for the schema-driven fuzzer (tests/test_fuzz_http.py): field
+/openapi.json (openapi.py) and for the schema-driven fuzzer (tests/reliability/test_fuzz_http.py): field
 names, types, enums and ranges, taken from the parsers' own constants so the two cannot drift
 apart silently. Unknown fields are allowed (`extra="allow"`) because every parser ignores them,
 as Ollama's Go decoder and OpenAI-compatible servers do.
@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.ollama_request import _ROLES
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import MAX_COUNT
+from common.logprobs import MAX_LOGPROBS
+from common.sampling_params import MAX_COUNT
 
 Count = Field(default=None, ge=0, le=MAX_COUNT)
 
@@ -31,7 +31,7 @@ class _Body(BaseModel):
 
 
 class Options(_Body):
-    """Ollama's `options` (engine/sampling_params.py): null means the default."""
+    """Ollama's `options` (common/sampling_params.py): null means the default."""
 
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_k: int | None = Count

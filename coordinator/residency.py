@@ -29,7 +29,7 @@ import grpc
 
 from coordinator.registry import DECODE_ROLES, WorkerRecord, WorkerRegistry
 from coordinator.request_flow import NoWorkers
-from engine.rpc import worker_pb2 as pb
+from common.rpc import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 

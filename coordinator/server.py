@@ -16,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.http_api import create_app
 from coordinator.model import ServedModel
 from coordinator.service import Coordinator
-from engine.model_store import ModelStore
+from common.model_store import ModelStore
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
 from coordinator.residency import Residency
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
-from engine.errors import ContextLengthError, InvalidOptionError
-from engine.grammar_compile import check_grammar
-from engine.model_store import ModelStore
-from engine.rpc import worker_pb2 as pb
-from engine.sampling_params import SamplingParams
+from common.errors import ContextLengthError, InvalidOptionError
+from common.grammar_compile import check_grammar
+from common.model_store import ModelStore
+from common.rpc import worker_pb2 as pb
+from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
                                                        (no "schema": any JSON object)
 
 A shape error is an InvalidOptionError (400) here; a schema that does not compile is refused (400)
-by Coordinator.submit, which asks llguidance in-process (engine/grammar_compile.py). OpenAI's
+by Coordinator.submit, which asks llguidance in-process (common/grammar_compile.py). OpenAI's
 `strict` changes nothing: tandem always enforces the schema (a keyword llguidance cannot enforce
 is refused, not ignored).
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.errors import InvalidOptionError
-from engine.sampling_params import GrammarSpec
+from common.errors import InvalidOptionError
+from common.sampling_params import GrammarSpec
 
 
 def ollama_format(value: Any) -> GrammarSpec | None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from common.detokenizer import IncrementalDetokenizer
+from common.stop_strings import StopStringMatcher
+from common.tokenizer import Tokenizer
 
 
 class TextStream:

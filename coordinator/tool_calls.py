@@ -36,8 +36,8 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from engine.errors import InvalidOptionError
-from engine.sampling_params import GrammarSpec
+from common.errors import InvalidOptionError
+from common.sampling_params import GrammarSpec
 
 
 @lru_cache(maxsize=8)

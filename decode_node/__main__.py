@@ -11,11 +11,11 @@ import torch
 
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
-from engine.errors import TandemError
+from common.errors import TandemError
 from engine.llm_engine import KV_TORCH_DTYPES
-from engine.model_identity import model_fingerprint
+from common.model_identity import model_fingerprint
 from engine.model_runner import kv_cache_bytes_per_block
-from engine.node_server import (
+from worker.node_server import (
     NodeIdentity,
     build_engine,
     kv_counters,
@@ -26,7 +26,8 @@ from engine.node_server import (
     run_node,
     worker_status,
 )
-from engine.rpc import worker_pb2_grpc as pb_grpc
+from common.rpc import worker_pb2_grpc as pb_grpc
+from kvtransfer.auth import kv_auth_from
 
 
 def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
@@ -39,7 +40,7 @@ def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
 
 async def main_async(args) -> None:
     import kvtransfer
-    from engine.loaders import load_config
+    from common.model_files import load_config
 
     path = resolve_model(args.model)
     config = load_config(path)
@@ -64,7 +65,7 @@ async def main_async(args) -> None:
         raise TandemError(f"a decode worker on {args.device} cannot use --kv-backend shm: its "
                           f"senders write a host shared-memory pool; use dist, zmq or grpc")
     advertise = args.advertise_host or args.host
-    kv_auth = args.cluster_auth.kv()  # with a cluster secret: CURVE and per-transfer tokens
+    kv_auth = kv_auth_from(args.cluster_auth)  # with a cluster secret: CURVE and per-transfer tokens
     receiver = kvtransfer.create_receiver(args.kv_backend, cache, layout,
                                           **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port),
                                           **({"auth": kv_auth} if kv_auth else {}))

@@ -15,8 +15,9 @@ Transfer ids are the request ids (the coordinator names both the same).
 
 from __future__ import annotations
 
-from engine.errors import KV_TRANSFER_FAILED
-from engine.kv_connector import ConnectorEvents, KVConnector, KVTransferState
+from common.errors import KV_TRANSFER_FAILED
+from engine.kv_connector import ConnectorEvents, KVConnector
+from engine.kv_transfer_state import KVTransferState
 from engine.request import Request
 
 

@@ -8,11 +8,11 @@ import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from engine.embedding import EmbedBusy
-from engine.errors import ResidencyError, TandemError
-from engine.node_server import set_resident
-from engine.rpc import worker_pb2 as pb
-from engine.rpc import worker_pb2_grpc as pb_grpc
-from engine.wire import logprobs_to_proto, sampling_from_proto
+from common.errors import ResidencyError, TandemError
+from worker.node_server import set_resident
+from common.rpc import worker_pb2 as pb
+from common.rpc import worker_pb2_grpc as pb_grpc
+from common.wire import logprobs_to_proto, sampling_from_proto
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):

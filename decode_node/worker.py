@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 from decode_node.connector import DecodeConnector
 from engine.embedding import embed_batch, plan_batches
-from engine.engine_loop import EngineLoop, settle
-from engine.errors import TandemError
-from engine.kv_connector import KVTransferParams
+from worker.engine_loop import EngineLoop, settle
+from common.errors import TandemError
+from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Tokens:
     error: str = ""
     num_cached_tokens: int = 0
     kv_bytes_received: int = 0
-    logprobs: list | None = None  # engine.logprobs.TokenLogprob per token, when asked for
+    logprobs: list | None = None  # common.logprobs.TokenLogprob per token, when asked for
     prompt_logprobs: list | None = None  # local prefill, first event: the prompt tokens', when asked for
 
 

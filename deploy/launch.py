@@ -84,7 +84,7 @@ def pull_everywhere(t: ClusterTopology, out: Callable[[str], None] = print) -> N
     """`tandem pull MODEL` on every host at once, each into its own cache (a no-op where the
     model is already there and verified); TopologyError naming the hosts where it failed."""
     def pull(host: Host) -> str | None:
-        command = host_command(host, [python_of(host), "-m", "deploy.cli", "pull", t.model])
+        command = host_command(host, [python_of(host), "-m", "cli.main", "pull", t.model])
         try:
             done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                   timeout=PULL_TIMEOUT_S)

@@ -52,11 +52,11 @@ from pathlib import Path
 
 from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
 from engine.device import check_device_spec
-from engine.errors import TandemError
-from engine.runtime import worker_env
+from common.errors import TandemError
+from worker.runtime import worker_env
 
 # kvtransfer.backends() less "fake", spelled out so that `tandem` starts without importing torch
-# (tests/test_kvtransfer_dist.py checks that the two agree).
+# (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
 KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
 WORKER_HOST = "127.0.0.1"
 
@@ -92,7 +92,7 @@ class Topology:
     worker_args: tuple[str, ...] = ()  # more flags for every worker, after the ones above
     # The client APIs' key (coordinator/access.py); None = open. repr=False: kept out of logs.
     api_key: str | None = field(default=None, repr=False)
-    # The internal plane (engine/cluster_auth.py): the cluster secret reaches every process in
+    # The internal plane (common/cluster_auth.py): the cluster secret reaches every process in
     # its environment (TANDEM_CLUSTER_SECRET), never on a command line; auth_args (e.g.
     # --tls-cert/--tls-key/--tls-ca, --cluster-secret-file: paths only) go to every process.
     # Both also pass through from this process's own environment, which children inherit.

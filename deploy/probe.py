@@ -5,7 +5,7 @@ Prints one JSON object: whether the model resolves in this host's own store (and
 fingerprint, which must be the same on every host), which of the given addresses cannot be
 listened on (port in use, or an address this host does not have), and whether the internal
 plane's files (the [security] paths, as this host sees them) exist and hold what the roles will
-ask of them: the same start-up check a role makes (engine/cluster_auth.py), made before any
+ask of them: the same start-up check a role makes (common/cluster_auth.py), made before any
 role starts. The secret itself is read here but never printed. Exits 0 whenever it could
 answer; the launcher judges the answer. Torch-free, so it answers in well under a second.
 """
@@ -20,10 +20,10 @@ import sys
 
 
 def check_model(name: str) -> dict:
-    from engine.errors import TandemError
-    from engine.loaders import load_config
-    from engine.model_identity import model_fingerprint
-    from engine.model_store import ModelStore, default_home
+    from common.errors import TandemError
+    from common.model_files import load_config
+    from common.model_identity import model_fingerprint
+    from common.model_store import ModelStore, default_home
 
     try:
         path = ModelStore(default_home()).resolve(name)
@@ -51,7 +51,7 @@ def check_listen(address: str, port: int) -> str | None:
 
 def check_auth(args: argparse.Namespace) -> str | None:
     """Why the roles' --cluster-secret-file / --tls-* files would not do here, or None."""
-    from engine.cluster_auth import auth_from_args
+    from common.cluster_auth import auth_from_args
 
     try:
         auth_from_args(args)
@@ -61,7 +61,7 @@ def check_auth(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cluster_auth import add_auth_args
+    from common.cluster_auth import add_auth_args
 
     p = argparse.ArgumentParser(prog="python -m deploy.probe")
     p.add_argument("--model", required=True)

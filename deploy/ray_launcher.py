@@ -110,7 +110,7 @@ class RayTopology:
     coordinator_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1",
                                                          "OMP_WAIT_POLICY": "PASSIVE"})
-    # The internal plane's secret (engine/cluster_auth.py): in every process's environment
+    # The internal plane's secret (common/cluster_auth.py): in every process's environment
     # (TANDEM_CLUSTER_SECRET, through the actor's start), never on a command line or in a repr.
     cluster_secret: str | None = field(default=None, repr=False)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from engine.errors import ModelNotFoundError, TandemError
+from common.errors import ModelNotFoundError, TandemError
 
 DEFAULT_HOST = "127.0.0.1:11434"
 DEFAULT_PORT = 11434

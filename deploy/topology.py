@@ -26,7 +26,7 @@
     port = 50071
     kv_port = 50081              # the KV receiver (0 or absent: any free port)
 
-    [security]                   # optional: the authenticated internal plane (engine/cluster_auth.py)
+    [security]                   # optional: the authenticated internal plane (common/cluster_auth.py)
     cluster_secret_file = "/etc/tandem/secret"   # paths as every host sees them
     tls_cert = "/etc/tandem/node.pem"            # mutual TLS: all three, or none
     tls_key = "/etc/tandem/node.key"
@@ -52,12 +52,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from engine.errors import TandemError
+from common.errors import TandemError
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 ROLES = ("coordinator", *WORKER_ROLES)
 KV_BACKENDS = ("zmq", "grpc", "shm")
-DEFAULT_BLOCK_SIZE = 16  # engine/node_server.py's --block-size default
+DEFAULT_BLOCK_SIZE = 16  # worker/node_server.py's --block-size default
 
 _TOP_KEYS = {"model", "kv_backend", "chunk_size", "prefill_threshold", "log_dir", "worker_args",
              "coordinator_args", "hosts", "start_timeout_s", "security"}
@@ -125,7 +125,7 @@ class ClusterTopology:
     worker_args: tuple[str, ...] = ()
     coordinator_args: tuple[str, ...] = ()
     # Flags of [security] for every process (paths only: the secret itself never travels
-    # on a command line); see engine/cluster_auth.py.
+    # on a command line); see common/cluster_auth.py.
     auth_args: tuple[str, ...] = ()
     hosts: tuple[Host, ...] = field(default=(), repr=False)  # every host a role runs on
 

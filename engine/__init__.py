@@ -1,6 +1,14 @@
-"""tandem's shared engine: what the prefill and decode workers both run.
+"""tandem's inference core: the one engine both workers run, with a role (prefill, decode or
+colocated), as vLLM and SGLang do.
 
-Torch-free modules (safe for the coordinator to import): config, errors, sampling_params,
-tokenizer, chat_template, detokenizer, stop_strings, model_store, request, block_manager,
-scheduler. Everything under models/, loaders/ and the runner needs torch.
+    config.py          EngineConfig, CacheConfig, SchedulerConfig, weight formats
+    request.py         Request and its states       block_manager.py  the paged KV pool
+    scheduler.py       one token budget per pass    kv_connector.py   the KV transfer contract
+    llm_engine.py      schedule -> execute -> update
+    model_runner.py, forward_batch.py, models/, loaders/, weights.py, rope.py   the forward pass
+    sampler.py, grammar.py, logprobs.py, embedding.py, generation.py, cuda_graphs.py, device.py
+
+Torch-free modules (request, block_manager, scheduler, kv_connector, config) are importable
+without torch; everything under models/, loaders/ and the runner needs it. It imports only
+kernels/ and common/.
 """

@@ -29,11 +29,11 @@ ever written after commit, and a partial block is never registered or shared.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from common.block_hash import ROOT_HASH, chain_hash
 
 
 @dataclass(frozen=True)
@@ -41,26 +41,6 @@ class Allocation:
     block_ids: list[int]  # the owner's whole block table after the call
     num_cached_tokens: int  # tokens reused from the prefix cache by this call (0 after the first)
     new_block_ids: list[int]  # blocks this call added that hold no KV yet (to be written)
-
-
-def _chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    # Fixed-width little-endian ints, so the digest depends only on the values.
-    data = struct.pack(f"<{len(tokens)}q", *tokens)
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
-
-
-_ROOT = b""  # parent hash of a table's first block
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chain hashes of the full blocks of `token_ids`, as a BlockManager registers them:
-    the coordinator matches them against what workers publish (prefix-aware routing)."""
-    hashes: list[bytes] = []
-    parent = _ROOT
-    for i in range(len(token_ids) // block_size):
-        parent = _chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class BlockManager:
@@ -186,8 +166,8 @@ class BlockManager:
         full = min(full, len(table))
         bs = self._block_size
         for i in range(len(hashes), full):
-            parent = hashes[-1] if hashes else _ROOT
-            digest = _chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = hashes[-1] if hashes else ROOT_HASH
+            digest = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(digest)
             block = table[i]
             # Another owner may have computed the same prefix concurrently and registered it
@@ -264,9 +244,9 @@ class BlockManager:
         max_hit = max(0, (len(token_ids) - 1) // bs)
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = _ROOT
+        parent = ROOT_HASH
         for i in range(max_hit):
-            parent = _chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             block = self._hash_to_block.get(parent)
             if block is None:
                 break

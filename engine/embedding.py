@@ -1,5 +1,5 @@
 """Embeddings: a prompt's final normed hidden states, pooled into one vector. Runs on the engine
-thread (engine/engine_loop.py `call`), between two steps.
+thread (worker/engine_loop.py `call`), between two steps.
 
 Pooling. Ollama takes the pooling type from the GGUF's `<arch>.pooling_type` (mean for most
 embedding models, CLS or last for some). A decoder-only chat model (SmolLM2, Llama) has none;

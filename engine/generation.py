@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import SamplingError
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import SamplingError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
+from common.sampling_params import SamplingParams
+from common.stop_strings import StopStringMatcher
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Structured output: a request's GrammarSpec as an llguidance matcher over the model's
 vocabulary, and the token mask applied where each token is sampled.
 
-    GrammarSpec --grammar_text (engine/grammar_compile.py)--> llguidance grammar text
+    GrammarSpec --grammar_text (common/grammar_compile.py)--> llguidance grammar text
                 --once per (spec, vocabulary), LRU--> a pristine LLMatcher
     Request.grammar: a RequestGrammar (a deep copy of that matcher, ~10 us) made at the
     request's first draw
@@ -44,52 +44,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.grammar_compile import clean_error, grammar_text
-from engine.sampling_params import GrammarSpec
+from common.grammar_compile import clean_error, grammar_text
+from common.sampling_params import GrammarSpec
+from engine.request_grammar import GrammarError, RequestGrammar
 
 if TYPE_CHECKING:
     from engine.request import Request
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
 COMPILED_CACHE_SIZE = 64  # compiled grammars kept per engine (one vocabulary)
-
-
-class GrammarError(ValueError):
-    """A grammar that does not compile, or output it refuses (the request ends with an error)."""
 
 
 def _llguidance() -> Any:
     import llguidance  # noqa: PLC0415 - only once a grammar is used
 
     return llguidance
-
-
-class RequestGrammar:
-    """One request's matcher, how much of its output it has consumed (the invariant above),
-    and the stop tokens it ends on."""
-
-    def __init__(self, matcher: Any, stops: frozenset[int], vocab_stops: frozenset[int]) -> None:
-        self.matcher = matcher
-        self.accepted = 0
-        self.stops = stops  # the tokens that end this request
-        self.ended = False  # the grammar has taken a stop token: nothing may follow
-        self._vocab_stops = vocab_stops  # llguidance's EOS set
-        self.own_stops = stops != vocab_stops  # the mask swaps llguidance's set for `stops`
-
-    def catch_up(self, output_token_ids: Sequence[int]) -> None:
-        for i in range(self.accepted, len(output_token_ids)):
-            token = output_token_ids[i]
-            if self.ended:
-                ok = False
-            elif token in self.stops and token not in self._vocab_stops:
-                ok = self.ended = self.matcher.is_accepting()  # the request's own end
-            else:
-                ok = self.matcher.consume_token(token)
-                self.ended = ok and token in self._vocab_stops
-            if not ok:
-                raise GrammarError(f"output token {token} (position {i}) does not match the "
-                                   "request's grammar")
-            self.accepted = i + 1
 
 
 class GrammarBackend:
@@ -126,7 +95,7 @@ class GrammarBackend:
                 if self._tokenizer_path is None:
                     raise GrammarError("structured output needs the model's vocabulary, and "
                                        "this engine has no tokenizer")
-                from engine.tokenizer import Tokenizer  # noqa: PLC0415
+                from common.tokenizer import Tokenizer  # noqa: PLC0415
 
                 tokenizer = Tokenizer.from_path(Path(self._tokenizer_path))
             self._stop_ids = tokenizer.stop_token_ids

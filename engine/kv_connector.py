@@ -42,35 +42,16 @@ reported released; never on a timer.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.kv_transfer_state import KVTransferParams, KVTransferState
+
 if TYPE_CHECKING:
     from engine.request import Request
-    from engine.scheduler import SchedulerOutput
-
-
-class KVTransferState(enum.Enum):
-    """A request's part in a KV transfer, beside its scheduling status."""
-
-    NONE = "none"  # no transfer (local prefill, colocated)
-    RECEIVING = "receiving"  # decode: blocks reserved and granted, KV landing
-    RECEIVED = "received"  # decode: every block of every layer and the first token arrived
-    SENDING = "sending"  # prefill: layers handed to the sender, not all acknowledged
-    DRAINING = "draining"  # ended; a transfer may still touch its blocks, which stay held
-    RELEASED = "released"  # ended; no transfer touches its blocks any more
-
-
-@dataclass(frozen=True)
-class KVTransferParams:
-    """What a request carries into an engine that transfers its KV."""
-
-    transfer_id: str  # the same on both workers; the coordinator names it
-    remote_prefill: bool = False  # decode: the prompt's KV comes from a prefill worker
-    peer: Any = None  # prefill: the connector's handle for the destination (a connected sender)
+    from engine.scheduler_output import SchedulerOutput
 
 
 @dataclass

@@ -25,15 +25,15 @@ from engine.config import (
     KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
 from engine.device import resolve_device
-from engine.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
+from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
-from engine.logprobs import TokenLogprob
+from common.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, make_generator, position_generator
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class LLMEngine:
         as is `device` (engine/device.py: cpu, cuda, cuda:N, auto) where the weights, the KV
         cache and sampling go."""
         from engine.loaders import load_model
-        from engine.tokenizer import Tokenizer
+        from common.tokenizer import Tokenizer
 
         main_format, second_format = role_formats(role, weight_format, prefill_format)
         kv_name = kv_dtype_name(kv_dtype)
@@ -389,7 +389,7 @@ class LLMEngine:
                   sampled: dict[str, int]) -> dict[str, TokenLogprob]:
         """request id -> its token's logprob, for the requests that asked (and got a token).
         A batch where none asked pays one test per request. The raw model distribution
-        (engine/logprobs.py): log_softmax of `logits` as the runner returned them, before the
+        (common/logprobs.py): log_softmax of `logits` as the runner returned them, before the
         grammar mask, penalties, filters and temperature, as vLLM reports by default."""
         rows = [(i, r) for i, r in enumerate(requests)
                 if r.sampling_params.logprobs is not None and r.request_id in sampled]

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig
+from common.model_config import ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch
 from kernels._triton import use_triton

@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.kv_connector import KVTransferParams, KVTransferState
-from engine.logprobs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.kv_transfer_state import KVTransferParams, KVTransferState
+from common.logprobs import TokenLogprob
+from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import RequestGrammar
+    from engine.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):

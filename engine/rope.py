@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.config import RopeScaling
+from common.model_config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

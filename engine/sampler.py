@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 NO_TOKEN = -1  # in Sampler.sample's output: this row had no valid distribution
 

@@ -26,34 +26,10 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.kv_connector import ConnectorEvents, KVConnector, KVTransferState
+from engine.kv_connector import ConnectorEvents, KVConnector
+from engine.kv_transfer_state import KVTransferState
 from engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start_pos: int  # == request.num_computed_tokens when scheduled
-    num_tokens: int  # tokens of request.token_ids[start_pos:] in this pass
-    samples: bool  # the pass reaches the request's last token, so it yields a new token
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # request ids preempted by this step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:

@@ -28,7 +28,7 @@ so each K/V row is read once per group; softmax in fp32. It needs fp32 q (the mo
 stream is fp32) and contiguous cache blocks (native_decode_supported). Where the native library
 does not build, or the tensors do not suit it, the torch fallback runs: one block-granular
 gather of K/V into a padded [B, S_max, Hkv, D] fp32 buffer, a length mask and two batched
-matmuls (paged_decode_torch). Both are measured in kernels/bench_attention.py.
+matmuls (paged_decode_torch). Both are measured in benchmarks/bench_attention.py.
 """
 
 import functools
@@ -360,7 +360,7 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     K @ q^T (a tall-skinny product) beats q @ K^T by ~2x on one core; per-sequence SDPA is
     slower still for B > 1 and for long contexts. The gather copies every sequence's whole
-    context per layer, which the native kernel avoids (kernels/bench_attention.py).
+    context per layer, which the native kernel avoids (benchmarks/bench_attention.py).
     """
     if plan is None:
         return

@@ -1,4 +1,4 @@
-"""Authentication of the KV data plane, derived from the cluster secret (engine/cluster_auth.py).
+"""Authentication of the KV data plane, derived from the cluster secret (common/cluster_auth.py).
 
 Two mechanisms, both keyed by `KVAuth.key` (itself derived from the secret, so the secret
 never reaches this package):
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 MIN_KEY_BYTES = 32
 HANDSHAKE_PROOF_HEADER = "x-tandem-kv-proof"
-HANDSHAKE_WINDOW_S = 300.0  # as engine/cluster_auth.py's PROOF_WINDOW_S: hosts' clocks differ
+HANDSHAKE_WINDOW_S = 300.0  # as common/cluster_auth.py's PROOF_WINDOW_S: hosts' clocks differ
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,16 @@ class KVAuth:
 
         secret = self._curve_secret(b"client")
         return zmq.curve_public(secret), secret
+
+
+def kv_auth_from(cluster) -> KVAuth | None:
+    """The KV plane's credentials derived from a process's cluster credentials
+    (common.cluster_auth.ClusterAuth): keys from the secret, TLS material for the grpc backend;
+    None with neither. The secret itself never enters this package."""
+    if not cluster.secret and cluster.tls is None:
+        return None
+    key = hmac.new(cluster.secret, b"tandem-kv", hashlib.sha256).digest() if cluster.secret else b""
+    tls = cluster.tls
+    if tls is None:
+        return KVAuth(key)
+    return KVAuth(key, tls.cert_pem, tls.key_pem, tls.ca_pem, tls.server_name)

@@ -37,7 +37,7 @@ import grpc
 import torch
 
 # Torch- and tandem-free: the one gRPC guard every tandem server installs.
-from engine.grpc_guard import guarded
+from common.grpc_guard import guarded
 
 from .auth import HANDSHAKE_PROOF_HEADER, KVAuth
 from .base import KVTransferError

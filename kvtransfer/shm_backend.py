@@ -25,7 +25,7 @@ before and after the memmove, both from cache: a copy that went wrong fails the 
 whole transfer costs about one memory copy. verify="receiver" (ShmReceiver(verify=...)) adds
 the receiver's own crc32c of the blocks in place, an end-to-end check by the other process,
 at the price of a second full read of the bytes on the other core, concurrent with the copy
-(about half the bandwidth on a 2-core host: kvtransfer.bench prints both).
+(about half the bandwidth on a 2-core host: benchmarks.bench_kvtransfer prints both).
 
 Block reuse after a cancel or failure (the reason for the revocation round trip). Writes are
 one-sided: the receiver cannot stop bytes that a sender has decided to write. The owner table

@@ -7,8 +7,8 @@ import asyncio
 import sys
 
 from engine.llm_engine import kv_dtype_name
-from engine.model_identity import model_fingerprint
-from engine.node_server import (
+from common.model_identity import model_fingerprint
+from worker.node_server import (
     NodeIdentity,
     build_engine,
     kv_counters,
@@ -19,7 +19,8 @@ from engine.node_server import (
     run_node,
     worker_status,
 )
-from engine.rpc import worker_pb2_grpc as pb_grpc
+from common.rpc import worker_pb2_grpc as pb_grpc
+from kvtransfer.auth import kv_auth_from
 from prefill_node.senders import SenderPool
 from prefill_node.server import PrefillServicer
 from prefill_node.worker import PrefillWorker
@@ -37,7 +38,7 @@ async def main_async(args) -> None:
     worker_id = args.worker_id or new_worker_id("prefill")
     worker = PrefillWorker(engine, asyncio.get_running_loop())
     worker.start()
-    senders = SenderPool(layout, auth=args.cluster_auth.kv())
+    senders = SenderPool(layout, auth=kv_auth_from(args.cluster_auth))
 
     def status():
         return worker_status(worker_id, "prefill", worker,

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_connector import ConnectorEvents, KVConnector, KVTransferState
+from engine.kv_connector import ConnectorEvents, KVConnector
+from engine.kv_transfer_state import KVTransferState
 from engine.request import Request, RequestStatus
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 import kvtransfer
-from engine.errors import TandemError
+from common.errors import TandemError
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from engine.engine_loop import EngineLoop
-from engine.errors import SamplingError, TandemError
-from engine.kv_connector import KVTransferParams
+from worker.engine_loop import EngineLoop
+from common.errors import SamplingError, TandemError
+from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from prefill_node.connector import PrefillConnector
 
 
@@ -55,7 +55,7 @@ class PrefillOutcome:
     first_token: int
     num_cached_tokens: int
     seconds: float
-    logprobs: list | None = None  # [engine.logprobs.TokenLogprob] of the first token, when asked for
+    logprobs: list | None = None  # [common.logprobs.TokenLogprob] of the first token, when asked for
     prompt_logprobs: list | None = None  # the prompt tokens' after the first, when asked for
 
 

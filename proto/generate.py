@@ -21,8 +21,8 @@ ROOT = PROTO_DIR.parent
 # .proto file (relative to proto/) -> output package folder (relative to the repo root).
 STUBS: dict[str, str] = {
     "kvtransfer.proto": "kvtransfer/pb",
-    "worker.proto": "engine/rpc",
-    "tandem.proto": "coordinator/rpc",
+    "worker.proto": "common/rpc",
+    "tandem.proto": "common/rpc",
 }
 
 _ABSOLUTE_IMPORT = re.compile(r"^import (\w+_pb2(?:_grpc)?) as (\w+)$", re.MULTILINE)

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-# TANDEM_TEST_DEVICE=cuda (deploy/device_check.py): the kernel tests' Triton launchers on a GPU.
-from tests.device_launchers import triton_on_test_device  # noqa: E402,F401 - an autouse fixture
+# TANDEM_TEST_DEVICE=cuda (benchmarks/device_check.py): the kernel tests' Triton launchers on a GPU.
+from tests.helpers.device_launchers import triton_on_test_device  # noqa: E402,F401 - an autouse fixture
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

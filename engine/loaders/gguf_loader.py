@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.loaders import LoadedModel, check_weights, weight_shapes
-from engine.loaders.gguf_metadata import GGUFHeader, gguf_header_config, read_gguf_header
+from common.errors import ModelFormatError, UnsupportedModelError
+from engine.loaders.loaded_model import LoadedModel, check_weights, weight_shapes
+from common.gguf_metadata import GGUFHeader, gguf_header_config, read_gguf_header
 from kernels.quantized_tensor import QuantizedTensor
 
 # GGUF tensor name -> Hugging Face Llama name; "{i}" is the block index.

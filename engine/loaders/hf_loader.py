@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import ModelFormatError
-from engine.loaders import LoadedModel, check_weights, weight_shapes
-from engine.loaders.hf_config import read_hf_config, read_json
+from common.errors import ModelFormatError
+from engine.loaders.loaded_model import LoadedModel, check_weights, weight_shapes
+from common.hf_config import read_hf_config, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from engine.errors import UnsupportedModelError
+from common.errors import UnsupportedModelError
 
 # architecture key (ModelConfig.architecture) -> "module:class"
 FAMILIES = {

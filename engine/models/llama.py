@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import ModelFormatError
+from common.model_config import ModelConfig
+from common.errors import ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
 from engine.weights import QuantizedTensor, to_float

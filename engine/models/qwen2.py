@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from common.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 

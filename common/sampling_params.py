@@ -1,0 +1,298 @@
+"""Per-request sampling options, with Ollama's names, defaults and leniencies.
+
+Torch-free: the coordinator validates a request's `options` with `SamplingParams.from_options`
+before it queues anything, so a bad option is a 400 naming the option and never reaches a worker.
+
+Where Ollama's behaviour is surprising we keep it, because Ollama's clients rely on it, and say
+so here:
+- `num_predict`: -1 is unbounded (stops at the context limit), -2 ("fill the context") is the
+  same thing for us, and 0 is unbounded too: Ollama's runner only stops on `numPredict > 0`.
+  After construction `num_predict` is therefore either -1 or a positive limit.
+- `seed`: Ollama's default is -1, meaning a random seed; any negative seed is stored as None.
+- `top_p` 0 and `typical_p` 0 are accepted: llama.cpp then keeps a single token (min_keep = 1).
+- `repeat_last_n` 0 turns off all three penalties, as in llama.cpp; -1 means the whole context.
+- `stop`: a string or a list of strings; empty strings are dropped (they would match anywhere).
+- A JSON null for any option means "use the default", as Go's decoder does.
+
+Ranges (wider than any sensible use, narrow enough that no value can make the sampler's fp32
+arithmetic overflow, and every integer fits the worker protocol's fields):
+- temperature: 0 (greedy), or 0.0001 to 100. Below 0.0001 is refused rather than clamped: it
+  is argmax in all but name, and values such as 1e-300 become 0 in fp32 and divide by zero;
+  above 100 every distribution is flat, and 1e308 becomes inf in fp32 (inf / inf = nan).
+- top_p, min_p, typical_p: 0 to 1. top_k: 0 (off) to 2**31 - 1 (past the vocabulary = off).
+- repeat_penalty: 0.001 to 100 (1 = off).
+- presence_penalty, frequency_penalty: -100 to 100. Wider than OpenAI's -2..2, as Ollama
+  passes its clients' values through; +-100 times any token count stays finite in fp32.
+- seed: a signed 64-bit integer (what Ollama's Go decoder and OpenAI accept); larger ones are
+  refused, not folded, so that a seed always means what the client wrote.
+- repeat_last_n: -1 to 2**31 - 1; num_predict: -2 to 2**31 - 1; num_ctx, num_batch: 1 to
+  2**31 - 1; num_keep: -1 to 2**31 - 1; num_thread: 0 to 2**31 - 1 (the protocol's int32).
+
+`grammar` (structured output) is no Ollama option: the APIs set it from `format` /
+`response_format` / `tool_choice` (coordinator/structured_output.py), never from `options`.
+GrammarSpec checks its shape here, torch- and llguidance-free; whether it compiles is
+common/grammar_compile.py's `compile_error` (the coordinator asks it before admitting a request).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from common.errors import InvalidOptionError
+from common.logprobs import MAX_LOGPROBS
+
+MIN_TEMPERATURE = 1e-4  # a positive temperature below this is refused (see the ranges above)
+MAX_TEMPERATURE = 100.0
+MIN_REPEAT_PENALTY = 1e-3
+MAX_REPEAT_PENALTY = 100.0
+MAX_PENALTY = 100.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_COUNT = (1 << 31) - 1  # integer options travel as int32 (proto/worker.proto, tandem.proto)
+GRAMMAR_KINDS = ("json", "json_schema", "lark", "regex")
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text; far past any real schema, bounded for the LRU
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match, compiled by engine/grammar.py against the model's
+    vocabulary. Hashable: it is the key of the compiled-grammar cache.
+
+    kind "json": any JSON object (Ollama's `format: "json"`, OpenAI's json_object); `value`
+    is unused and stored as "". "json_schema": `value` is the schema (a dict, or its JSON
+    text; stored as compact JSON text, key order kept since it orders the output). "lark":
+    llguidance's Lark syntax with a `start` rule. "regex": the whole output matches `value`."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidOptionError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, "
+                                     f"got {_show(self.kind)}")
+        value = self.value
+        if self.kind == "json":
+            value = ""
+        elif self.kind == "json_schema":
+            value = _schema_text(value)
+        elif not isinstance(value, str) or not value:
+            raise InvalidOptionError(f"a {self.kind} grammar must be a non-empty string, "
+                                     f"got {_show(value)}")
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise InvalidOptionError(f"the {self.kind} grammar is {len(value)} characters "
+                                     f"(limit {MAX_GRAMMAR_CHARS})")
+        object.__setattr__(self, "value", value)
+
+    @property
+    def schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema of a json_schema grammar, else None."""
+        return json.loads(self.value) if self.kind == "json_schema" else None
+
+
+def _schema_text(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InvalidOptionError("a JSON schema must be valid JSON") from None
+    if value is False:
+        raise InvalidOptionError("the JSON schema false accepts no value at all")
+    if not isinstance(value, (dict, bool)):
+        raise InvalidOptionError(f"a JSON schema must be an object (or true), got {_show(value)}")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidOptionError(f"the JSON schema is not plain JSON: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # 0 = greedy (argmax)
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.9  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    typical_p: float = 1.0  # 1 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64  # penalty window over prompt + output; 0 = off, -1 = whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None = a fresh random seed per request
+    num_predict: int = -1  # -1 = until the context limit, else the most tokens to generate
+    stop: tuple[str, ...] = ()
+    num_ctx: int | None = None  # the request's context window, capped by the engine's
+    # Accepted for Ollama compatibility and stored; the engine sizes these itself.
+    num_keep: int | None = None
+    num_batch: int | None = None
+    num_thread: int | None = None
+    grammar: GrammarSpec | None = None  # structured output; not an Ollama option (see above)
+    # Log probabilities (common/logprobs.py): None = none, else how many top alternatives to
+    # report with each sampled token's (0 = the sampled token's only), 0..MAX_LOGPROBS. Set by
+    # the APIs' own fields, never from Ollama's `options`.
+    logprobs: int | None = None
+    # Prompt log probabilities: None = none, else how many top alternatives to report with each
+    # prompt token's (0..MAX_LOGPROBS). The prefill computes logits at every prompt position,
+    # so such a request bypasses the prefix cache (engine/scheduler.py). Set by the APIs.
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
+        # from_options, so a SamplingParams built in code obeys the same rules.
+        for name, kind in _KINDS.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            object.__setattr__(self, name, _CONVERTERS[kind](name, value))
+        _check_range("temperature", self.temperature == 0
+                     or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+                     f"0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}",
+                     self.temperature)
+        _check_count("top_k", self.top_k, 0, " (0 turns it off)")
+        _check_range("top_p", 0 <= self.top_p <= 1, "between 0 and 1", self.top_p)
+        _check_range("min_p", 0 <= self.min_p <= 1, "between 0 and 1", self.min_p)
+        _check_range("typical_p", 0 <= self.typical_p <= 1, "between 0 and 1", self.typical_p)
+        _check_range("repeat_penalty",
+                     MIN_REPEAT_PENALTY <= self.repeat_penalty <= MAX_REPEAT_PENALTY,
+                     f"between {MIN_REPEAT_PENALTY:g} and {MAX_REPEAT_PENALTY:g}",
+                     self.repeat_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_range(name, -MAX_PENALTY <= value <= MAX_PENALTY,
+                         f"between {-MAX_PENALTY:g} and {MAX_PENALTY:g}", value)
+        if self.seed is not None:
+            _check_range("seed", -(1 << 63) <= self.seed < (1 << 63),
+                         "a 64-bit signed integer (negative = random)", self.seed)
+        _check_count("repeat_last_n", self.repeat_last_n, -1, " (-1 = the whole context)")
+        _check_count("num_predict", self.num_predict, -2, " (-1 = unbounded)")
+        if self.num_ctx is not None:
+            _check_count("num_ctx", self.num_ctx, 1)
+        if self.num_keep is not None:
+            _check_count("num_keep", self.num_keep, -1)
+        if self.num_batch is not None:
+            _check_count("num_batch", self.num_batch, 1)
+        if self.num_thread is not None:
+            _check_count("num_thread", self.num_thread, 0, " (0 = automatic)")
+        # Normalise Ollama's aliases so that consumers test one value (see the module docstring).
+        if self.num_predict in (0, -2):
+            object.__setattr__(self, "num_predict", -1)
+        if self.seed is not None and self.seed < 0:
+            object.__setattr__(self, "seed", None)
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _to_int(name, value)
+                object.__setattr__(self, name, value)
+                _check_range(name, 0 <= value <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}", value)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None, *,
+                     warn: Callable[[str], None] | None = None) -> SamplingParams:
+        """Build from an Ollama `options` object, type-checking every known key.
+
+        Unknown keys (including Ollama options tandem does not implement, such as `mirostat`)
+        are ignored, each reported once through `warn`.
+        """
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise InvalidOptionError(f"options must be an object, got {_show(options)}")
+        values: dict[str, Any] = {}
+        for key, raw in options.items():
+            kind = _KINDS.get(key)
+            if kind is None:
+                if warn is not None:
+                    warn(f"unknown option {key!r} ignored")
+                continue
+            if raw is not None:
+                values[key] = raw
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax, so no random draw is needed."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def context_limit(self, context_len: int) -> int:
+        """The request's context window: the engine's, narrowed by `num_ctx` when given."""
+        return context_len if self.num_ctx is None else min(context_len, self.num_ctx)
+
+    def max_tokens_for(self, prompt_len: int, context_len: int) -> int:
+        """How many tokens this request may generate after a `prompt_len`-token prompt in an
+        engine whose context is `context_len` tokens. 0 when the prompt already fills it."""
+        room = max(0, self.context_limit(context_len) - prompt_len)
+        return room if self.num_predict < 0 else min(self.num_predict, room)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 200:
+        # repr of a huge int is slow, and past 4,300 digits Python refuses to make it.
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"option {name!r} must be a finite number, got {_show(value)}")
+
+
+def _check_range(name: str, ok: bool, expected: str, value: Any) -> None:
+    if not ok:
+        raise InvalidOptionError(f"option {name!r} must be {expected}, got {_show(value)}")
+
+
+def _check_count(name: str, value: int, low: int, note: str = "") -> None:
+    _check_range(name, low <= value <= MAX_COUNT, f"between {low} and {MAX_COUNT}{note}", value)
+
+
+def _to_int(name: str, value: Any) -> int:
+    # bool is an int subclass in Python; JSON true is never a count.
+    if isinstance(value, bool):
+        raise InvalidOptionError(f"option {name!r} must be an integer, got {_show(value)}")
+    if isinstance(value, int):
+        return value
+    # JSON has one number type and some clients send 40.0; only a whole number is an integer.
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise InvalidOptionError(f"option {name!r} must be an integer, got {_show(value)}")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(f"option {name!r} must be a number, got {_show(value)}")
+    result = float(value)
+    _check_finite(name, result)
+    return result
+
+
+def _to_stop(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise InvalidOptionError(f"option {name!r} must be a string or a list of strings, "
+                             f"got {_show(value)}")
+
+
+_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
+    "int": _to_int, "float": _to_float, "stop": _to_stop}
+
+
+def _kind(annotation: str) -> str:
+    if annotation.startswith("int"):
+        return "int"
+    if annotation == "float":
+        return "float"
+    return "stop"
+
+
+# Field annotations are strings under `from __future__ import annotations`. `grammar`,
+# `logprobs` and `prompt_logprobs` are set by the APIs, never from Ollama's `options`.
+_KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
+                          if f.name not in ("grammar", "logprobs", "prompt_logprobs")}
+_OPTIONAL: frozenset[str] = frozenset(
+    f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

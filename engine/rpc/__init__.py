@@ -1,1 +1,0 @@
-"""Generated protobuf/gRPC stubs (proto/generate.py); do not edit."""

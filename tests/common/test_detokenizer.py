@@ -1,0 +1,177 @@
+"""Streaming output: the incremental detokenizer and the stop-string matcher."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from common.detokenizer import IncrementalDetokenizer
+from common.errors import InvalidOptionError
+from common.stop_strings import StopStringMatcher
+from common.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm(default_gguf) -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf)
+
+
+def _stream(tokenizer, ids, skip_special_tokens=True) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+@pytest.mark.model
+def test_stream_equals_full_decode_on_fuzz_corpus(smollm, tokenizer_oracle):
+    for row in tokenizer_oracle:
+        pieces = _stream(smollm, row["ids"])
+        assert "".join(pieces) == smollm.decode(row["ids"], skip_special_tokens=True)
+        # Valid text never streams a replacement character: split characters are held back whole.
+        if "\ufffd" not in row["text"]:
+            assert not any("\ufffd" in p for p in pieces), row["text"]
+
+
+@pytest.mark.model
+def test_split_multibyte_character_is_held_back(smollm):
+    ids = smollm.encode("a😀b", add_special_tokens=False)
+    emoji_ids = ids[1:-1]
+    assert len(emoji_ids) > 1  # the emoji spans several byte-level tokens
+    pieces = _stream(smollm, ids)
+    assert pieces[0] == "a"
+    assert pieces[1 : len(emoji_ids)] == [""] * (len(emoji_ids) - 1)
+    assert pieces[len(emoji_ids)] == "😀"
+    assert "".join(pieces) == "a😀b"
+
+
+@pytest.mark.model
+def test_flush_releases_an_incomplete_character(smollm):
+    ids = smollm.encode("😀", add_special_tokens=False)[:-1]  # cut mid-character
+    pieces = _stream(smollm, ids)
+    assert pieces[:-1] == [""] * len(ids)
+    assert pieces[-1] == smollm.decode(ids) and pieces[-1].endswith("\ufffd")
+
+
+@pytest.mark.model
+def test_special_tokens_skipped_or_kept(smollm):
+    ids = smollm.encode("Hi there<|im_end|>", add_special_tokens=False)
+    assert "".join(_stream(smollm, ids)) == "Hi there"
+    assert "".join(_stream(smollm, ids, skip_special_tokens=False)) == "Hi there<|im_end|>"
+
+
+@pytest.mark.model
+def test_window_stays_short(smollm):
+    ids = smollm.encode("word " * 300, add_special_tokens=False)
+    detok = IncrementalDetokenizer(smollm)
+    out = []
+    for i in ids:
+        out.append(detok.push(i))
+        assert len(detok._window) <= 2  # only the last emitted token is kept as context
+    assert "".join(out) + detok.flush() == "word " * 300
+
+
+def _sentencepiece_tokenizer() -> Tokenizer:
+    """A SentencePiece vocab, whose decoder drops the leading space: spacing depends on context."""
+    words = ["▁Hello", "▁world"]
+    pieces = ["▁", "H", "e", "l", "o", "w", "r", "d", "!", *(w[:n] for w in words for n in range(2, len(w) + 1))]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return Tokenizer.from_gguf_metadata(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+        }
+    )
+
+
+def test_spacing_across_tokens_sentencepiece():
+    tok = _sentencepiece_tokenizer()
+    ids = tok.encode("Hello world! 模", add_special_tokens=True)
+    pieces = _stream(tok, ids)
+    # Decoding "▁world" alone would give "world"; the window keeps the space.
+    assert pieces[:4] == ["", "Hello", " world", "!"]
+    assert "".join(pieces) == "Hello world! 模" == tok.decode(ids, skip_special_tokens=True)
+    # 模 is three byte-fallback tokens: nothing until the last one.
+    assert pieces[-4:] == ["", "", "模", ""]
+
+
+# ---- stop strings --------------------------------------------------------------------------------------
+
+
+def _feed_all(matcher, chunks):
+    out, stopped = [], False
+    for chunk in chunks:
+        text, stopped = matcher.feed(chunk)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(matcher.flush())
+    return out, stopped
+
+
+def test_stop_string_spanning_tokens_is_never_emitted():
+    out, stopped = _feed_all(StopStringMatcher(["<|end|>"]), ["Hello <", "|e", "nd", "|> more"])
+    assert stopped
+    assert out == ["Hello ", "", "", ""]
+
+
+def test_partial_prefix_held_then_released():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", False)
+    assert m.feed("O") == ("", False)
+    assert m.feed("P!") == ("", True)
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", False)
+    assert m.feed("ORM") == ("STORM", False)
+    assert m.feed("ST") == ("", False)
+    assert m.flush() == "ST"
+
+
+def test_multiple_stops_earliest_wins():
+    m = StopStringMatcher(["world", "lo w"])
+    assert m.feed("hello world") == ("hel", True)
+    m = StopStringMatcher(["\n\n", "User:"])
+    assert _feed_all(m, ["Answer", ".\n", "User", ":"]) == (["Answer", ".", "\n", ""], True)
+
+
+def test_overlapping_prefixes_hold_the_longest_candidate():
+    m = StopStringMatcher(["aab"])
+    assert m.feed("xaa") == ("x", False)
+    assert m.feed("a") == ("a", False)  # "aaa": only the last "aa" can still start "aab"
+    assert m.feed("b") == ("", True)
+
+
+def test_after_stop_everything_is_dropped():
+    m = StopStringMatcher(["x"])
+    assert m.feed("ax") == ("a", True)
+    assert m.feed("more") == ("", True)
+    assert m.flush() == ""
+
+
+def test_no_stops_passes_text_through():
+    m = StopStringMatcher([])
+    assert m.feed("anything") == ("anything", False)
+    assert m.flush() == ""
+
+
+@pytest.mark.parametrize("stops", [[""], ["ok", ""], "STOP", [3]])
+def test_bad_stop_lists_rejected(stops):
+    with pytest.raises(InvalidOptionError):
+        StopStringMatcher(stops)
+
+
+@pytest.mark.model
+def test_detokenizer_into_stop_matcher(smollm):
+    ids = smollm.encode("The answer is 42.\nUser: next", add_special_tokens=False)
+    detok, matcher = IncrementalDetokenizer(smollm), StopStringMatcher(["\nUser:"])
+    emitted = []
+    for i in ids:
+        text, stopped = matcher.feed(detok.push(i))
+        emitted.append(text)
+        if stopped:
+            break
+    assert stopped and "".join(emitted) == "The answer is 42."

@@ -1,0 +1,139 @@
+"""Worker registration, heartbeats and liveness, over the real Registry gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.registry import WorkerRegistry
+from common.rpc import worker_pb2 as pb
+from tests.helpers.coordinator_fakes import (
+    DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def tokens(model):
+    return model.tokenizer.encode("Hello world!", add_special_tokens=False)
+
+
+def test_registration_accepted_and_refused_on_fingerprint(model, tokens):
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            good = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            bad = await h.add_worker("d2", "decode", Script(tokens=tokens),
+                                     fingerprint="othermodel-0123456789abcdef")
+            return good.register_response, bad.register_response, h.coordinator.registry
+
+    good, bad, registry = run(scenario())
+    assert good.accepted and good.heartbeat_interval_s == pytest.approx(0.1)
+    assert not bad.accepted
+    assert "othermodel-0123456789abcdef" in bad.reason and model.fingerprint in bad.reason
+    assert registry.get("d2") is None
+
+
+def test_registration_refuses_bad_role_and_missing_fields():
+    registry = WorkerRegistry(CoordinatorConfig(), "fp")
+    refused = registry.register(pb.WorkerInfo(worker_id="w", role="boss", address="h:1",
+                                              model_fingerprint="fp"))
+    assert not refused.accepted and "role 'boss'" in refused.reason
+    refused = registry.register(pb.WorkerInfo(worker_id="", role="decode", address="h:1",
+                                              model_fingerprint="fp"))
+    assert not refused.accepted and "worker_id" in refused.reason
+
+
+def test_registration_refuses_a_kv_layout_that_cannot_pair():
+    async def scenario():  # accepted workers get grpc.aio channels: they need a running loop
+        registry = WorkerRegistry(CoordinatorConfig(), "fp")
+
+        def info(worker_id, role, layout):
+            return pb.WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{len(worker_id)}",
+                                 model_fingerprint="fp", kv_backend="zmq", kv_layout_fingerprint=layout)
+        return (registry.register(info("p0", "prefill", "layout-a")),
+                registry.register(info("d0", "decode", "layout-b")),
+                registry.register(info("d1", "decode", "layout-a")))
+
+    first, other, same = asyncio.run(scenario())
+    assert first.accepted and same.accepted
+    assert not other.accepted and "layout-b" in other.reason and "layout-a" in other.reason
+
+
+def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_revives(
+        model, tokens):
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            quiet = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            await h.add_worker("d2", "decode", Script(tokens=tokens))
+            registry = h.coordinator.registry
+            quiet.heartbeating = quiet.status_answers = False  # hung
+            await wait_until(lambda: not registry.get("d1").alive, "d1 to be declared dead")
+            reason = registry.get("d1").dead_reason
+            routed = []
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                for _ in range(3):
+                    r = await client.post(f"{h.url}/api/chat", json={
+                        "model": "tiny", "messages": MESSAGES, "stream": False})
+                    routed.append(r.json()["tandem"]["decode_worker"])
+            # The worker speaks again: Heartbeat answers known=false and it registers anew.
+            quiet.heartbeating = quiet.status_answers = True
+            await wait_until(lambda: registry.get("d1").alive, "d1 to come back")
+            return reason, routed, quiet, registry.get("d1").registrations
+
+    reason, routed, quiet, registrations = run(scenario())
+    assert "no heartbeat" in reason
+    assert routed == ["d2", "d2", "d2"] and quiet.requests == []
+    assert registrations == 2
+
+
+def test_a_worker_whose_heartbeats_stop_but_that_answers_status_stays_routable(model, tokens):
+    """Silent for half its deadline, a worker is probed with Status; answering counts as a
+    heartbeat (its registration channel broke, not its server)."""
+    async def scenario():
+        async with coordinator_harness(model, heartbeat_misses=5) as h:
+            quiet = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            registry = h.coordinator.registry
+            quiet.heartbeating = False
+            await wait_until(lambda: registry.probes_answered >= 3, "three answered probes")
+            alive = registry.get("d1").alive
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                r = await client.post(f"{h.url}/api/chat", json={
+                    "model": "tiny", "messages": MESSAGES, "stream": False})
+            return alive, r.json()["tandem"]["decode_worker"]
+
+    alive, routed = run(scenario())
+    assert alive and routed == "d1"
+
+
+def test_heartbeat_updates_load_and_unknown_worker_is_told_to_register():
+    now = [0.0]
+    registry = WorkerRegistry(CoordinatorConfig(heartbeat_interval_s=1.0, heartbeat_misses=3),
+                              "fp", clock=lambda: now[0])
+
+    async def scenario():
+        assert not registry.heartbeat(pb.HeartbeatRequest(worker_id="w")).known
+        assert registry.register(pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:1",
+                                               model_fingerprint="fp")).accepted
+        now[0] = 2.5
+        answer = registry.heartbeat(pb.HeartbeatRequest(
+            worker_id="w", status=pb.WorkerStatus(num_blocks=10, num_free_blocks=4)))
+        assert answer.known and registry.get("w").load.num_free_blocks == 4
+        now[0] = 5.4  # 2.9 s of silence: still alive
+        assert [r.worker_id for r in registry.live()] == ["w"]
+        now[0] = 5.6  # 3.1 s: dead, and its next heartbeat is told to register again
+        assert registry.live() == []
+        assert not registry.heartbeat(pb.HeartbeatRequest(worker_id="w")).known
+        registry.mark_dead("w", "again")  # already dead: the first reason stays
+        assert "no heartbeat" in registry.get("w").dead_reason
+        await registry.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,192 @@
+"""Prefix-aware placement (coordinator/placement.py): the cost of load against cached-prefix
+overlap, on worker snapshots alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import placement
+from coordinator.convert import WorkerLoad
+from coordinator.placement import Prompt, choose_decode, choose_prefill, decode_cost, place
+from coordinator.registry import WorkerSnapshot
+from common.block_hash import block_hashes
+
+BS = 16
+PROMPT = list(range(1000, 1640))  # 640 tokens: 40 blocks, 39 of them cacheable
+SHORT = dict(prefill_threshold=64, default_budget=512)
+
+
+def cached(prompt, blocks, block_size=BS):
+    """The hashes a worker publishes after caching the first `blocks` blocks of `prompt`."""
+    return frozenset(block_hashes(prompt[:blocks * block_size], block_size))
+
+
+def worker(wid, role="decode", blocks=1000, used=0, running=0, queued=0, hashes=frozenset(),
+           layout="L", backend="zmq", assigned=0, assigned_tokens=0, block_size=BS, budget=512):
+    load = WorkerLoad(num_blocks=blocks, num_free_blocks=blocks - used, num_running=running,
+                      queued_prefill_tokens=queued, max_num_batched_tokens=budget,
+                      block_size=block_size, cached_hashes=hashes)
+    return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens)
+
+
+def decode_id(ws, prompt=PROMPT):
+    return choose_decode(ws, Prompt(prompt))[0].worker_id
+
+
+# ---- overlap -----------------------------------------------------------------------------------
+
+def test_overlap_counts_leading_blocks_only_and_never_the_last_token():
+    prompt = Prompt(PROMPT)
+    assert prompt.overlap(worker("d", hashes=cached(PROMPT, 32))) == 32
+    assert prompt.overlap(worker("d")) == 0
+    # Blocks 1..9 without block 0 are no prefix (chain hashes: each names its whole prefix).
+    tail = frozenset(block_hashes(PROMPT[:10 * BS], BS)[1:])
+    assert prompt.overlap(worker("d", hashes=tail)) == 0
+    # The same tokens at another position hash differently.
+    shifted = cached([7] * BS + PROMPT, 10)
+    assert prompt.overlap(worker("d", hashes=shifted)) == 0
+    # A prompt of exactly two blocks, both cached: the last token is always computed, so the
+    # second block is not served from the cache.
+    two = PROMPT[:2 * BS]
+    assert Prompt(two).overlap(worker("d", hashes=cached(two, 2))) == 1
+    assert Prompt(two).cacheable_blocks(BS) == 1
+
+
+def test_prompt_is_hashed_once_per_block_size_and_only_when_someone_caches(monkeypatch):
+    calls = []
+
+    def counting(ids, bs):
+        calls.append(bs)
+        return block_hashes(ids, bs)
+
+    monkeypatch.setattr(placement, "block_hashes", counting)
+    cold = [worker("d1"), worker("d2"), worker("p1", "prefill"), worker("p2", "prefill")]
+    place(cold, PROMPT, **SHORT)
+    assert calls == []
+    ws = [worker("d1", hashes=cached(PROMPT, 4)), worker("d2", hashes=cached(PROMPT, 8)),
+          worker("d3", hashes=cached(PROMPT, 2, 32), block_size=32),
+          worker("p1", "prefill", hashes=cached(PROMPT, 3)),
+          worker("p2", "prefill", hashes=cached(PROMPT, 1))]
+    got = place(ws, PROMPT, **SHORT)
+    assert sorted(calls) == [16, 32]
+    assert (got.decode.worker_id, got.overlap_blocks) == ("d2", 8)
+    assert (got.prefill.worker_id, got.prefill_overlap_blocks) == ("p1", 3)
+
+
+def test_workers_of_another_block_size_are_matched_with_their_own():
+    d32 = worker("d32", block_size=32, hashes=cached(PROMPT, 15, 32))
+    d16 = worker("d16", hashes=cached(PROMPT, 20))  # 320 tokens against d32's 480
+    prompt = Prompt(PROMPT)
+    assert prompt.overlap(d32) == 15 and prompt.overlap(d16) == 20
+    assert decode_id([d16, d32]) == "d32"
+
+
+# ---- the decode worker -----------------------------------------------------------------------
+
+def test_overlap_wins_over_a_small_load_difference():
+    hot = worker("d1", used=60, running=3, hashes=cached(PROMPT, 32))
+    cold = worker("d2", used=20, running=1)
+    got = place([cold, hot, worker("p1", "prefill")], PROMPT, **SHORT)
+    assert got.decode.worker_id == "d1" and got.overlap_blocks == 32
+    assert got.prefill.worker_id == "p1"
+    assert got.reason == ("remote prefill on p1 (0 blocks cached there), "
+                          "32 of 39 blocks cached on d1")
+
+
+def test_a_big_load_difference_wins_over_a_small_overlap():
+    busy = worker("d1", used=400, running=12, hashes=cached(PROMPT, 2))
+    idle = worker("d2", used=50, running=2)
+    assert decode_id([busy, idle]) == "d2"
+    # The break-even point: a block of overlap is worth W + 1 = 2 blocks of other KV.
+    n = len(PROMPT)
+    assert decode_cost(busy, n, 2) - decode_cost(idle, n, 0) == (350 - 2 * 2) * BS
+    assert decode_id([worker("d1", used=50 + 2 * 20 - 1, hashes=cached(PROMPT, 20)),
+                      worker("d2", used=50)]) == "d1"
+    assert decode_id([worker("d1", used=50 + 2 * 20 + 1, hashes=cached(PROMPT, 20)),
+                      worker("d2", used=50)]) == "d2"
+
+
+def test_a_burst_on_one_hot_prefix_spills_over_before_heartbeats_show_it():
+    """Requests sent since the last heartbeat count as large as this one: the worker holding
+    the prefix takes a few, not all."""
+    assigned = {"d1": 0, "d2": 0}
+    hot = cached(PROMPT, 32)
+    chosen = []
+    for _ in range(12):
+        ws = [worker("d1", used=20, hashes=hot, assigned=assigned["d1"]),
+              worker("d2", used=20, assigned=assigned["d2"])]
+        wid = decode_id(ws)
+        assigned[wid] += 1
+        chosen.append(wid)
+    assert chosen[:4] == ["d1"] * 4
+    assert "d2" in chosen and chosen.count("d1") > chosen.count("d2")
+
+
+def test_a_worker_without_room_loses_to_one_with_room_whatever_it_caches():
+    full = worker("d1", blocks=100, used=90, hashes=cached(PROMPT, 39))
+    roomy = worker("d2", blocks=1000, used=900)
+    assert decode_id([full, roomy]) == "d2"
+
+
+def test_the_overlap_weight_tunes_cache_against_load():
+    hot = worker("d1", used=100, hashes=cached(PROMPT, 30))
+    cold = worker("d2", used=50)
+    assert place([hot, cold], PROMPT, **SHORT).decode.worker_id == "d1"
+    got = place([hot, cold], PROMPT, **SHORT, overlap_weight=0.0)
+    assert got.decode.worker_id == "d2"
+
+
+# ---- the prefill worker ------------------------------------------------------------------------
+
+def test_prefill_overlap_weighed_against_queued_tokens():
+    d = worker("d")
+    holder = worker("p1", "prefill", queued=100, hashes=cached(PROMPT, 32))
+    idle = worker("p2", "prefill")
+    assert choose_prefill([idle, holder], d, Prompt(PROMPT))[0].worker_id == "p1"
+    # 1000 queued tokens (62.5 blocks) ahead outweigh 32 cached blocks.
+    swamped = worker("p1", "prefill", queued=1000, hashes=cached(PROMPT, 32))
+    assert choose_prefill([idle, swamped], d, Prompt(PROMPT))[0].worker_id == "p2"
+    # What we sent it since its heartbeat counts as queued too.
+    sent = worker("p1", "prefill", queued=100, assigned_tokens=900, hashes=cached(PROMPT, 32))
+    assert choose_prefill([idle, sent], d, Prompt(PROMPT))[0].worker_id == "p2"
+
+
+def test_exclusions_are_respected_even_for_the_best_cache():
+    d = worker("d")
+    ws = [worker("p1", "prefill", hashes=cached(PROMPT, 39)), worker("p2", "prefill")]
+    chosen, overlap = choose_prefill(ws, d, Prompt(PROMPT), exclude={"p1"})
+    assert chosen.worker_id == "p2" and overlap == 0
+    assert choose_prefill(ws, d, Prompt(PROMPT), exclude={"p1", "p2"}) is None
+
+
+@pytest.mark.parametrize("mismatch", [dict(layout="other"), dict(backend="shm")])
+def test_only_compatible_prefill_workers_are_chosen_whatever_they_cache(mismatch):
+    d = worker("d")
+    alien = worker("p1", "prefill", hashes=cached(PROMPT, 39), **mismatch)
+    got = place([d, alien, worker("p2", "prefill", queued=500)], PROMPT, **SHORT)
+    assert got.prefill.worker_id == "p2"
+    got = place([d, alien], PROMPT, **SHORT)
+    assert got.prefill is None and got.reason == "no compatible prefill worker"
+
+
+# ---- conditional disaggregation ----------------------------------------------------------------
+
+def test_the_uncached_part_decides_local_or_remote():
+    ws = [worker("p1", "prefill")]
+    # 38 of 40 blocks cached: 32 tokens left to compute, under the threshold of 64.
+    got = place([worker("d1", hashes=cached(PROMPT, 38))] + ws, PROMPT, **SHORT)
+    assert got.prefill is None and got.overlap_blocks == 38
+    assert got.reason == ("short uncached part (32 tokens), decode worker has spare budget; "
+                          "38 of 39 blocks cached on d1")
+    # 30 cached: 160 tokens left, over the threshold: remote.
+    got = place([worker("d1", hashes=cached(PROMPT, 30))] + ws, PROMPT, **SHORT)
+    assert got.prefill.worker_id == "p1"
+    assert got.reason.endswith("30 of 39 blocks cached on d1")
+    # The uncached part must also fit the decode worker's spare budget.
+    busy = worker("d1", running=490, hashes=cached(PROMPT, 38))
+    assert place([busy] + ws, PROMPT, **SHORT).prefill.worker_id == "p1"
+
+
+def test_colocated_reason_names_the_cache():
+    got = place([worker("c1", "colocated", hashes=cached(PROMPT, 10))], PROMPT, **SHORT)
+    assert got.prefill is None and got.reason == "colocated worker, 10 of 39 blocks cached on c1"

@@ -1,0 +1,1 @@
+"""Shared test helpers: clusters of real processes, fakes, certificates, package indexes."""

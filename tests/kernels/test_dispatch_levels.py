@@ -1,0 +1,46 @@
+"""The quantization and default-model tests again, at every lower aten dispatch level this host
+supports (ATEN_CPU_CAPABILITY picks aten's level and, through kernels/native.py, the native
+kernels' build), so an AVX-512 host also proves the AVX2 and portable paths that other hosts
+of this machine kind run. Each level runs in a fresh interpreter: aten reads the variable once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import native
+
+TESTS = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = ["kernels/test_native_linear.py", "kernels/test_linear_kernels.py",
+                "kernels/test_native_attention.py", "kernels/test_native_elementwise.py"]
+MODEL_TESTS = ["engine/test_default_model.py"]
+# The portable level runs the kernel tests only: its aten matmuls are several times slower and
+# the model tests would add minutes without covering another kernel.
+PLAN = {"avx2": KERNEL_TESTS + MODEL_TESTS, "default": KERNEL_TESTS}
+
+LOWER = [lvl for lvl in native.LEVELS[: native.LEVELS.index(native.dispatch_level())]]
+
+
+def test_the_host_level_is_known():
+    assert native.dispatch_level() in native.LEVELS
+
+
+@pytest.mark.parametrize("level", [lvl for lvl in ("avx2", "default") if lvl in LOWER] or
+                         [pytest.param("none", marks=pytest.mark.skip(
+                             reason="this host's own level is the lowest; the main run covers it"))])
+def test_suite_passes_at_lower_dispatch_level(level, default_gguf):
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
+    files = [str(TESTS / f) for f in PLAN[level]]
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().lower() == level, probe.stdout + probe.stderr
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=TESTS.parent)
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    assert " passed" in out.stdout and " failed" not in out.stdout, tail

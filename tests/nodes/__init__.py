@@ -1,0 +1,1 @@
+"""Tests of prefill_node/, decode_node/ and worker/: the two workers and their runtime."""

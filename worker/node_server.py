@@ -1,0 +1,350 @@
+"""What every worker process shares: its command line, building its engine, the gRPC server
+with the standard health service, and registration plus heartbeats with the coordinator.
+The environment is read here (entry point), nowhere deeper."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import kvtransfer
+
+from common.cluster_auth import (
+    PROOF_HEADER, REGISTER_REPLY, ClusterAuth, add_auth_args, auth_from_args,
+)
+from engine.config import (
+    DECODE_FORMATS, KV_DTYPE_TORCH_NAMES, KV_DTYPES, PREFILL_FORMATS, SchedulerConfig,
+)
+from engine.device import add_device_flags, resolve_device
+from worker.engine_loop import EngineLoop
+from common.errors import ResidencyError, TandemError
+from engine.llm_engine import LLMEngine
+from common.rpc import worker_pb2 as pb
+from common.rpc import worker_pb2_grpc as pb_grpc
+from worker.runtime import configure_process
+from common.grpc_guard import guarded
+
+log = logging.getLogger("tandem.node")
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--model", required=True, help="model name, GGUF file or HF directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
+    p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
+    p.add_argument("--kv-backend", default="zmq", choices=[b for b in kvtransfer.backends() if b != "fake"])
+    p.add_argument("--kv-port", type=int, default=0, help="decode: port of the KV receiver (0 = any)")
+    p.add_argument("--kv-advertise", default=None,
+                   help="decode: the KV endpoint peers connect to (e.g. tcp://HOST:PORT), when it "
+                        "differs from the bound one: a port forward, NAT, a proxy in the path")
+    p.add_argument("--kv-deadline", type=float, default=330.0,
+                   help="decode: seconds from reservation until all of a request's KV must have arrived")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--role", default=roles[0], choices=roles)
+    p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="per-pass token budget")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--chunk-size", type=non_negative_int, default=0,
+                   help="largest prefill chunk of one request (0 = budget)")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV pool size in blocks (default: as many as --kv-cache-gb holds)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    # Part of the KV layout: a prefill and a decode worker that exchange KV must agree on it
+    # (registration and the KV handshake refuse a mismatch), so `tandem serve` gives every
+    # worker of a topology the same value.
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32",
+                   help="element type of the KV cache (bf16 halves the cache and the KV transfers)")
+    # Each role packs only its own format (engine.config.role_formats); a worker ignores the
+    # flag of the other role, so one flag list can go to every worker of a topology.
+    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32",
+                   help="weight format of prefill workers (and of a colocated worker's prompt passes)")
+    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4",
+                   help="weight format of decode workers, every pass (and of a colocated worker's "
+                        "passes with decode tokens)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads of this process")
+    add_device_flags(p)
+    p.add_argument("--log-level", default="INFO")
+    add_auth_args(p)
+    return p
+
+
+def resolve_model(name: str) -> Path:
+    from common.model_store import ModelStore, default_home
+
+    return ModelStore(default_home()).resolve(name)
+
+
+def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks: int | None = None) -> LLMEngine:
+    configure_process(args.threads)
+    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                                max_num_seqs=args.max_num_seqs,
+                                long_prefill_token_threshold=args.chunk_size)
+    # The role decides which of the two formats the model packs: a prefill worker only
+    # --prefill-quant, a decode worker only --decode-quant, a colocated worker both.
+    engine = LLMEngine.from_path(
+        path, role=args.role, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
+        block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
+        kv_dtype=args.kv_dtype, load_tokenizer=False, device=args.device,
+        cuda_graphs=not args.no_cuda_graphs)
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", args.role,
+             "+".join(engine.model.formats), engine.config.cache.num_blocks,
+             engine.config.cache.kv_dtype, args.threads, engine.runner.device,
+             " (CUDA graphs)" if engine.runner.graphs is not None else "")
+    return engine
+
+
+def kv_layout(config, block_size: int, kv_dtype: str, model_id: str):
+    """The kvtransfer layout of a worker's KV cache; kv_dtype is a KV_DTYPES name ("fp32",
+    "bf16"). A prefill worker builds it from its engine's actual cache, a decode worker before
+    allocating the cache that its engine then uses."""
+    import kvtransfer
+
+    return kvtransfer.KVLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                               head_dim=config.head_dim, block_size=block_size,
+                               dtype=KV_DTYPE_TORCH_NAMES[kv_dtype], model_id=model_id)
+
+
+def worker_status(worker_id: str, role: str, loop: EngineLoop,
+                  kv: pb.KVTransferCounters | None = None,
+                  refused: ClusterAuth | None = None) -> pb.WorkerStatus:
+    """From the engine thread's last published snapshot: the scheduler's own queues belong to
+    the engine thread and must not be iterated from here. `kv`: the worker's transfer
+    counters (kv_counters); `refused`: the auth whose refused calls the heartbeat reports."""
+    snap = loop.snapshot
+    config = loop.engine.config
+    return pb.WorkerStatus(
+        worker_id=worker_id, role=role, num_blocks=snap.num_blocks, num_free_blocks=snap.num_free_blocks,
+        num_running=snap.num_running, num_waiting=snap.num_waiting,
+        queued_prefill_tokens=snap.queued_prefill_tokens,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv,
+        unloaded=not snap.resident,
+        refused_calls=[pb.RefusedCalls(method=method, reason=reason, count=count)
+                       for (method, reason), count in sorted(
+                           (refused.refused.snapshot() if refused else {}).items())])
+
+
+async def set_resident(worker: EngineLoop, request: pb.ResidencyRequest,
+                       context: grpc.aio.ServicerContext) -> pb.ResidencyResult:
+    """SetResident of either worker service (proto/worker.proto), over its engine loop."""
+    try:
+        seconds = await worker.set_resident(request.resident)
+    except ResidencyError as exc:  # requests are open
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    except RuntimeError as exc:  # the engine loop died
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    log.info("model %s", "loaded in %.2f s" % seconds if request.resident else "unloaded")
+    return pb.ResidencyResult(resident=worker.engine.resident, load_seconds=seconds)
+
+
+def kv_counters(backend: str, stats, sending: bool) -> pb.KVTransferCounters:
+    """kvtransfer.TransferStats (one, or the sum of several) as the heartbeat's counters."""
+    stats = list(stats)
+    total = dict(bytes=0, done=0, failed=0, seconds=0.0, skipped=0, rejected=0)
+    for st in stats:
+        total["bytes"] += st.bytes
+        total["done"] += st.transfers_done
+        total["failed"] += st.transfers_failed
+        total["seconds"] += st.seconds
+        total["skipped"] += st.skipped_blocks
+        total["rejected"] += st.auth_rejected
+    return pb.KVTransferCounters(
+        backend=backend, bytes_sent=total["bytes"] if sending else 0,
+        bytes_received=0 if sending else total["bytes"], transfers_done=total["done"],
+        transfers_failed=total["failed"], transfer_seconds=total["seconds"],
+        skipped_blocks=total["skipped"], auth_rejected=total["rejected"])
+
+
+class NodeFailure(TandemError):
+    """The worker cannot go on (refused by the coordinator, engine thread dead); the process
+    exits with this message after releasing what it holds."""
+
+
+@dataclass
+class NodeIdentity:
+    worker_id: str
+    role: str
+    address: str
+    kv_endpoint: str
+    kv_backend: str
+    model_fingerprint: str
+    kv_layout_fingerprint: str  # kvtransfer.KVLayout.description: dtype, geometry, fingerprint
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+# The coordinator's verdict that we do not hold the cluster's secret (common/cluster_auth.py):
+# retrying cannot help, so it is as fatal as a refused registration.
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
+                                 status: Callable[[], pb.WorkerStatus], stop: asyncio.Event,
+                                 auth: ClusterAuth = ClusterAuth()) -> None:
+    """Registers (retrying while the coordinator is not up yet), then heartbeats; registers
+    again whenever the coordinator has forgotten us. A refusal (e.g. a model mismatch, or no
+    cluster secret) is fatal: the worker exits rather than serve a cluster it does not belong
+    to."""
+    async with auth.aio_channel(coordinator) as channel:
+        stub = pb_grpc.RegistryStub(channel)
+        interval = 1.0
+        registered = False
+        while not stop.is_set():
+            try:
+                if not registered:
+                    info = pb.WorkerInfo(worker_id=identity.worker_id, role=identity.role,
+                                         address=identity.address, kv_endpoint=identity.kv_endpoint,
+                                         kv_backend=identity.kv_backend,
+                                         model_fingerprint=identity.model_fingerprint,
+                                         kv_layout_fingerprint=identity.kv_layout_fingerprint,
+                                         status=status())
+                    call = stub.Register(info, timeout=5)
+                    reply = await call
+                    if auth.secret:
+                        await _check_coordinator(auth, coordinator, call)
+                    if not reply.accepted:
+                        log.error("coordinator refused registration: %s", reply.reason)
+                        raise NodeFailure(f"registration refused: {reply.reason}")
+                    interval = reply.heartbeat_interval_s or interval
+                    registered = True
+                    log.info("registered with %s as %s", coordinator, identity.worker_id)
+                else:
+                    reply = await stub.Heartbeat(pb.HeartbeatRequest(worker_id=identity.worker_id,
+                                                                     status=status()), timeout=5)
+                    registered = reply.known
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSALS:
+                    hint = ("this worker has a cluster secret: is it the coordinator's?" if auth.secret
+                            else "give this worker the cluster's secret (--cluster-secret-file "
+                                 "or TANDEM_CLUSTER_SECRET)")
+                    log.error("coordinator refused us: %s", exc.details())
+                    raise NodeFailure(f"registration refused: {exc.details()} ({hint})") from None
+                # The details tell a coordinator that is down from a TLS mismatch.
+                log.warning("coordinator %s unreachable: %s (%s)", coordinator, exc.code().name,
+                            exc.details())
+                registered = False
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _check_coordinator(auth: ClusterAuth, coordinator: str, call) -> None:
+    """The Registry proves the secret in its reply's trailing metadata: a worker must not
+    serve (and hand its KV endpoint to) a coordinator outside the cluster."""
+    metadata = dict(await call.trailing_metadata() or ())
+    reason = auth.check(REGISTER_REPLY, metadata.get(PROOF_HEADER))
+    if reason:
+        raise NodeFailure(f"the coordinator at {coordinator} did not prove the cluster secret: "
+                          f"{reason.replace('the caller', 'it')}")
+
+
+async def watch_engine(engine_loop: EngineLoop, stop: asyncio.Event, period_s: float = 0.5) -> None:
+    """Ends the process when the engine thread has died: a worker that can no longer compute
+    must stop heartbeating and serving, so the coordinator routes around it at once."""
+    while not stop.is_set():
+        if not engine_loop.alive:
+            raise NodeFailure(f"engine loop died: {engine_loop.fatal}")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=period_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_node(args: argparse.Namespace, service_name: str,
+                   add_servicer: Callable[[grpc.aio.Server], None], identity: NodeIdentity,
+                   status: Callable[[], pb.WorkerStatus], engine_loop: EngineLoop,
+                   on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
+    auth: ClusterAuth = args.cluster_auth
+    # With a secret, only the coordinator's calls (they carry its proof) are served.
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=guarded(auth.server_interceptors()))
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = auth.add_port(server, f"{args.host}:{args.port}")
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s %s serving on %s:%d (%s)", identity.role, identity.worker_id, args.host, port,
+             auth.describe())
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
+    if args.coordinator:
+        tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop,
+                                                                 auth)))
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    failures = [t.exception() for t in done if t is not waiter and t.exception() is not None]
+    stop.set()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+    for task in tasks:
+        task.cancel()
+    if failures:  # after the cleanup above: a shared-memory KV cache must not outlive us
+        raise failures[0]
+
+
+def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | None = None) -> int:
+    """A worker process's entry point: parse, log, run on uvloop, report a TandemError as one
+    line and exit status 1."""
+    import uvloop
+
+    args = node_arg_parser(prog, roles).parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        args.cluster_auth = auth_from_args(args)  # checked before the model loads
+        args.device = str(resolve_device(args.device).torch_device)  # so is the device
+    except ValueError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    try:
+        uvloop.run(main_async(args))
+    except TandemError as exc:
+        sys.stderr.write(f"Error: {exc}\n")
+        return 1
+    return 0
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
