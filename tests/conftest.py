@@ -25,6 +25,36 @@ DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# Files whose tests start processes (clusters, workers, network namespaces, child pytest runs):
+# marked `integration`, as is every test that loads the default model (through `default_gguf`
+# or the `model` marker), so that `pytest -m "not integration"` runs the fast part alone.
+INTEGRATION_FILES = {
+    "benchmarks/test_bench_engine.py", "benchmarks/test_device_check.py",
+    "cli/test_bench.py", "cli/test_cli.py",
+    "common/test_cluster_auth.py",
+    "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
+    "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
+    "coordinator/test_keep_alive_cluster.py",
+    "deploy/test_cluster_auth_netns.py", "deploy/test_coordinator_deploy.py",
+    "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
+    "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py",
+    "engine/test_logprobs_engine.py",
+    "kernels/test_dispatch_levels.py", "kernels/test_triton_model_path.py",
+    "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",
+    "nodes/test_disaggregation.py",
+    "reliability/test_chaos.py", "reliability/test_fuzz_http.py",
+}
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        relative = Path(str(item.path)).resolve().relative_to(TESTS_DIR).as_posix()
+        if ("default_gguf" in item.fixturenames or item.get_closest_marker("model")
+                or relative in INTEGRATION_FILES):
+            item.add_marker(pytest.mark.integration)
+
+
 def tandem_home() -> Path:
     return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
 

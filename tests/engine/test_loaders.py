@@ -262,7 +262,7 @@ def test_config_path_is_torch_free(tmp_path):
         "import sys\n"
         "import engine.loaders, common.gguf_metadata, common.hf_config\n"
         "import common.model_store\n"
-        "from engine.loaders import load_config\n"
+        "from common.model_files import load_config\n"
         f"load_config({str(tiny.path)!r}); load_config({str(model_dir)!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
