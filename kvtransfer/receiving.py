@@ -45,7 +45,7 @@ from .message import (
     Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, checksum,
     checksum_blocks, payload_tensor,
 )
-from .sending import StatsCounter
+from .stats import StatsCounter
 
 CLOSED_MEMORY = 4096  # finished transfer ids remembered for late units and asks
 PENDING_MEMORY = 4096  # asks and early aborts remembered for transfers not yet expected
