@@ -65,7 +65,7 @@ from .dist_group import (
 from .fence import own_identity, process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
 from .message import Ack, KVHeader, MessageError, tensor_bytes
-from .receiving import ReceiveTable
+from .receive_table import ReceiveTable
 from .transfer import OutgoingTransfer
 from .zmq_backend import ACK, BYE, DATA, NOTIFY, SENDER_SILENCE_S, ZmqReceiver, ZmqSender
 

@@ -33,7 +33,8 @@ import torch
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import Grant, KVHeader, Revoke, tensor_bytes
-from .receiving import ReceiveTable, TableReceiver
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
 from .sender import IOSender
 from .transfer import OutgoingTransfer
 

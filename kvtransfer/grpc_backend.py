@@ -48,7 +48,8 @@ from .message import (
 )
 from .pb import kvtransfer_pb2 as pb
 from .pb import kvtransfer_pb2_grpc as pb_grpc
-from .receiving import ReceiveTable, TableReceiver
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
 from .sender import IOSender
 from .transfer import OutgoingTransfer
 

@@ -67,7 +67,7 @@ from .auth import KVAuth
 from .base import KVTransferError
 from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor
 from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
-from .receiving import ReceiveTable
+from .receive_table import ReceiveTable
 from .transfer import OutgoingTransfer
 from .zmq_backend import NOTIFY, ZmqReceiver, ZmqSender, default_ipc_endpoint
 

@@ -12,7 +12,9 @@ changed only under the table's lock, on whichever thread holds it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,3 +78,28 @@ class IncomingTransfer:
     def __post_init__(self) -> None:
         self.block_set = frozenset(self.block_ids)
         self.missing_count = sum(len(m) for m in self.missing)
+
+    @classmethod
+    def expected(
+        cls, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float,
+        skip_blocks: int, num_blocks: int, max_layers: int,
+    ) -> IncomingTransfer:
+        """The record of an expect() (its deadline from now); ValueError names a bad argument.
+        num_blocks and max_layers are the receiver's cache size and layer count."""
+        blocks = tuple(int(b) for b in block_ids)
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise ValueError(f"transfer_id must be a non-empty str, got {transfer_id!r}")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"{transfer_id}: duplicate block ids in {list(blocks)}")
+        bad = [b for b in blocks if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"{transfer_id}: block ids {bad} out of range [0, {num_blocks})")
+        if not isinstance(skip_blocks, int) or skip_blocks < 0:
+            raise ValueError(f"{transfer_id}: skip_blocks must be an int >= 0, got {skip_blocks!r}")
+        if not 1 <= num_layers <= max_layers:
+            raise ValueError(f"{transfer_id}: num_layers {num_layers} not in [1, {max_layers}]")
+        if not deadline_s > 0:
+            raise ValueError(f"{transfer_id}: deadline_s must be > 0, got {deadline_s!r}")
+        now = time.monotonic()
+        return cls(transfer_id, blocks, skip_blocks, num_layers, now + deadline_s, now,
+                   [set(blocks) for _ in range(num_layers)])

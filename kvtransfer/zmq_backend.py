@@ -49,7 +49,8 @@ from .message import (
     Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
     Revoked, tensor_bytes,
 )
-from .receiving import ReceiveTable, TableReceiver
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
 from .sender import IOSender
 from .transfer import OutgoingTransfer
 from .waker import Waker
