@@ -3,6 +3,15 @@
 (sender_io.SendLoop) does every network call, gather and checksum, and a backend adds only its
 transport (sender_hooks.SenderHooks).
 
+    engine thread (this module)        I/O thread (sender_io.SendLoop.run)
+    send/finish/abort --> inbox -+-->  ask for the grant (first unit of a transfer)
+                          waker  |     wait: grant | ack | revocation | deadline | inbox
+    poll <-- result (lock) <-----+--   gather source[:, src ids] (blocks >= skip_blocks only,
+                                       block index -> destination id from the grant),
+                                       checksum, transmit; DONE when finish and every unit
+                                       are acknowledged; FAILED on a refusal, a deadline,
+                                       a revocation or a dead peer
+
     thread    calls                                 blocks on
     engine    connect (once), send, finish, abort,  connect: the handshake, <= connect_timeout_s;
               poll (every step), close (once)       the rest: the sender's lock only

@@ -1,15 +1,7 @@
 """A sender's I/O thread: the state machine of every open transfer (grants, acks, revocations,
 deadlines, pings, dead-peer detection). One SendLoop per sender; it owns the transport
-(`transport`, a SenderHooks) and is the only thread that calls it after connect().
-
-    engine thread (sender.py)          I/O thread (SendLoop.run)
-    send/finish/abort --> inbox -+-->  ask for the grant (first unit of a transfer)
-                          waker  |     wait: grant | ack | revocation | deadline | inbox
-    poll <-- result (lock) <-----+--   gather source[:, src ids] (blocks >= skip_blocks only,
-                                       block index -> destination id from the grant),
-                                       checksum, transmit; DONE when finish and every unit
-                                       are acknowledged; FAILED on a refusal, a deadline,
-                                       a revocation or a dead peer
+(`transport`, a SenderHooks) and is the only thread that calls it after connect(). How the
+engine thread hands it work is drawn in sender.py.
 
 Per transfer, on the I/O thread:
 
@@ -27,7 +19,9 @@ Invariants:
   tells the receiver with an abort unit, which lets a receiver waiting for a revocation
   release the blocks at once.
 - Only this thread touches an OutgoingTransfer's fields besides `result`, and `_open`,
-  `_by_seq` and the heartbeat clocks; `post()` is the one entry from other threads.
+  `_by_seq` and the heartbeat clocks. The backend calls on_grant/on_ack/on_revoke/heard/
+  peer_failed from this thread only; other threads call start/stop (the engine, once each)
+  and post() (any thread).
 """
 
 from __future__ import annotations
@@ -152,7 +146,7 @@ class SendLoop:
 
     def _drain_inbox(self) -> bool:
         """Apply every queued message; True when close() asked the thread to stop."""
-        handlers = {"send": self._cmd_send, "finish": self._cmd_finish, "abort": self._cmd_abort,
+        handlers = {"send": self._cmd_queue, "finish": self._cmd_queue, "abort": self._cmd_abort,
                     "grant": self.on_grant, "ack": self.on_ack, "revoke": self.on_revoke,
                     "fail": self._cmd_fail, "peer_dead": self.peer_failed}
         while self._inbox:
@@ -162,13 +156,9 @@ class SendLoop:
             handlers[kind](*args)
         return False
 
-    def _cmd_send(self, t: OutgoingTransfer, unit: SendUnit) -> None:
+    def _cmd_queue(self, t: OutgoingTransfer, item: SendUnit | FinishUnit) -> None:
         if self._adopt(t):
-            t.queue.append(unit)
-
-    def _cmd_finish(self, t: OutgoingTransfer, fin: FinishUnit) -> None:
-        if self._adopt(t):
-            t.queue.append(fin)
+            t.queue.append(item)
 
     def _cmd_abort(self, t: OutgoingTransfer, reason: str) -> None:
         if t.result is not None:
