@@ -1,5 +1,9 @@
 """The KV transfer contract: a prefill worker's `KVSender` pushes KV blocks into a decode
-worker's `KVReceiver`. Every backend (fake, zmq, shm, grpc, dist) implements exactly this.
+worker's `KVReceiver`. Every backend (fake, zmq, shm, grpc, dist) implements exactly this,
+on top of the shared halves: sender.py (engine thread), sender_io.py (its I/O thread's state
+machine) and sender_hooks.py (what a sender backend adds); receiver.py (engine thread),
+receive_table.py (the receiver's state machine) and receiver_hooks.py (what a receiver backend
+adds). transfer.py holds the per-transfer records a backend sees.
 
 Who calls what (modelled on vLLM v1's KVConnectorBase_V1 and SGLang's disaggregation base).
 A transfer is named by a transfer id that the coordinator gives both sides at once; neither

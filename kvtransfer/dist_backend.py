@@ -65,8 +65,8 @@ from .dist_group import (
 from .fence import own_identity, process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
 from .message import Ack, KVHeader, MessageError, tensor_bytes
-from .receiving import ReceiveTable
-from .sending import _Transfer
+from .receive_table import ReceiveTable
+from .transfer import OutgoingTransfer
 from .zmq_backend import ACK, BYE, DATA, NOTIFY, SENDER_SILENCE_S, ZmqReceiver, ZmqSender
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ class DistSender(ZmqSender):
     # -- I/O thread -------------------------------------------------------------------------
 
     def _io_transmit(
-        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         idx = torch.tensor(src_ids, dtype=torch.long, device=source.device)
@@ -353,7 +353,7 @@ class DistSender(ZmqSender):
         try:
             work = self._group.send([flat], RECEIVER_RANK, TAG)
         except Exception as e:
-            self._peer_failed(f"process group to {self.endpoint} failed: {e}")
+            self.io.peer_failed(f"process group to {self.endpoint} failed: {e}")
             return f"process group send failed: {e}"
         # The tensor is posted before its header leaves: the receiver, which posts one recv per
         # header, never waits on a tensor that was not sent. `flat` stays alive until reaped.
@@ -361,26 +361,23 @@ class DistSender(ZmqSender):
         self._send([TENSOR, header.encode()])
         return ""
 
-    def _on_ack(self, ack: Ack) -> None:
+    def _io_acked(self, ack: Ack) -> None:
         """The receiver acks a unit only after its recv completed (refused or not), so the
         send is done: collect it (a wait that returns at once) and free the payload."""
         sent = self._sending.pop(ack.seq, None)
-        if sent is not None and not self._failed_peer:
+        if sent is not None and not self.failed_peer:
             try:
                 sent[0].wait(timedelta(seconds=SEND_WAIT_S))
             except Exception as e:
-                self._sending.clear()
-                self._peer_failed(f"process group to {self.endpoint} failed: {e}")
-        super()._on_ack(ack)
+                self.io.peer_failed(f"process group to {self.endpoint} failed: {e}")
 
-    def _peer_failed(self, reason: str) -> None:
+    def _io_peer_failed(self, reason: str) -> None:
         self._sending.clear()  # the group is lost with the peer: nothing more completes
-        super()._peer_failed(reason)
 
     def _io_close(self) -> None:
         super()._io_close()  # the goodbye is handled after every unit already announced
         for work, _ in list(self._sending.values()):  # units still unacknowledged
-            if self._failed_peer:
+            if self.failed_peer:
                 break
             try:
                 work.wait(timedelta(seconds=SEND_WAIT_S))

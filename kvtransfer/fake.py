@@ -33,8 +33,10 @@ import torch
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import Grant, KVHeader, Revoke, tensor_bytes
-from .receiving import ReceiveTable, TableReceiver
-from .sending import IOSender, _Transfer
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
+from .sender import IOSender
+from .transfer import OutgoingTransfer
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -83,7 +85,7 @@ class FakeReceiver(TableReceiver):
         with self._senders_lock:
             sender = self._senders.get(sender_id)
         if sender is not None:
-            sender._post(("grant" if isinstance(message, Grant) else "revoke", message))
+            sender.io.post(("grant" if isinstance(message, Grant) else "revoke", message))
 
     def close(self) -> None:
         self.closed = True
@@ -116,18 +118,18 @@ class FakeSender(IOSender):
     def _live_peer(self) -> FakeReceiver | None:
         peer = self._peer
         if peer is None or peer.closed:
-            self._peer_failed(f"fake receiver at {self.endpoint} closed")
+            self.io.peer_failed(f"fake receiver at {self.endpoint} closed")
             return None
         return peer
 
-    def _io_ask(self, t: _Transfer) -> None:
+    def _io_ask(self, t: OutgoingTransfer) -> None:
         if any(f.kind == "no_grant" and f.matches(t.transfer_id) for f in self.faults):
             return
         if (peer := self._live_peer()) is not None:
             peer.table.ask(self.sender_id, t.transfer_id)  # the grant comes through the inbox
 
     def _io_transmit(
-        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         payload = self.gather(source, src_ids)
@@ -150,14 +152,14 @@ class FakeSender(IOSender):
         if due > time.monotonic():
             self._delayed.append((due, header, data))
         elif (peer := self._live_peer()) is not None:
-            self._on_ack(peer.table.ingest(header, data))
+            self.io.on_ack(peer.table.ingest(header, data))
         return ""
 
-    def _io_control(self, t: _Transfer, header: KVHeader) -> None:
+    def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
         if (peer := self._live_peer()) is not None:
             ack = peer.table.control(header)
             if ack is not None:
-                self._on_ack(ack)
+                self.io.on_ack(ack)
 
     def _io_revoked(self, transfer_id: str) -> None:
         if (peer := self._live_peer()) is not None:
@@ -171,7 +173,7 @@ class FakeSender(IOSender):
         peer = self._live_peer()
         for _, header, data in due:
             if peer is not None:
-                self._on_ack(peer.table.ingest(header, data))
+                self.io.on_ack(peer.table.ingest(header, data))
 
     def _io_next_due(self) -> float | None:
         return min((d[0] for d in self._delayed), default=None)

@@ -48,8 +48,10 @@ from .message import (
 )
 from .pb import kvtransfer_pb2 as pb
 from .pb import kvtransfer_pb2_grpc as pb_grpc
-from .receiving import ReceiveTable, TableReceiver
-from .sending import IOSender, _Transfer
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
+from .sender import IOSender
+from .transfer import OutgoingTransfer
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES  # room for the header and protobuf framing
@@ -223,17 +225,17 @@ class GrpcSender(IOSender):
 
     # -- I/O thread (callbacks run on gRPC threads and post into the inbox) -------------------
 
-    def _io_ask(self, t: _Transfer) -> None:
+    def _io_ask(self, t: OutgoingTransfer) -> None:
         assert self._stub is not None
         remaining = (t.asked_at or 0.0) + self.ack_timeout_s - time.monotonic()
         ask = GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id))
         call = self._stub.Grant.future(ask.to_pb(),
                                        timeout=max(remaining, 0.01))
         self._watch(call, t.transfer_id, "grant request",
-                    lambda reply: self._post(("grant", Grant.from_pb(reply))))
+                    lambda reply: self.io.post(("grant", Grant.from_pb(reply))))
 
     def _io_transmit(
-        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         payload = self.gather(source, src_ids)
@@ -241,7 +243,7 @@ class GrpcSender(IOSender):
         self._push(t.transfer_id, header, _chunks(header, payload), f"push of layer {layer}")
         return ""
 
-    def _io_control(self, t: _Transfer, header: KVHeader) -> None:
+    def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
         what = "finish" if header.finish else "abort"
         self._push(t.transfer_id, header, iter([pb.PushChunk(header=header.to_pb())]), what)
 
@@ -252,7 +254,7 @@ class GrpcSender(IOSender):
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
             return
-        self._watch(call, transfer_id, what, lambda reply: self._post(("ack", Ack.from_pb(reply))))
+        self._watch(call, transfer_id, what, lambda reply: self.io.post(("ack", Ack.from_pb(reply))))
 
     def _watch(self, call: grpc.Future, transfer_id: str, what: str, on_reply) -> None:
         self._calls.add(call)
@@ -269,9 +271,9 @@ class GrpcSender(IOSender):
             details = error.details() if isinstance(error, grpc.Call) else str(error)
             reason = f"{what} failed: {code.name if code else type(error).__name__}: {details}"
             if code is grpc.StatusCode.UNAVAILABLE:
-                self._post(("peer_dead", reason))
+                self.io.post(("peer_dead", reason))
             else:
-                self._post(("fail", transfer_id, reason))
+                self.io.post(("fail", transfer_id, reason))
 
         call.add_done_callback(done)
 

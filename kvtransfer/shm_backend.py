@@ -67,8 +67,8 @@ from .auth import KVAuth
 from .base import KVTransferError
 from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor
 from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
-from .receiving import ReceiveTable
-from .sending import _Transfer
+from .receive_table import ReceiveTable
+from .transfer import OutgoingTransfer
 from .zmq_backend import NOTIFY, ZmqReceiver, ZmqSender, default_ipc_endpoint
 
 FENCE_INTERVAL_S = 0.1
@@ -177,7 +177,7 @@ class ShmSender(ZmqSender):
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
 
     def _io_transmit(
-        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         cache, owners = self._cache, self._owners

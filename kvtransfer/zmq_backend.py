@@ -49,8 +49,11 @@ from .message import (
     Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
     Revoked, tensor_bytes,
 )
-from .receiving import ReceiveTable, TableReceiver
-from .sending import IOSender, Waker, _Transfer
+from .receive_table import ReceiveTable
+from .receiver import TableReceiver
+from .sender import IOSender
+from .transfer import OutgoingTransfer
+from .waker import Waker
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-# A sender pings every second at most while it has a transfer open (sending.py), so this
+# A sender pings every second at most while it has a transfer open (sender_io.py), so this
 # much silence from a sender that holds a grant means a cut link or a frozen peer.
 SENDER_SILENCE_S = 8.0
 
@@ -347,7 +350,7 @@ class ZmqSender(IOSender):
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._heard()
+            self.io.heard()
             try:
                 self._dispatch(frames)
             except MessageError as e:
@@ -356,11 +359,11 @@ class ZmqSender(IOSender):
     def _dispatch(self, frames: list[bytes]) -> None:
         kind = frames[0]
         if kind == ACK and len(frames) == 2:
-            self._on_ack(Ack.decode(frames[1]))
+            self.io.on_ack(Ack.decode(frames[1]))
         elif kind == GRANT and len(frames) == 2:
-            self._on_grant(Grant.decode(frames[1]))
+            self.io.on_grant(Grant.decode(frames[1]))
         elif kind == REVOKE and len(frames) == 2:
-            self._on_revoke(Revoke.decode(frames[1]))
+            self.io.on_revoke(Revoke.decode(frames[1]))
         elif kind != PONG:
             log.warning("unexpected frame %r from %s", kind[:8], self.endpoint)
 
@@ -368,11 +371,11 @@ class ZmqSender(IOSender):
         assert self._sock is not None
         self._sock.send_multipart(frames, copy=copy)  # no HWM: never blocks
 
-    def _io_ask(self, t: _Transfer) -> None:
+    def _io_ask(self, t: OutgoingTransfer) -> None:
         self._send([ASK, GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id)).encode()])
 
     def _io_transmit(
-        self, t: _Transfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         payload = self.gather(source, src_ids)
@@ -381,7 +384,7 @@ class ZmqSender(IOSender):
         self._send([DATA, header.encode(), tensor_bytes(payload)], copy=False)
         return ""
 
-    def _io_control(self, t: _Transfer, header: KVHeader) -> None:
+    def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
         self._send([CONTROL, header.encode()])
 
     def _io_revoked(self, transfer_id: str) -> None:

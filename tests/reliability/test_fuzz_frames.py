@@ -26,7 +26,7 @@ from kvtransfer import message as m
 from kvtransfer.grpc_backend import GrpcReceiver
 from kvtransfer.layout import KVLayout, allocate_cache
 from kvtransfer.pb import kvtransfer_pb2
-from kvtransfer.receiving import ReceiveTable
+from kvtransfer.receive_table import ReceiveTable
 from tests.helpers.coordinator_fakes import (
     DEADLINE_S, Script, harness_on_thread, load_model, make_tiny_model_dir,
 )

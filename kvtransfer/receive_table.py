@@ -1,11 +1,16 @@
-r"""Receiver bookkeeping shared by every backend: grants, what has arrived, the one path by which
-bytes reach the cache, and when a transfer's blocks are free again.
+r"""A receiver's state machine, shared by every backend: grants, what has arrived, the one path
+by which bytes reach the cache, revocations, deadlines, dead senders, and when a transfer's
+blocks are free again.
 
-Threads: `expect`, `poll`, `cancel` and `stats` run on the engine thread; everything else on
-the backend's I/O thread. One lock guards the table. Two-sided backends (fake, zmq, grpc) write
-into the cache here, under the lock, so once `cancel` (or the poll that reports FAILED) has
-taken the lock no write for that transfer is in progress or can start: RELEASED follows at once.
-Checksums are computed outside the lock.
+Threads: `expect`, `poll` (which also fails transfers past their deadline), `cancel` and
+`stats` run on the engine thread, entered through TableReceiver (receiver.py); everything else
+on the backend's I/O thread (receiver_hooks.py lists what a backend calls). One lock guards
+the table, so it stays one class: splitting it by thread would split that lock. Two-sided
+backends (fake, zmq, grpc, dist) write into the cache here, under the lock, so once `cancel`
+(or the poll that reports FAILED) has taken the lock no write for that transfer is in progress
+or can start: RELEASED follows at once. Checksums are computed outside the lock. RELEASED is
+the only way blocks go back: the engine's scheduler frees them when it polls it, never on a
+timer.
 
 Per transfer:
 
@@ -33,48 +38,26 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .auth import KVAuth
-from .base import KVReceiver, ReceiveEvent, ReceiveKind, TransferStats
+from .base import ReceiveEvent, ReceiveKind, TransferStats
 from .fence import process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
     Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, checksum,
     checksum_blocks, payload_tensor,
 )
-from .sending import StatsCounter
+from .stats import StatsCounter
+from .transfer import IncomingTransfer
 
 CLOSED_MEMORY = 4096  # finished transfer ids remembered for late units and asks
 PENDING_MEMORY = 4096  # asks and early aborts remembered for transfers not yet expected
 
 # deliver(sender_id, message): a Grant or a Revoke for that sender, sent by the backend.
 Deliver = Callable[[str, "Grant | Revoke"], None]
-
-
-@dataclass(eq=False)
-class _Expectation:
-    transfer_id: str
-    block_ids: tuple[int, ...]  # destination of block skip_blocks + i
-    skip_blocks: int
-    num_layers: int
-    deadline: float  # time.monotonic()
-    started: float
-    missing: list[set[int]]  # per layer, destination blocks not yet written
-    block_set: frozenset[int] = field(init=False)
-    missing_count: int = field(init=False)
-    grantee: str = ""  # sender id the grant went to
-    finished: bool = False
-    first_token: int = 0
-    finish_units: int = -1  # data units the sender says it sent; -1 until its finish
-    units: int = 0  # data units accepted
-    sender_stopped: bool = False  # the grantee will write nothing more (finish/abort/goodbye)
-
-    def __post_init__(self) -> None:
-        self.block_set = frozenset(self.block_ids)
-        self.missing_count = sum(len(m) for m in self.missing)
 
 
 @dataclass(frozen=True)
@@ -113,8 +96,8 @@ class ReceiveTable:
         self._on_claim = on_claim  # shm: publish block ownership to senders
         self._on_release = on_release
         self._lock = threading.Lock()
-        self._active: dict[str, _Expectation] = {}
-        self._revoking: dict[str, _Expectation] = {}
+        self._active: dict[str, IncomingTransfer] = {}
+        self._revoking: dict[str, IncomingTransfer] = {}
         self._asks: OrderedDict[str, str] = OrderedDict()  # transfer id -> asking sender id
         self._early: OrderedDict[str, str] = OrderedDict()  # aborted before expect(): reason
         self._closed: OrderedDict[str, str] = OrderedDict()  # transfer id -> outcome
@@ -130,39 +113,23 @@ class ReceiveTable:
         self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float,
         skip_blocks: int = 0,
     ) -> None:
-        blocks = tuple(int(b) for b in block_ids)
-        if not isinstance(transfer_id, str) or not transfer_id:
-            raise ValueError(f"transfer_id must be a non-empty str, got {transfer_id!r}")
-        if len(set(blocks)) != len(blocks):
-            raise ValueError(f"{transfer_id}: duplicate block ids in {list(blocks)}")
-        bad = [b for b in blocks if not 0 <= b < self.cache.num_blocks]
-        if bad:
-            raise ValueError(f"{transfer_id}: block ids {bad} out of range [0, {self.cache.num_blocks})")
-        if not isinstance(skip_blocks, int) or skip_blocks < 0:
-            raise ValueError(f"{transfer_id}: skip_blocks must be an int >= 0, got {skip_blocks!r}")
-        if not 1 <= num_layers <= self.layout.num_layers:
-            raise ValueError(f"{transfer_id}: num_layers {num_layers} not in [1, {self.layout.num_layers}]")
-        if not deadline_s > 0:
-            raise ValueError(f"{transfer_id}: deadline_s must be > 0, got {deadline_s!r}")
-        now = time.monotonic()
+        exp = IncomingTransfer.expected(transfer_id, block_ids, num_layers, deadline_s, skip_blocks,
+                                        self.cache.num_blocks, self.layout.num_layers)
         with self._lock:
             if transfer_id in self._active:
                 raise ValueError(f"{transfer_id}: already expected")
             if transfer_id in self._revoking:
                 raise ValueError(f"{transfer_id}: still being released (wait for RELEASED)")
-            mine = set(blocks)
             for other_id, other in (*self._active.items(), *self._revoking.items()):
-                if mine & other.block_set:
+                if exp.block_set & other.block_set:
                     state = "expected" if other_id in self._active else "not yet released"
                     raise ValueError(
-                        f"{transfer_id}: blocks {sorted(mine & other.block_set)} {state} by {other_id}"
+                        f"{transfer_id}: blocks {sorted(exp.block_set & other.block_set)} {state} by {other_id}"
                     )
             self._closed.pop(transfer_id, None)
-            exp = _Expectation(transfer_id, blocks, skip_blocks, num_layers, now + deadline_s, now,
-                               [set(blocks) for _ in range(num_layers)])
             self._active[transfer_id] = exp
             if self._on_claim is not None:
-                self._on_claim(transfer_id, blocks)
+                self._on_claim(transfer_id, exp.block_ids)
             if transfer_id in self._early:
                 exp.sender_stopped = True
                 self._close(exp, ReceiveKind.FAILED, f"sender aborted: {self._early.pop(transfer_id)}")
@@ -357,7 +324,7 @@ class ReceiveTable:
         for src, start, length in block_runs(range(len(block_ids)), block_ids):
             dst[:, start:start + length].copy_(payload[:, src:src + length])
 
-    def _grant(self, exp: _Expectation, sender_id: str) -> None:
+    def _grant(self, exp: IncomingTransfer, sender_id: str) -> None:
         if not exp.grantee:
             exp.grantee = sender_id
             self._stats.add(skipped_blocks=exp.skip_blocks)
@@ -392,7 +359,7 @@ class ReceiveTable:
             return self._fail_locked(exp, f"layer {header.layer} beyond the {exp.num_layers} expected")
         return None
 
-    def _maybe_complete(self, exp: _Expectation) -> None:
+    def _maybe_complete(self, exp: IncomingTransfer) -> None:
         if not exp.finished:
             return
         if exp.missing_count == 0:
@@ -412,11 +379,11 @@ class ReceiveTable:
     def _nack(self, header: KVHeader, reason: str) -> Ack:
         return Ack(header.seq, header.transfer_id, header.layer, False, reason)
 
-    def _fail_locked(self, exp: _Expectation, reason: str) -> str:
+    def _fail_locked(self, exp: IncomingTransfer, reason: str) -> str:
         self._close(exp, ReceiveKind.FAILED, reason)
         return reason
 
-    def _close(self, exp: _Expectation, kind: ReceiveKind | None, reason: str) -> None:
+    def _close(self, exp: IncomingTransfer, kind: ReceiveKind | None, reason: str) -> None:
         rid = exp.transfer_id
         del self._active[rid]
         if self._on_release is not None:
@@ -438,7 +405,7 @@ class ReceiveTable:
                 return
         self._release(exp)
 
-    def _release(self, exp: _Expectation) -> None:
+    def _release(self, exp: IncomingTransfer) -> None:
         self._events.append(ReceiveEvent(exp.transfer_id, ReceiveKind.RELEASED))
 
     def _sender_gone(self, sender_id: str, reason: str) -> None:
@@ -459,31 +426,3 @@ def _bounded_put(d: OrderedDict[str, str], key: str, value: str, limit: int) -> 
     d.move_to_end(key)
     while len(d) > limit:
         d.popitem(last=False)
-
-
-class TableReceiver(KVReceiver):
-    """A receiver whose bookkeeping is a ReceiveTable (`self.table`) and whose address is
-    `self._endpoint`: the engine-facing half of the contract, shared by every backend; each
-    backend adds only its transport (and close())."""
-
-    table: ReceiveTable
-    _endpoint: str
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def expect(
-        self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float,
-        skip_blocks: int = 0,
-    ) -> None:
-        self.table.expect(transfer_id, block_ids, num_layers, deadline_s, skip_blocks)
-
-    def poll(self) -> list[ReceiveEvent]:
-        return self.table.poll()
-
-    def cancel(self, transfer_id: str) -> None:
-        self.table.cancel(transfer_id)
-
-    def stats(self) -> TransferStats:
-        return self.table.stats()

@@ -1,0 +1,136 @@
+"""What a sender's transport backend implements: the small interface between the shared
+sender (sender.py, engine thread; sender_io.py, I/O thread) and one transport.
+
+    method            thread                       when, how often
+    _handshake        engine, inside connect()     once; set up the transport, check layouts
+    _io_wait          I/O                          every loop turn; block until woken, a message
+                                                   arrives (hand it to self.io.on_*) or timeout
+    _io_ask           I/O                          once per transfer (again after a "pending")
+    _io_transmit      I/O                          once per granted unit; returns "" or an error
+    _io_control       I/O                          a finish or abort unit
+    _io_revoked       I/O                          after a revocation: nothing more is written
+    _io_acked         I/O                          each ack, before the state machine reads it
+    _io_peer_failed   I/O                          once the receiver is declared dead
+    _io_ping          I/O                          heartbeat backends, while a transfer is open
+    _io_tick          I/O                          every loop turn
+    _io_next_due      I/O                          every loop turn: an extra wake-up time
+    _io_close         I/O                          once, at the thread's exit: goodbye, close
+
+Incoming messages reach the state machine through `self.io` (a SendLoop): on_grant, on_ack,
+on_revoke and heard when the backend reads them on the I/O thread (zmq, dist, the fake), or
+io.post(("grant" | "ack" | "fail" | "peer_dead", ...)) from another thread (gRPC callbacks).
+No hook may block for long, free blocks or touch the engine's state: a transfer's terminal
+status is published by the state machine only, and the engine's scheduler frees the blocks
+after poll() reports it, never on a timer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .auth import KVAuth
+from .base import KVLayoutMismatch
+from .fence import own_identity
+from .layout import KVLayout
+from .message import Ack, HandshakeRequest, KVHeader
+from .transfer import OutgoingTransfer
+from .waker import Waker
+
+
+class SenderHooks(ABC):
+    """A transport backend's half of a sender. The attributes are set by IOSender (sender.py)
+    and only read here and by the backend."""
+
+    backend = "?"
+    heartbeat = False  # the transport answers _io_ping(): silence then means a dead peer
+
+    sender_id: str
+    auth: KVAuth | None  # with one, every header and grant request carries the transfer's token
+    ack_timeout_s: float
+    connect_timeout_s: float
+    layout: KVLayout | None  # set by connect(), after _handshake
+    endpoint: str
+    _waker: Waker  # the I/O thread's wake-up pipe: a backend's poller may wait on its fd
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    @abstractmethod
+    def _handshake(self, endpoint: str, layout: KVLayout) -> None:
+        """Engine thread, in connect(): set up the transport, check the layouts (raise on a
+        mismatch). Blocks for at most connect_timeout_s."""
+
+    def _handshake_request(self, layout: KVLayout) -> HandshakeRequest:
+        pid, start = own_identity()
+        return HandshakeRequest(layout, self.sender_id, pid, start)
+
+    def _check_layout(self, ours: KVLayout, theirs: KVLayout, endpoint: str) -> None:
+        if ours.fingerprint != theirs.fingerprint:
+            diff = "; ".join(ours.diff(theirs))
+            raise KVLayoutMismatch(f"receiver at {endpoint} has another KV layout (ours != theirs): {diff}")
+
+    # -- I/O thread: the transport ------------------------------------------------------------
+
+    def _io_wait(self, timeout: float) -> None:
+        """Block until the waker fires, a transport message arrives (dispatch it to io.on_*) or
+        `timeout` passes."""
+        self._waker.wait(timeout)
+
+    @abstractmethod
+    def _io_ask(self, t: OutgoingTransfer) -> None:
+        """Ask the receiver for t's grant."""
+
+    @abstractmethod
+    def _io_transmit(
+        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...], seq: int,
+    ) -> str:
+        """Move source[:, src_ids] into the receiver's blocks dst_ids of `layer` as unit `seq`
+        (its ack arrives later through io.on_ack). Returns "" or why the transfer must fail."""
+
+    @abstractmethod
+    def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
+        """Send a finish or abort unit."""
+
+    def _io_revoked(self, transfer_id: str) -> None:
+        """Tell the receiver this thread writes nothing more for transfer_id."""
+
+    def _io_acked(self, ack: Ack) -> None:
+        """An ack arrived for unit ack.seq: release what the transport held for it (dist)."""
+
+    def _io_peer_failed(self, reason: str) -> None:
+        """The receiver is declared dead or unreachable: drop what the transport holds (dist)."""
+
+    def _io_ping(self) -> None:
+        """Ask for any reply (heartbeat backends only)."""
+
+    def _io_tick(self, now: float) -> None:
+        """Once per loop iteration (the fake delivers delayed units here)."""
+
+    def _io_next_due(self) -> float | None:
+        """A monotonic time the loop must wake at, besides the deadlines."""
+        return None
+
+    def _io_close(self) -> None:
+        """At I/O thread exit: say goodbye, close the transport."""
+
+    # -- helpers for backends (I/O thread) ----------------------------------------------------
+
+    def gather(self, source: torch.Tensor, src_ids: tuple[int, ...]) -> torch.Tensor:
+        """source[:, src_ids] as a fresh contiguous CPU tensor (the payload)."""
+        idx = torch.tensor(src_ids, dtype=torch.long, device=source.device)
+        return source.index_select(1, idx).cpu().contiguous()
+
+    def data_header(
+        self, t: OutgoingTransfer, layer: int, dst_ids: tuple[int, ...], payload: torch.Tensor | None,
+        seq: int, crc: int | None = None,
+    ) -> KVHeader:
+        assert self.layout is not None
+        return KVHeader.for_payload(t.transfer_id, layer, dst_ids, payload, self.layout, seq,
+                                    sender_id=self.sender_id, crc=crc,
+                                    auth_token=self.token(t.transfer_id))
+
+    def token(self, transfer_id: str) -> bytes:
+        """The transfer's token (kvtransfer/auth.py), b"" without credentials."""
+        return b"" if self.auth is None else self.auth.token(transfer_id)
