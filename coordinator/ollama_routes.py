@@ -29,7 +29,7 @@ from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
 from coordinator.tool_calls import (
-    ToolCallParser, call_format, ollama_tool_calls, require_tool_support,
+    ToolCallParser, call_format, ollama_tool_calls, require_tool_support, split_calls,
 )
 from common.sampling_params import SamplingParams
 
@@ -153,14 +153,8 @@ async def _stream_chat(name: str, generation: Generation,
         return out
 
     try:
-        async for piece in generation.pieces():
-            if calls is None:
-                yield ndjson(chat_chunk(name, piece, g=generation))
-                continue
-            for line in lines(*calls.push(piece)):
-                yield line
-        if calls is not None:
-            for line in lines(*calls.finish()):
+        async for content, found in split_calls(generation.pieces(), calls):
+            for line in lines(content, found):
                 yield line
     except WorkerError as exc:
         yield ndjson(error_body(str(exc)))

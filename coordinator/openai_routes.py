@@ -21,7 +21,7 @@ from coordinator.ollama_routes import OllamaRoutes
 from coordinator.prompts import completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
-from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls
+from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls, split_calls
 
 
 def _usage(g: Generation) -> dict[str, Any]:
@@ -149,15 +149,8 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
 
     yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
     try:
-        async for piece in g.pieces():
-            if calls is None:
-                yield oa.sse(oa.chat_chunk(rid, name, {"content": piece},
-                                           logprobs=_chat_logprobs(g)))
-                continue
-            for chunk in chunks(*calls.push(piece)):
-                yield chunk
-        if calls is not None:
-            for chunk in chunks(*calls.finish()):
+        async for content, found in split_calls(g.pieces(), calls):
+            for chunk in chunks(content, found):
                 yield chunk
     except WorkerError as exc:
         yield oa.sse(oa.error_body(500, str(exc)))
