@@ -29,35 +29,35 @@ def generate_routes(c: Coordinator) -> list[Route]:
     models, embeddings = ModelRoutes(c), EmbeddingRoutes(c)
     openai = OpenAIRoutes(c, ollama)  # chat completions goes through Ollama's chat
     return [
-        Route("GET",    "/",                    ollama.root),
-        Route("HEAD",   "/",                    ollama.root),
-        Route("GET",    "/metrics",             ops.metrics),
-        Route("GET",    "/internal/workers",    ops.workers),
+        Route("GET",    "/",                      ollama.root),
+        Route("HEAD",   "/",                      ollama.root),
+        Route("GET",    "/metrics",               ops.metrics),
+        Route("GET",    "/internal/workers",      ops.workers),
 
         # Ollama (HEAD on version and tags, as Ollama)
-        Route("GET",    "/api/version",         ollama.api_version),
-        Route("HEAD",   "/api/version",         ollama.api_version),
-        Route("GET",    "/api/tags",            ollama.tags),
-        Route("HEAD",   "/api/tags",            ollama.tags),
-        Route("GET",    "/api/ps",              ollama.ps),
-        Route("POST",   "/api/show",            ollama.show),
-        Route("POST",   "/api/chat",            ollama.chat),
-        Route("POST",   "/api/generate",        ollama.generate),
+        Route("GET",    "/api/version",           ollama.api_version),
+        Route("HEAD",   "/api/version",           ollama.api_version),
+        Route("GET",    "/api/tags",              ollama.tags),
+        Route("HEAD",   "/api/tags",              ollama.tags),
+        Route("GET",    "/api/ps",                ollama.ps),
+        Route("POST",   "/api/show",              ollama.show),
+        Route("POST",   "/api/chat",              ollama.chat),
+        Route("POST",   "/api/generate",          ollama.generate),
 
         # OpenAI
-        Route("GET",    "/v1/models",           openai.models),
+        Route("GET",    "/v1/models",             openai.models),
         Route("GET",    "/v1/models/{name:path}", openai.one_model),
-        Route("POST",   "/v1/chat/completions", openai.chat_completions),
-        Route("POST",   "/v1/completions",      openai.completions),
+        Route("POST",   "/v1/chat/completions",   openai.chat_completions),
+        Route("POST",   "/v1/completions",        openai.completions),
 
         # Model management over the model store
-        Route("POST",   "/api/pull",            models.pull),
-        Route("POST",   "/api/copy",            models.copy),
-        Route("POST",   "/api/create",          models.create),
-        Route("DELETE", "/api/delete",          models.delete),
+        Route("POST",   "/api/pull",              models.pull),
+        Route("POST",   "/api/copy",              models.copy),
+        Route("POST",   "/api/create",            models.create),
+        Route("DELETE", "/api/delete",            models.delete),
 
         # Embeddings
-        Route("POST",   "/api/embed",           embeddings.embed),
-        Route("POST",   "/api/embeddings",      embeddings.embeddings_legacy),
-        Route("POST",   "/v1/embeddings",       embeddings.openai_embeddings),
+        Route("POST",   "/api/embed",             embeddings.embed),
+        Route("POST",   "/api/embeddings",        embeddings.embeddings_legacy),
+        Route("POST",   "/v1/embeddings",         embeddings.openai_embeddings),
     ]
