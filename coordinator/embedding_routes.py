@@ -1,7 +1,8 @@
 """Embedding routes: Ollama's /api/embed (batched) and legacy /api/embeddings, and OpenAI's
-/v1/embeddings. The coordinator tokenizes (off the event loop), checks each input against the
-context, and one decode worker's Embed RPC computes the vectors (engine/embedding.py: the final
-normed hidden states, mean-pooled; L2-normalized except on the legacy route, as Ollama).
+/v1/embeddings (the table is coordinator/routes.py). The coordinator tokenizes (off the event
+loop), checks each input against the context, and one decode worker's Embed RPC computes the
+vectors (engine/embedding.py: the final normed hidden states, mean-pooled; L2-normalized except
+on the legacy route, as Ollama).
 
 Differences from Ollama kept on purpose: an empty input (`""`, `[]`, or an empty string in the
 list) is a 400 here, where Ollama answers an empty list (its way to load a model; tandem's
@@ -16,7 +17,7 @@ import struct
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from coordinator.http_stream import read_json_body
@@ -25,15 +26,14 @@ from coordinator.model import ServedModel, shown
 from coordinator.ollama_request import RequestError
 from coordinator.prompts import encode, off_loop
 from coordinator.service import Coordinator
-from common.errors import ContextLengthError, ModelNotFoundError
+from common.errors import ContextLengthError
 
 
 def _model_name(body: dict[str, Any], coordinator: Coordinator) -> str:
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise RequestError("model is required")
-    if not coordinator.model.answers_to(name):
-        raise ModelNotFoundError(f"model '{shown(name)}' not found")
+    coordinator.model.require(name)
     return name
 
 
@@ -114,56 +114,57 @@ def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
-def add_embedding_routes(app: FastAPI, coordinator: Coordinator) -> None:
-    model = coordinator.model
-    limits = coordinator.config
-    hidden = model.config.hidden_size
+class EmbeddingRoutes:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.model = coordinator.model  # as served at start
+        self.limits = coordinator.config
+        self.hidden = self.model.config.hidden_size
 
-    async def vectors(items: list, context: int, truncate: bool, normalize: bool,
-                      timings: RequestTimings) -> tuple[list[list[float]], int]:
-        ids = await off_loop(_token_ids, coordinator.model, items, context, truncate)
+    async def _vectors(self, items: list, context: int, truncate: bool, normalize: bool,
+                       timings: RequestTimings) -> tuple[list[list[float]], int]:
+        ids = await off_loop(_token_ids, self.coordinator.model, items, context, truncate)
         count = sum(map(len, ids))
         timings.prompt_tokens = count
-        return await coordinator.embed(ids, normalize, timings), count
+        return await self.coordinator.embed(ids, normalize, timings), count
 
-    @app.post("/api/embed")
-    async def embed(request: Request) -> JSONResponse:
+    async def embed(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
-        body = await read_json_body(request, limits.max_body_bytes)
-        name = _model_name(body, coordinator)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        name = _model_name(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=False)
-        _check_dimensions(body, hidden)
-        embeddings, count = await vectors(items, _context(body, model), _truncate(body), True,
-                                          timings)
+        _check_dimensions(body, self.hidden)
+        embeddings, count = await self._vectors(items, _context(body, self.model),
+                                                _truncate(body), True, timings)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
                              "load_duration": _ns(timings.load_wait),
                              "prompt_eval_count": count})
 
-    @app.post("/api/embeddings")
-    async def embeddings_legacy(request: Request) -> JSONResponse:
+    async def embeddings_legacy(self, request: Request) -> JSONResponse:
         # Ollama's first embedding route: one `prompt`, one vector, not normalized.
         timings = RequestTimings()
-        body = await read_json_body(request, limits.max_body_bytes)
-        _model_name(body, coordinator)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        _model_name(body, self.coordinator)
         items = _texts(body.get("prompt"), "prompt", tokens_allowed=False)
         if len(items) != 1:
             raise RequestError("prompt must be a string")
-        embeddings, _ = await vectors(items, _context(body, model), True, False, timings)
+        embeddings, _ = await self._vectors(items, _context(body, self.model), True, False,
+                                            timings)
         return JSONResponse({"embedding": embeddings[0]})
 
-    @app.post("/v1/embeddings")
-    async def openai_embeddings(request: Request) -> JSONResponse:
+    async def openai_embeddings(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
-        body = await read_json_body(request, limits.max_body_bytes)
-        name = _model_name(body, coordinator)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        name = _model_name(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=True)
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
-        _check_dimensions(body, hidden)
+        _check_dimensions(body, self.hidden)
         # OpenAI refuses an input over the context; it never truncates.
-        embeddings, count = await vectors(items, model.context_len, False, True, timings)
+        embeddings, count = await self._vectors(items, self.model.context_len, False, True,
+                                                timings)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}
                 for i, v in enumerate(embeddings)]

@@ -78,10 +78,6 @@ class TandemServicer(pb_grpc.TandemServicer):
         self.coordinator = coordinator
         self.info = model_info.describe(coordinator.model)
 
-    def _check_model(self, name: str) -> None:
-        if not self.coordinator.model.answers_to(name):
-            raise ModelNotFoundError(f"model '{shown(name)}' not found")
-
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if _status(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
             log.exception("internal error")
@@ -92,7 +88,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         timings = RequestTimings()
         name = self.coordinator.model.name
         try:
-            self._check_model(request.model)
+            self.coordinator.model.require(request.model)
             params = options_to_params(request.options)
             if not request.prompt and not request.context:
                 yield pb.GenerateResponse(model=name, done=True, done_reason="load")
@@ -123,7 +119,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         timings = RequestTimings()
         model = self.coordinator.model
         try:
-            self._check_model(request.model)
+            self.coordinator.model.require(request.model)
             params = options_to_params(request.options)
             messages = check_messages([{"role": m.role, "content": m.content}
                                        for m in request.messages],

@@ -1,7 +1,8 @@
 """Every HTTP error of the coordinator, in the shape of the API its path belongs to: OpenAI's
 nested `{"error": {"message", "type", "param", "code"}}` under /v1/, Ollama's `{"error": "..."}`
-everywhere else. Used by the route handlers (http_api.py), the handlers of Starlette's own
-errors (unknown routes, wrong methods) and the access middleware (access.py)."""
+everywhere else. Used by the app's exception handlers (http_api.py, Starlette's own errors too:
+unknown routes, wrong methods), /internal/workers (ops_routes.py) and the access middleware
+(access.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Request
@@ -18,6 +18,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from coordinator.ollama_request import RequestError, parse_json_body
+
+if TYPE_CHECKING:
+    from coordinator.generation import Generation
 
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"
@@ -85,3 +88,16 @@ async def until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             await asyncio.gather(task, return_exceptions=True)
             raise ClientGone()
     return task.result()
+
+
+async def collect(request: Request, generation: Generation) -> str | None:
+    """The whole answer, or None if the client left first (the request is then cancelled)."""
+    async def run() -> str:
+        return "".join([piece async for piece in generation.pieces()])
+
+    try:
+        return await until_disconnected(request, run())
+    except ClientGone:
+        return None
+    finally:
+        await generation.close()

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import ModelNotFoundError
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
@@ -34,6 +35,11 @@ class ServedModel:
         """Ollama clients add the default tag: "smollm2" and "smollm2:latest" are one model."""
         base = name[: -len(":latest")] if name.endswith(":latest") else name
         return name in self.names or base in self.names
+
+    def require(self, name: str) -> None:
+        """A ModelNotFoundError (HTTP 404, gRPC NOT_FOUND) unless this model answers to `name`."""
+        if not self.answers_to(name):
+            raise ModelNotFoundError(f"model '{shown(name)}' not found")
 
 
 def shown(text: str, limit: int = 100) -> str:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator.http_stream import ClientGone, WatchedStream, read_json_body, until_disconnected
@@ -60,18 +60,19 @@ class PullCancelled(Exception):
     """Raised on the pulling thread at its next progress report once the client has gone."""
 
 
-def add_model_routes(app: FastAPI, coordinator: Coordinator) -> None:
-    limits = coordinator.config
+class ModelRoutes:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.limits = coordinator.config
 
-    def store() -> ModelStore:
-        if coordinator.store is None:
+    def store(self) -> ModelStore:
+        if self.coordinator.store is None:
             raise RequestError("this coordinator was started without a model store", 501)
-        return coordinator.store
+        return self.coordinator.store
 
-    @app.post("/api/pull")
-    async def pull(request: Request) -> Response:
-        body = await read_json_body(request, limits.max_body_bytes)
-        name, stream, models = _model_field(body), stream_flag(body), store()
+    async def pull(self, request: Request) -> Response:
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        name, stream, models = _model_field(body), stream_flag(body), self.store()
         if models.entry(name) is None:
             raise ModelNotFoundError(f"model '{shown(name)}' is not one tandem can pull; "
                                      f"known models: {', '.join(models.known_names())}")
@@ -91,34 +92,31 @@ def add_model_routes(app: FastAPI, coordinator: Coordinator) -> None:
             raise RequestError(f"pull of '{shown(name)}' failed: {exc}", 500) from exc
         return JSONResponse({"status": PullStatus.SUCCESS.value})
 
-    @app.post("/api/copy")
-    async def copy(request: Request) -> Response:
-        body = await read_json_body(request, limits.max_body_bytes)
+    async def copy(self, request: Request) -> Response:
+        body = await read_json_body(request, self.limits.max_body_bytes)
         source, destination = _str_field(body, "source"), _str_field(body, "destination")
-        await _add_name(coordinator, store(), destination, source)
+        await _add_name(self.coordinator, self.store(), destination, source)
         return Response(status_code=200)
 
-    @app.post("/api/create")
-    async def create(request: Request) -> Response:
-        body = await read_json_body(request, limits.max_body_bytes)
+    async def create(self, request: Request) -> Response:
+        body = await read_json_body(request, self.limits.max_body_bytes)
         name, stream = _model_field(body), stream_flag(body)
         _refuse_unsupported(body)
         source = body.get("from")
         if not isinstance(source, str) or not source:
             raise RequestError("from is required: the absolute path of a .gguf file or a "
                                "Hugging Face directory on the server's host, or a model name")
-        await _add_name(coordinator, store(), name, source)
+        await _add_name(self.coordinator, self.store(), name, source)
         if not stream:
             return JSONResponse({"status": PullStatus.SUCCESS.value})
         lines = [{"status": "writing manifest"}, {"status": PullStatus.SUCCESS.value}]
         return Response(b"".join(ndjson(line) for line in lines),
                         media_type="application/x-ndjson")
 
-    @app.delete("/api/delete")
-    async def delete(request: Request) -> Response:
-        body = await read_json_body(request, limits.max_body_bytes)
-        name, models = _model_field(body), store()
-        served = coordinator.model
+    async def delete(self, request: Request) -> Response:
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        name, models = _model_field(body), self.store()
+        served = self.coordinator.model
         try:
             files = await asyncio.to_thread(models.removes, name)
         except ModelNotFoundError:
@@ -129,8 +127,8 @@ def add_model_routes(app: FastAPI, coordinator: Coordinator) -> None:
                 _holds(served.path, f) for f in files):
             raise _in_use(name)
         await asyncio.to_thread(models.delete, name)
-        coordinator.drop_model_name(name)
-        coordinator.drop_model_name(normalize_name(name))
+        self.coordinator.drop_model_name(name)
+        self.coordinator.drop_model_name(normalize_name(name))
         return Response(status_code=200)
 
 

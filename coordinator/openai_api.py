@@ -1,5 +1,5 @@
 """The OpenAI-compatible surface, as pure functions: request bodies -> typed requests, and
-tandem's results -> OpenAI's response, chunk and error shapes. Routes live in http_api.py.
+tandem's results -> OpenAI's response, chunk and error shapes. Handlers: openai_routes.py.
 
 Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI layer does:
 `max_tokens` / `max_completion_tokens` -> num_predict, `temperature` (OpenAI's default 1.0),

@@ -1,28 +1,27 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions (SSE streams ending with
-`data: [DONE]`, or one JSON object, both with usage), /v1/models. Parsing and shapes are in
-openai_api.py; admission, limits and cancellation are shared with the Ollama routes."""
+`data: [DONE]`, or one JSON object, both with usage), /v1/models (the table is
+coordinator/routes.py). Parsing and shapes are in openai_api.py; a chat completion is admitted
+by Ollama's chat (OllamaRoutes.start_chat), and admission, limits and cancellation are shared
+with the Ollama routes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator import openai_api as oa
 from coordinator.generation import Generation
-from coordinator.http_stream import SSE, WatchedStream, read_json_body
+from coordinator.http_stream import SSE, WatchedStream, collect, read_json_body
 from coordinator.logprobs import join_completion_logprobs
 from coordinator.metrics import RequestTimings
-from coordinator.model import shown
-from coordinator.prompts import chat_prompt_ids, completion_prompt_ids, off_loop
+from coordinator.ollama_routes import OllamaRoutes
+from coordinator.prompts import completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
-from coordinator.tool_calls import (
-    ToolCallParser, call_format, openai_tool_calls, require_tool_support,
-)
-from common.errors import ModelNotFoundError
+from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls, split_calls
 
 
 def _usage(g: Generation) -> dict[str, Any]:
@@ -35,36 +34,33 @@ def _chat_logprobs(g: Generation) -> list[dict[str, Any]] | None:
     return g.take_logprobs() if g.wants_logprobs else None
 
 
-def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
-                      check_model: Callable) -> None:
-    model = coordinator.model
-    limits = coordinator.config
-    created = int(model.path.stat().st_mtime)
+class OpenAIRoutes:
+    """OpenAI's routes; chat completions is an adapter over Ollama's chat (`start_chat`)."""
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(oa.models_list(model.name, created))
+    def __init__(self, coordinator: Coordinator, ollama: OllamaRoutes) -> None:
+        self.coordinator = coordinator
+        self.ollama = ollama
+        self.model = coordinator.model  # as served at start
+        self.limits = coordinator.config
+        self.created = int(self.model.path.stat().st_mtime)
 
-    @app.get("/v1/models/{name:path}")
-    async def one_model(name: str) -> JSONResponse:
-        if not model.answers_to(name):
-            raise ModelNotFoundError(f"model '{shown(name)}' not found")
-        return JSONResponse(oa.model_entry(model.name, created))
+    async def models(self) -> JSONResponse:
+        return JSONResponse(oa.models_list(self.model.name, self.created))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def one_model(self, name: str) -> JSONResponse:
+        self.model.require(name)
+        return JSONResponse(oa.model_entry(self.model.name, self.created))
+
+    async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = oa.parse_chat_completion(await read_json_body(request, limits.max_body_bytes),
-                                       limits.max_messages)
-        check_model(coordinator, req.model)
-        template = model.tokenizer.chat_template
-        require_tool_support(req.tools, template, req.model)
-        prompt_ids = await off_loop(chat_prompt_ids, model, req.messages, req.tools,
-                                    req.params.context_limit(model.context_len))
-        generation = await coordinator.submit(prompt_ids, req.params, timings)
+        req = oa.parse_chat_completion(await read_json_body(request, self.limits.max_body_bytes),
+                                       self.limits.max_messages)
+        generation = await self.ollama.start_chat(req.model, req.messages, req.tools,
+                                                  req.params, timings)
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
         # tool_choice makes the whole output the call.
+        template = self.model.tokenizer.chat_template
         calls = (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
                  if req.tools or req.tool_choice.forced else None)
         if req.stream:
@@ -81,14 +77,13 @@ def add_openai_routes(app: FastAPI, coordinator: Coordinator, collect: Callable,
                                                _usage(generation), found,
                                                _chat_logprobs(generation)))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        timings = RequestTimings()
-        req = oa.parse_completion(await read_json_body(request, limits.max_body_bytes))
-        check_model(coordinator, req.model)
+    async def completions(self, request: Request) -> Response:
+        timings, model = RequestTimings(), self.model
+        req = oa.parse_completion(await read_json_body(request, self.limits.max_body_bytes))
+        self.coordinator.model.require(req.model)
         prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
                                     req.params.context_limit(model.context_len))
-        generation = await coordinator.submit(prompt_ids, req.params, timings)
+        generation = await self.coordinator.submit(prompt_ids, req.params, timings)
         rid = oa.new_id("cmpl")
         echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
         if req.stream:
@@ -154,15 +149,8 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
 
     yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
     try:
-        async for piece in g.pieces():
-            if calls is None:
-                yield oa.sse(oa.chat_chunk(rid, name, {"content": piece},
-                                           logprobs=_chat_logprobs(g)))
-                continue
-            for chunk in chunks(*calls.push(piece)):
-                yield chunk
-        if calls is not None:
-            for chunk in chunks(*calls.finish()):
+        async for content, found in split_calls(g.pieces(), calls):
+            for chunk in chunks(content, found):
                 yield chunk
     except WorkerError as exc:
         yield oa.sse(oa.error_body(500, str(exc)))

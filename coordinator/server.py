@@ -1,6 +1,13 @@
-"""Serve the coordinator: HTTP (uvicorn + FastAPI) and the Registry gRPC service on one uvloop
-event loop. SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting, finishes open
-responses (up to `graceful_timeout_s`), then the lifespan's exit stops the Registry server.
+"""Serve the coordinator: one `Coordinator` with its three transports around it, on one uvloop
+event loop. The HTTP app (uvicorn + FastAPI) owns the life cycle: its lifespan starts and stops
+the `Transports`.
+
+    start:  Registry gRPC server (workers register)  ->  background tasks (sweeper, residency)
+            ->  client gRPC API  ->  the coordinator learns its ports (listening)
+    stop:   client gRPC API  ->  background tasks  ->  Registry gRPC server  ->  registry.close()
+
+SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting, finishes open responses (up to
+`graceful_timeout_s`), then the lifespan's exit stops the rest in the order above.
 """
 
 from __future__ import annotations
@@ -9,31 +16,64 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import grpc
 import uvicorn
 from fastapi import FastAPI
 
 from coordinator.config import CoordinatorConfig
+from coordinator.grpc_api import start_client_api
 from coordinator.http_api import create_app
 from coordinator.model import ServedModel
+from coordinator.registry import start_registry_server
 from coordinator.service import Coordinator
 from common.model_store import ModelStore
 
 log = logging.getLogger(__name__)
 
 
+class Transports:
+    """The two gRPC servers around one Coordinator, started and stopped in order."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self._registry_server: grpc.aio.Server | None = None
+        self._client_server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        c, config = self.coordinator, self.coordinator.config
+        self._registry_server, registry_port = await start_registry_server(
+            c.registry, config.registry_host, config.registry_port)
+        await c.start()
+        log.info("registry listening on %s:%d", config.registry_host, registry_port)
+        self._client_server, grpc_port = await start_client_api(
+            c, config.grpc_host, config.grpc_port)
+        log.info("gRPC client API (tandem.v1.Tandem, health, reflection) on %s:%d",
+                 config.grpc_host, grpc_port)
+        c.listening(registry_port, grpc_port)
+
+    async def stop(self) -> None:
+        if self._client_server is not None:
+            await self._client_server.stop(grace=1.0)
+        await self.coordinator.stop()
+        if self._registry_server is not None:
+            await self._registry_server.stop(grace=1.0)
+        await self.coordinator.registry.close()
+
+
 def build_app(coordinator: Coordinator) -> FastAPI:
-    """The app with a lifespan that starts and stops the coordinator's Registry server."""
+    """The HTTP app with a lifespan that starts and stops the coordinator's Transports."""
+    transports = Transports(coordinator)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await coordinator.start()
+        await transports.start()
         log.info("tandem coordinator serving %s on %s://%s:%d (registry port %d)",
                  coordinator.model.name, "https" if coordinator.config.api_tls else "http",
                  coordinator.config.host, coordinator.config.port, coordinator.registry_port)
         try:
             yield
         finally:
-            await coordinator.stop()
+            await transports.stop()
 
     return create_app(coordinator, lifespan=lifespan)
 

@@ -1,5 +1,6 @@
-"""The coordinator as one object: model, worker registry, admission, request flow and metrics,
-and the Registry gRPC server that workers call. The HTTP layer talks only to this."""
+"""The coordinator as one object: model, worker registry, admission, request flow, metrics and
+its background tasks. It starts no transport: coordinator/server.py serves the Registry gRPC
+service, the client gRPC API and the HTTP app around it. The API layers talk only to this."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
 from coordinator.placement import Prompt, choose_decode, concurrency_limit
 from coordinator.prompts import off_loop
-from coordinator.registry import DECODE_ROLES, WorkerRegistry, start_registry_server
+from coordinator.registry import DECODE_ROLES, WorkerRegistry
 from coordinator.residency import Residency
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
 from common.errors import ContextLengthError, InvalidOptionError
@@ -50,11 +51,10 @@ class Coordinator:
         self.residency = Residency(self.registry, config.keep_alive_s, config.prefill_timeout_s)
         self._residency_task: asyncio.Task | None = None
         self.metrics = Metrics()
-        self.registry_port: int | None = None
+        # Set by listening() once the transports bound (coordinator/server.py).
+        self.registry_port: int | None = None  # the Registry gRPC service, for workers
         self.grpc_port: int | None = None  # the client-facing gRPC API
         self.open_requests = 0  # queued or running, on every API (config.max_streams)
-        self._server: grpc.aio.Server | None = None
-        self._client_server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task | None = None
 
     def _capacity(self) -> int:
@@ -64,29 +64,23 @@ class Coordinator:
     # ---- life cycle (inside the serving event loop) ---------------------------------------------
 
     async def start(self) -> None:
-        self._server, self.registry_port = await start_registry_server(
-            self.registry, self.config.registry_host, self.config.registry_port)
+        """The background tasks: the registry's sweeper and keep_alive's residency. The
+        transports around this object are started by coordinator/server.py."""
         self._sweeper = asyncio.create_task(self.registry.run_sweeper())
         self._residency_task = asyncio.create_task(self.residency.run())
-        log.info("registry listening on %s:%d", self.config.registry_host, self.registry_port)
-        from coordinator.grpc_api import start_client_api  # noqa: PLC0415 (grpc_api imports us)
 
-        self._client_server, self.grpc_port = await start_client_api(
-            self, self.config.grpc_host, self.config.grpc_port)
-        log.info("gRPC client API (tandem.v1.Tandem, health, reflection) on %s:%d",
-                 self.config.grpc_host, self.grpc_port)
+    def listening(self, registry_port: int, grpc_port: int) -> None:
+        """Where the transports bound (coordinator/server.py): the registry's and the client
+        gRPC API's ports, for /internal/workers and the launchers that read them."""
+        self.registry_port, self.grpc_port = registry_port, grpc_port
 
     async def stop(self) -> None:
-        if self._client_server is not None:
-            await self._client_server.stop(grace=1.0)
+        """Cancels the background tasks (the transports are stopped by coordinator/server.py)."""
         for task in (self._sweeper, self._residency_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-        await self.registry.close()
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -271,6 +272,16 @@ class ToolCallParser:
         tail, more = self.finish()
         content, calls = content + tail, calls + more
         return (content if content.strip() or not calls else ""), calls
+
+
+async def split_calls(pieces: AsyncIterator[str], calls: ToolCallParser | None
+                      ) -> AsyncIterator[tuple[str, list[ToolCall]]]:
+    """A streamed output as (content, calls completed) parts: each piece as it is without a
+    parser; through `calls` (push, then finish) with one. Both APIs' chat streams read this."""
+    async for piece in pieces:
+        yield (piece, []) if calls is None else calls.push(piece)
+    if calls is not None:
+        yield calls.finish()
 
 
 def _partial_suffix(text: str, marker: str) -> int:

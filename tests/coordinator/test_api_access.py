@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.access import OLLAMA_DEFAULT_ORIGINS, Origins
 from coordinator.client import TandemClient
-from coordinator.http_api import OLLAMA_API_VERSION, tandem_version
+from coordinator.ollama_routes import OLLAMA_API_VERSION, tandem_version
 from tests.helpers.coordinator_fakes import (
     DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run,
 )

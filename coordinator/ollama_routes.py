@@ -1,0 +1,172 @@
+"""Ollama's API handlers: /, /api/version, /api/tags, /api/ps, /api/show, /api/chat,
+/api/generate (the table is coordinator/routes.py).
+
+Handlers stay thin: parse (ollama_request) -> tokenize (prompts) -> check and admit
+(Coordinator) -> shape (ollama_response). Errors before any output are raised and answered as
+a status with {"error": ...} (http_api.py's exception handlers); errors after the stream
+started are a last NDJSON line {"error": ...}. A client that disconnects has its request
+cancelled on every worker (http_stream.py). OpenAI's chat completions reuses `start_chat`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from coordinator import model_info
+from coordinator.generation import Generation
+from coordinator.http_stream import WatchedStream, collect, read_json_body
+from coordinator.metrics import RequestTimings
+from coordinator.ollama_request import parse_chat, parse_generate, parse_show
+from coordinator.ollama_response import (
+    chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
+    ndjson,
+)
+from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
+from coordinator.request_flow import WorkerError
+from coordinator.service import Coordinator
+from coordinator.tool_calls import (
+    ToolCallParser, call_format, ollama_tool_calls, require_tool_support, split_calls,
+)
+from common.sampling_params import SamplingParams
+
+
+def tandem_version() -> str:
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+# The Ollama release whose API tandem's routes match, for /api/version: clients compare it
+# with the release that brought a feature before they use it, and tandem's own 0.1.0 would
+# read as an Ollama from 2023.
+# 0.12.10: /api/chat, /api/generate, /api/show (capabilities, model_info, template,
+# parameters), /api/tags and /api/ps answer with that release's fields; `think` and `images`
+# are refused as that release refuses them for a model without the capability; `logprobs`
+# arrived in 0.12.11, and tandem refuses it, so a client that gates it on the version will not
+# send it. tandem's own version: the X-Tandem-Version header and /api/version's "tandem".
+OLLAMA_API_VERSION = "0.12.10"
+
+
+class OllamaRoutes:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.model = coordinator.model  # as served at start (copies add names, not weights)
+        self.info = model_info.describe(self.model)
+        self.limits = coordinator.config
+
+    async def root(self) -> PlainTextResponse:
+        return PlainTextResponse("Ollama is running")
+
+    async def api_version(self) -> JSONResponse:
+        return JSONResponse({"version": OLLAMA_API_VERSION, "tandem": tandem_version()})
+
+    async def tags(self) -> JSONResponse:
+        return JSONResponse({"models": [model_info.tags_entry(self.info)]})
+
+    async def ps(self) -> JSONResponse:
+        # Loaded while a worker that serves it is alive and keep_alive has not unloaded it.
+        residency = self.coordinator.residency
+        loaded = residency.resident and any(self.coordinator.registry.live_counts().values())
+        entry = model_info.ps_entry(self.info, residency.expires_at_iso())
+        return JSONResponse({"models": [entry] if loaded else []})
+
+    async def show(self, request: Request) -> JSONResponse:
+        name = parse_show(await read_json_body(request, self.limits.max_body_bytes))
+        self.coordinator.model.require(name)
+        return JSONResponse(model_info.show_body(self.model, self.info))
+
+    async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
+                         params: SamplingParams, timings: RequestTimings,
+                         keep_alive: float | None = None) -> Generation:
+        """A chat admitted: the model checked, tools checked against the template (a 400 as
+        Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too."""
+        model = self.model
+        self.coordinator.model.require(name)
+        require_tool_support(tools, model.tokenizer.chat_template, name)
+        prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools,
+                                    params.context_limit(model.context_len))
+        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive)
+
+    async def chat(self, request: Request) -> Response:
+        timings = RequestTimings()
+        req = parse_chat(await read_json_body(request, self.limits.max_body_bytes),
+                         self.limits.max_messages)
+        name = self.model.name
+        if not req.messages:
+            self.coordinator.model.require(req.model)
+            await self.coordinator.preload(req.keep_alive)
+            return JSONResponse(chat_load(name, req.unload))
+        generation = await self.start_chat(req.model, req.messages, req.tools, req.params,
+                                           timings, req.keep_alive)
+        # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
+        template = self.model.tokenizer.chat_template
+        calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
+        if req.stream:
+            return WatchedStream(_stream_chat(name, generation, calls), generation.close)
+        content = await collect(request, generation)
+        if content is None:
+            return Response(status_code=499)
+        found = []
+        if calls is not None:
+            content, found = calls.split(content)
+        return JSONResponse(chat_final(name, generation, content, ollama_tool_calls(found)))
+
+    async def generate(self, request: Request) -> Response:
+        timings, model = RequestTimings(), self.model
+        req = parse_generate(await read_json_body(request, self.limits.max_body_bytes))
+        self.coordinator.model.require(req.model)
+        if not req.prompt and not req.context:
+            await self.coordinator.preload(req.keep_alive)
+            return JSONResponse(generate_load(model.name, req.unload))
+        prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
+                                    req.context, req.params.context_limit(model.context_len))
+        generation = await self.coordinator.submit(prompt_ids, req.params, timings,
+                                                   req.keep_alive)
+
+        def context() -> list[int] | None:
+            return None if req.raw else prompt_ids + generation.output_ids
+
+        if req.stream:
+            return WatchedStream(_stream_generate(model.name, generation, context),
+                                 generation.close)
+        text = await collect(request, generation)
+        if text is None:
+            return Response(status_code=499)
+        return JSONResponse(generate_final(model.name, generation, text, context()))
+
+
+async def _stream_chat(name: str, generation: Generation,
+                       calls: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+    made = 0  # tool calls sent so far (their indexes)
+
+    def lines(content: str, found: list) -> list[bytes]:
+        nonlocal made
+        out = [ndjson(chat_chunk(name, content, g=generation))] if content else []
+        if found:  # Ollama sends calls in a chunk of their own, before the final one
+            out.append(ndjson(chat_chunk(name, "", ollama_tool_calls(found, made))))
+            made += len(found)
+        return out
+
+    try:
+        async for content, found in split_calls(generation.pieces(), calls):
+            for line in lines(content, found):
+                yield line
+    except WorkerError as exc:
+        yield ndjson(error_body(str(exc)))
+        return
+    yield ndjson(chat_final(name, generation))
+
+
+async def _stream_generate(name: str, generation: Generation, context) -> AsyncIterator[bytes]:
+    try:
+        async for piece in generation.pieces():
+            yield ndjson(generate_chunk(name, piece, generation))
+    except WorkerError as exc:
+        yield ndjson(error_body(str(exc)))
+        return
+    yield ndjson(generate_final(name, generation, context=context()))

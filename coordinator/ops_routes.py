@@ -1,0 +1,57 @@
+"""The server's own routes, for operators and launchers: /metrics (Prometheus) and
+/internal/workers (the table is coordinator/routes.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from coordinator.http_errors import error_response
+from coordinator.service import Coordinator
+
+
+class OpsRoutes:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.internal_from = [ipaddress.ip_network(n, strict=False)
+                              for n in coordinator.config.internal_api_from]
+
+    async def metrics(self) -> Response:
+        return Response(self.coordinator.render_metrics(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # Worker addresses, KV endpoints and the model fingerprint a worker registers with: for the
+    # launchers on this host (deploy/local.py, deploy/launch.py, deploy/ray_launcher.py and the
+    # tests poll it), and for networks named by --internal-api-from; a 403 to everyone else.
+    async def workers(self, request: Request) -> JSONResponse:
+        if not _internal_client(request, self.internal_from):
+            return error_response(request.url.path, 403,
+                                  "/internal/workers is served only to clients on the "
+                                  "coordinator's host (or in --internal-api-from)")
+        return JSONResponse(self.coordinator.workers_report())
+
+
+def _internal_client(request: Request, networks: list) -> bool:
+    """True for a loopback peer, a peer on this host, or one in `networks`.
+
+    A peer whose address is the address it connected to is on this host: Linux routes a
+    connection to one of its own addresses over loopback with that address as the source, and
+    drops packets from outside that claim a local source address (a spoofed SYN could not
+    complete the handshake anyway)."""
+    if request.client is None:
+        return False
+    try:
+        peer = ipaddress.ip_address(request.client.host)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped
+    if peer.is_loopback:
+        return True
+    server = request.scope.get("server")
+    if server and server[0] == request.client.host:
+        return True
+    return any(peer in network for network in networks)
+
