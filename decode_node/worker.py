@@ -46,6 +46,7 @@ from common.errors import TandemError
 from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
+from engine.request_grammar import RequestGrammar
 from common.sampling_params import SamplingParams
 
 
@@ -99,6 +100,7 @@ class DecodeWorker(EngineLoop):
         self._embeds: dict[str, asyncio.Future] = {}  # asyncio thread: embedding request -> caller
         self._embedding_ids: set[str] = set()  # engine thread: embedding requests in the engine
         self._embed_batches = itertools.count()
+        self._grammar_tasks: set[asyncio.Task] = set()  # requests whose grammar is compiling
 
     # -- asyncio side --------------------------------------------------------------------
 
@@ -107,8 +109,22 @@ class DecodeWorker(EngineLoop):
         self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
         q: asyncio.Queue = asyncio.Queue()
         self._streams[job.request_id] = q
-        self.call(lambda: self._admit(job))
+        if job.params.grammar is None:
+            self.call(lambda: self._admit(job, None))
+        else:  # compiled off the engine thread first; the batch goes on meanwhile
+            task = self.loop.create_task(self._admit_with_grammar(job))
+            self._grammar_tasks.add(task)
+            task.add_done_callback(self._grammar_tasks.discard)
         return q
+
+    async def _admit_with_grammar(self, job: DecodeJob) -> None:
+        try:
+            grammar = await self.grammar_for(job.params, job.stop_token_ids)
+        except (TandemError, ValueError) as exc:
+            self._deliver(job.request_id, Tokens([], True, "error", str(exc)))
+            return
+        if job.request_id in self._streams:  # else the consumer left while it compiled
+            self.call(lambda: self._admit(job, grammar))
 
     async def embed(self, inputs: list[list[int]], normalize: bool = True) -> list[list[float]]:
         """Pooled embeddings of `inputs` (engine/embedding.py): one embedding request per input,
@@ -159,13 +175,14 @@ class DecodeWorker(EngineLoop):
     def _emit(self, request_id: str, event: Tokens) -> None:
         self.post(self._deliver, request_id, event)
 
-    def _admit(self, job: DecodeJob) -> None:
+    def _admit(self, job: DecodeJob, grammar: RequestGrammar | None) -> None:
         engine = self.engine
         try:
             engine.require_resident()  # an unload may have run since open()
             request = engine.make_request(job.prompt_token_ids, job.params, job.request_id,
                                           job.stop_token_ids, job.max_tokens, job.max_chunk_tokens,
                                           job.num_prior_output_tokens)
+            request.grammar = grammar
             if job.remote_prefill:
                 if self.connector is None:
                     raise TandemError("this worker has no KV receiver; it cannot take remote prefills")
