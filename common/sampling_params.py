@@ -12,6 +12,7 @@ so here:
 - `top_p` 0 and `typical_p` 0 are accepted: llama.cpp then keeps a single token (min_keep = 1).
 - `repeat_last_n` 0 turns off all three penalties, as in llama.cpp; -1 means the whole context.
 - `stop`: a string or a list of strings; empty strings are dropped (they would match anywhere).
+  At most MAX_STOP_STRINGS strings of at most MAX_STOP_LENGTH characters each.
 - A JSON null for any option means "use the default", as Go's decoder does.
 
 Ranges (wider than any sensible use, narrow enough that no value can make the sampler's fp32
@@ -52,7 +53,14 @@ MAX_REPEAT_PENALTY = 100.0
 MAX_PENALTY = 100.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_COUNT = (1 << 31) - 1  # integer options travel as int32 (proto/worker.proto, tandem.proto)
 GRAMMAR_KINDS = ("json", "json_schema", "lark", "regex")
-MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text; far past any real schema, bounded for the LRU
+# Stop strings: the matcher's cost per token does not depend on these (common/stop_strings.py),
+# but compiling it and carrying the list on every hop does; far past any real use.
+MAX_STOP_STRINGS = 256
+MAX_STOP_LENGTH = 512  # characters of one stop string
+# A grammar's text (a JSON schema, Lark grammar or regex). llguidance's compile over a vocabulary
+# grows faster than linearly with it (SmolLM2's 49k tokens, a 2-core Xeon: a 36 KB schema of
+# 1,000 properties 0.09 s, 74 KB 0.33 s, 289 KB ~20 s), and it runs once per distinct schema.
+MAX_GRAMMAR_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -272,8 +280,16 @@ def _to_float(name: str, value: Any) -> float:
 def _to_stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
-    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
-        return tuple(value)
+    if isinstance(value, (list, tuple)):
+        if len(value) > MAX_STOP_STRINGS:
+            raise InvalidOptionError(f"option {name!r} takes at most {MAX_STOP_STRINGS} strings, "
+                                     f"got {len(value)}")
+        if all(isinstance(s, str) for s in value):
+            longest = max(map(len, value), default=0)
+            if longest > MAX_STOP_LENGTH:
+                raise InvalidOptionError(f"option {name!r}: each stop string may have at most "
+                                         f"{MAX_STOP_LENGTH} characters, got one of {longest}")
+            return tuple(value)
     raise InvalidOptionError(f"option {name!r} must be a string or a list of strings, "
                              f"got {_show(value)}")
 

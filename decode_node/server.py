@@ -7,7 +7,6 @@ from __future__ import annotations
 import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker
-from engine.embedding import EmbedBusy
 from common.errors import ResidencyError, TandemError
 from worker.node_server import set_resident
 from common.rpc import worker_pb2 as pb
@@ -62,8 +61,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ResidencyError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except EmbedBusy as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return pb.EmbedResult(embeddings=[pb.Embedding(values=v) for v in vectors])

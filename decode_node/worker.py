@@ -22,6 +22,12 @@ A request's life cycle on this node:
   local prefill (short prompts, colocated role):
     open()            -> add_request: WAITING, prefilled in chunks inside the decode batch
                          (split-fuse), then decoded as above. Its first token is in the stream.
+  embedding (Embed RPC, one request per input):
+    embed()           -> engine thread: a pooling request (make_embedding_request), queued;
+                         prefilled in chunks inside the decode batch like a local prompt, its
+                         hidden states summed pass by pass; finished once the whole prompt is
+                         computed: the pooled vector goes to the caller, blocks freed.
+    caller cancelled  -> (client gone) every input not yet finished is aborted, blocks freed.
   abort (client gone, stop string, coordinator cancel) in any state:
     the request ends; blocks a transfer may still write stay held until the receiver reports
     them released (the sender acknowledged, or its process is gone), then they are freed.
@@ -30,16 +36,17 @@ A request's life cycle on this node:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 
 from decode_node.connector import DecodeConnector
-from engine.embedding import embed_batch, plan_batches
 from worker.engine_loop import EngineLoop, settle
 from common.errors import TandemError
 from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
+from engine.request_grammar import RequestGrammar
 from common.sampling_params import SamplingParams
 
 
@@ -90,6 +97,10 @@ class DecodeWorker(EngineLoop):
         self.reserve_timeout_s = reserve_timeout_s
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
         self._first_event: set[str] = set()  # engine thread: remote requests not yet reported
+        self._embeds: dict[str, asyncio.Future] = {}  # asyncio thread: embedding request -> caller
+        self._embedding_ids: set[str] = set()  # engine thread: embedding requests in the engine
+        self._embed_batches = itertools.count()
+        self._grammar_tasks: set[asyncio.Task] = set()  # requests whose grammar is compiling
 
     # -- asyncio side --------------------------------------------------------------------
 
@@ -98,36 +109,53 @@ class DecodeWorker(EngineLoop):
         self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
         q: asyncio.Queue = asyncio.Queue()
         self._streams[job.request_id] = q
-        self.call(lambda: self._admit(job))
+        if job.params.grammar is None:
+            self.call(lambda: self._admit(job, None))
+        else:  # compiled off the engine thread first; the batch goes on meanwhile
+            task = self.loop.create_task(self._admit_with_grammar(job))
+            self._grammar_tasks.add(task)
+            task.add_done_callback(self._grammar_tasks.discard)
         return q
 
+    async def _admit_with_grammar(self, job: DecodeJob) -> None:
+        try:
+            grammar = await self.grammar_for(job.params, job.stop_token_ids)
+        except (TandemError, ValueError) as exc:
+            self._deliver(job.request_id, Tokens([], True, "error", str(exc)))
+            return
+        if job.request_id in self._streams:  # else the consumer left while it compiled
+            self.call(lambda: self._admit(job, grammar))
+
     async def embed(self, inputs: list[list[int]], normalize: bool = True) -> list[list[float]]:
-        """Pooled embeddings of `inputs` (engine/embedding.py). Each pass of at most the
-        engine's token budget is one call on the engine thread, so decode steps go on between
-        passes. ValueError for an empty or too long input; EmbedBusy when the pool is full."""
+        """Pooled embeddings of `inputs` (engine/embedding.py): one embedding request per input,
+        scheduled by the engine like any prompt: chunked under the token budget beside the
+        running decodes, waiting in arrival order for blocks. ValueError for an empty or too
+        long input. Cancelled (the client left): the inputs still running are aborted and
+        their blocks freed, so no work outlives the caller."""
         self.check_alive()
         self.engine.require_resident()
-        limit = self.engine.config.context_length
+        limit = self.engine.context_length
         for ids in inputs:
             if not ids or len(ids) > limit:
                 raise ValueError(f"an input has {len(ids)} tokens; each needs 1 to {limit}")
-        vectors: list[list[float]] = [[] for _ in inputs]
-        budget = self.engine.config.scheduler.max_num_batched_tokens
-        for group in plan_batches([len(ids) for ids in inputs], budget):
-            done: asyncio.Future = self.loop.create_future()
+        batch = next(self._embed_batches)
+        futures = {f"embed-{batch}-{i}": self.loop.create_future() for i in range(len(inputs))}
+        self._embeds.update(futures)
+        jobs = list(zip(futures, inputs))
+        self.call(lambda: self._admit_embeddings(jobs, normalize))
+        try:
+            return list(await asyncio.gather(*futures.values()))
+        finally:
+            for request_id in futures:
+                self._embeds.pop(request_id, None)
+            pending = [rid for rid, f in futures.items() if not f.done() or f.cancelled()]
+            if pending:
+                self.call(lambda: [self._end(rid) for rid in pending])
 
-            def run(group=group, done=done) -> None:
-                try:
-                    result = embed_batch(self.engine, [inputs[i] for i in group], normalize)
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
-                    self.post(settle, done, None, exc)
-                else:
-                    self.post(settle, done, result, None)
-
-            self.call(run)
-            for i, vector in zip(group, await done):
-                vectors[i] = vector
-        return vectors
+    def _embedding_done(self, request_id: str, vector: list[float] | None, error: str) -> None:
+        future = self._embeds.get(request_id)
+        if future is not None:
+            settle(future, vector, None if vector is not None else RuntimeError(error))
 
     def close_stream(self, request_id: str) -> None:
         """The consumer is gone: abort whatever is left of the request."""
@@ -147,13 +175,14 @@ class DecodeWorker(EngineLoop):
     def _emit(self, request_id: str, event: Tokens) -> None:
         self.post(self._deliver, request_id, event)
 
-    def _admit(self, job: DecodeJob) -> None:
+    def _admit(self, job: DecodeJob, grammar: RequestGrammar | None) -> None:
         engine = self.engine
         try:
             engine.require_resident()  # an unload may have run since open()
             request = engine.make_request(job.prompt_token_ids, job.params, job.request_id,
                                           job.stop_token_ids, job.max_tokens, job.max_chunk_tokens,
                                           job.num_prior_output_tokens)
+            request.grammar = grammar
             if job.remote_prefill:
                 if self.connector is None:
                     raise TandemError("this worker has no KV receiver; it cannot take remote prefills")
@@ -164,6 +193,21 @@ class DecodeWorker(EngineLoop):
         except (TandemError, ValueError) as exc:
             self._first_event.discard(job.request_id)
             self._emit(job.request_id, Tokens([], True, "error", str(exc)))
+
+    def _admit_embeddings(self, jobs: list[tuple[str, list[int]]], normalize: bool) -> None:
+        for request_id, ids in jobs:
+            try:
+                self.engine.require_resident()
+                self.engine.submit(self.engine.make_embedding_request(ids, normalize, request_id))
+            except (TandemError, ValueError) as exc:
+                self.post(self._embedding_failed, request_id, exc)
+                continue
+            self._embedding_ids.add(request_id)
+
+    def _embedding_failed(self, request_id: str, exc: BaseException) -> None:
+        future = self._embeds.get(request_id)
+        if future is not None:
+            settle(future, None, exc)
 
     def poll(self) -> None:
         """Remote requests still waiting for blocks past reserve_timeout_s fail: the pool has
@@ -180,12 +224,18 @@ class DecodeWorker(EngineLoop):
 
     def _end(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self._first_event.discard(request_id)
+        self._embedding_ids.discard(request_id)
         if self.connector is not None:
             self.connector.expected_bytes.pop(request_id, None)
         self.engine.abort_request(request_id, status)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
+            if out.request_id in self._embedding_ids:
+                self._embedding_ids.discard(out.request_id)
+                self.post(self._embedding_done, out.request_id, out.embedding,
+                          out.error or f"embedding ended {out.status.value}")
+                continue
             reason = (out.status.done_reason or "") if out.finished else ""
             kv_bytes = 0
             if out.request_id in self._first_event:
@@ -201,4 +251,6 @@ class DecodeWorker(EngineLoop):
         def fail_all() -> None:
             for rid in list(self._streams):
                 self._deliver(rid, Tokens([], True, "error", f"decode engine failed: {exc}"))
+            for future in list(self._embeds.values()):
+                settle(future, None, RuntimeError(f"decode engine failed: {exc}"))
         self.post(fail_all)

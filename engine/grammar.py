@@ -36,6 +36,7 @@ over 49k tokens), ~1.1 ms at batch 4 on one thread.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,9 +63,14 @@ def _llguidance() -> Any:
 
 
 class GrammarBackend:
-    """Compiles and caches grammars for one vocabulary and masks logits; one per engine, used
-    on the engine thread only. The vocabulary is `tokenizer`'s, or else that of the tokenizer
-    at `tokenizer_path` (a GGUF file or HF directory), read at the first grammar request."""
+    """Compiles and caches grammars for one vocabulary and masks logits; one per engine. The
+    vocabulary is `tokenizer`'s, or else that of the tokenizer at `tokenizer_path` (a GGUF file
+    or HF directory), read at the first grammar request.
+
+    Threads: `mask` runs on the engine thread. `matcher` (which may build the vocabulary and
+    compile) is thread-safe, so that workers call it on their grammar thread before a request
+    reaches the engine (worker/engine_loop.py `grammar_for`) and a large grammar never stalls
+    the batch; the lock guards only the vocabulary and the cache, never a compile."""
 
     def __init__(self, vocab_size: int, tokenizer: Tokenizer | None = None,
                  tokenizer_path: str | Path | None = None,
@@ -81,6 +87,7 @@ class GrammarBackend:
         self._eos: frozenset[int] = frozenset()  # llguidance's EOS set (the same, if any)
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self.compile_count = 0  # grammars compiled so far (cache misses)
+        self._lock = threading.Lock()
 
     @property
     def loaded(self) -> bool:
@@ -88,6 +95,10 @@ class GrammarBackend:
         return self._vocab is not None
 
     def _load(self) -> Any:
+        with self._lock:
+            return self._load_locked()
+
+    def _load_locked(self) -> Any:
         if self._vocab is None:
             llg = _llguidance()
             tokenizer = self._tokenizer
@@ -114,10 +125,11 @@ class GrammarBackend:
     def compiled(self, spec: GrammarSpec) -> Any:
         """The pristine matcher of `spec` (LRU of cache_size), copied for each request;
         GrammarError if it does not compile."""
-        hit = self._compiled.get(spec)
-        if hit is not None:
-            self._compiled.move_to_end(spec)
-            return hit
+        with self._lock:
+            hit = self._compiled.get(spec)
+            if hit is not None:
+                self._compiled.move_to_end(spec)
+                return hit
         vocab = self._load()
         llg = _llguidance()
         try:
@@ -129,10 +141,11 @@ class GrammarBackend:
         if result.is_error():
             raise GrammarError(f"the {spec.kind} grammar does not compile: "
                                f"{clean_error(spec.kind, result.get_error())}")
-        self.compile_count += 1
-        self._compiled[spec] = result
-        while len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self.compile_count += 1
+            self._compiled[spec] = result
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
         return result
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: frozenset[int]) -> RequestGrammar:

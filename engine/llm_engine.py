@@ -25,6 +25,7 @@ from engine.config import (
     KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
 )
 from engine.device import resolve_device
+from engine.embedding import mean_pooled
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
@@ -71,6 +72,8 @@ class StepOutput:
     # With the request's first token, when it asked for prompt logprobs: entry i is prompt
     # token i + 1's (the first prompt token has none). Else None.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # An embedding request's pooled vector, with its finish (engine/embedding.py); else None.
+    embedding: list[float] | None = None
 
 
 def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
@@ -118,6 +121,9 @@ class LLMEngine:
         # grammar request, from `tokenizer` or else from tokenizer_path (workers load none).
         self.grammars = GrammarBackend(config.model.vocab_size, tokenizer, tokenizer_path)
         self._generators: dict[str, torch.Generator] = {}
+        # Embedding requests: request id -> the fp64 sum of its computed prompt positions' final
+        # hidden states so far (reset when a preemption recomputes it from the start).
+        self._pooled: dict[str, torch.Tensor] = {}
         self._ids = itertools.count()
         self._pending: list[StepOutput] = []
         self.load_duration_s = 0.0
@@ -237,7 +243,8 @@ class LLMEngine:
             request.status = RequestStatus.FINISHED_LENGTH
             self._pending.append(StepOutput(request.request_id, [], True, request.status))
             return request
-        self._generators[request.request_id] = make_generator(request.sampling_params.seed)
+        if not request.pooling:
+            self._generators[request.request_id] = make_generator(request.sampling_params.seed)
         self.scheduler.add_request(request)
         return request
 
@@ -271,6 +278,22 @@ class LLMEngine:
             num_prior_output_tokens=num_prior_output_tokens,
         )
 
+    def make_embedding_request(self, prompt_token_ids: Sequence[int], normalize: bool = True,
+                               request_id: str | None = None) -> Request:
+        """A validated embedding request (pooling), not yet queued: 1 to context_length
+        tokens, each in the vocabulary. ContextLengthError / InvalidOptionError else."""
+        if not prompt_token_ids or len(prompt_token_ids) > self.context_length:
+            raise ContextLengthError(f"an embedding input has {len(prompt_token_ids)} tokens; each "
+                                     f"needs 1 to {self.context_length}")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidOptionError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return Request(request_id=request_id or f"embed-{next(self._ids)}",
+                       prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=SamplingParams(temperature=0.0), max_tokens=1,
+                       pooling=True, normalize=normalize)
+
     def set_connector(self, connector: KVConnector) -> None:
         """Makes this engine take part in KV transfers through `connector` (once, before the
         first request)."""
@@ -285,6 +308,7 @@ class LLMEngine:
         touch them, once the connector reports them released."""
         self.scheduler.finish_request(request_id, status)
         self._generators.pop(request_id, None)
+        self._pooled.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -310,17 +334,26 @@ class LLMEngine:
         chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
                                 is_decode=c.start_pos >= c.request.num_prompt_tokens,
-                                prompt_logits=_prompt_logit_rows(c.request, c.start_pos, c.num_tokens))
+                                prompt_logits=_prompt_logit_rows(c.request, c.start_pos, c.num_tokens),
+                                pool_hidden=c.request.pooling)
                   for c in plan.chunks]
+        for request_id in plan.preempted:  # recomputed from its first token
+            self._pooled.pop(request_id, None)
         save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
-        logits = self.runner.execute(chunks, save_kv_layer)
+        pooled: dict[int, torch.Tensor] | None = {} if any(c.pool_hidden for c in chunks) else None
+        logits = self.runner.execute(chunks, save_kv_layer, pooled)
+        for index, total in (pooled or {}).items():
+            request_id = plan.chunks[index].request_id
+            self._pooled[request_id] = self._pooled.get(request_id, 0) + total
         sampling = [c.request for c in plan.chunks if c.samples]
         if logits.shape[0] > len(sampling):  # prompt logprob rows follow the sampling rows
             self._add_prompt_logprobs(plan.chunks, chunks, logits[len(sampling):])
             logits = logits[:len(sampling)]
         sampled, failed = self._sample(sampling, logits)
         logprobs = self._logprobs(sampling, logits, sampled)
-        finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
+        ended = self.scheduler.update_from_output(plan, sampled)
+        finished = {r.request_id for r in ended}
+        outputs.extend(self._embedding(r) for r in ended if r.pooling)
         by_id = {c.request_id: c.request for c in plan.chunks}
         for request_id, token in sampled.items():
             done = request_id in finished
@@ -341,6 +374,12 @@ class LLMEngine:
             outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
                                       by_id[request_id].num_cached_tokens, error=reason))
         return outputs
+
+    def _embedding(self, request: Request) -> StepOutput:
+        """The finish of an embedding request whose whole prompt is computed."""
+        vector = mean_pooled(self._pooled.pop(request.request_id), request.num_prompt_tokens,
+                             request.normalize)
+        return StepOutput(request.request_id, [], True, request.status, embedding=vector)
 
     def _apply_transfers(self, events: ConnectorEvents) -> list[StepOutput]:
         """Requests that the connector's report ended: a received request whose first token

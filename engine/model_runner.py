@@ -40,6 +40,9 @@ class SequenceChunk:
     # Prompt logprobs: indexes into token_ids whose logits the engine also wants (each
     # position's distribution over the next prompt token). Empty for every other request.
     prompt_logits: range = range(0)
+    # Embeddings: the engine wants the sum of this chunk's final hidden states (mean pooling
+    # across the passes of a chunked prompt).
+    pool_hidden: bool = False
 
     @property
     def decodes(self) -> bool:
@@ -111,11 +114,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SequenceChunk],
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer_done: Callable[[int], None] | None = None,
+                pooled: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Runs one forward pass; returns fp32 logits [number of chunks needing logits, vocab],
         in chunk order, followed by the rows of every chunk's prompt_logits, in chunk order
-        (none unless a chunk asks)."""
-        if (self.graphs is not None and on_layer_done is None and self.graphs.accepts(
+        (none unless a chunk asks). `pooled`, when given, receives chunk index -> the fp64 sum
+        of that chunk's final hidden states [hidden], for every chunk with pool_hidden."""
+        if (self.graphs is not None and on_layer_done is None and pooled is None and self.graphs.accepts(
                 [len(c.token_ids) for c in chunks], [len(c.block_table) for c in chunks],
                 all(c.needs_logits and not c.prompt_logits for c in chunks))):
             if self.graphs.model is not self.model:  # weights reloaded (keep_alive): new graphs
@@ -124,6 +129,11 @@ class ModelRunner:
         batch = self.prepare(chunks)
         batch.on_layer_done = on_layer_done
         hidden = self.model.forward(batch, self.kv_cache)
+        if pooled is not None:
+            cu = batch.cu_seqlens_q.tolist()
+            for i, c in enumerate(chunks):
+                if c.pool_hidden:
+                    pooled[i] = hidden[cu[i]:cu[i + 1]].double().sum(dim=0)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[batch.logits_indices], batch)

@@ -80,6 +80,11 @@ class Request:
     # chunk by chunk as the prefill passes compute them; kept across a preemption, so that a
     # recompute adds none twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # An embedding request (engine/embedding.py): its prompt is computed chunk by chunk under
+    # the token budget like any prompt, its final hidden states mean-pooled as the passes go;
+    # it samples nothing and finishes (FINISHED_STOPPED) once the whole prompt is computed.
+    pooling: bool = False
+    normalize: bool = True  # pooling: L2-normalize the pooled vector
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -146,7 +146,8 @@ class Scheduler:
     @staticmethod
     def _chunk(request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, n, samples=start + n == request.num_tokens)
+        return ScheduledChunk(request, start, n,
+                              samples=start + n == request.num_tokens and not request.pooling)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -197,9 +198,11 @@ class Scheduler:
                 # First allocation looks up the prefix cache: cached tokens need no compute.
                 # Not for prompt logprobs: those need every prompt position's logits, which
                 # cached positions lack, so the whole prompt is recomputed.
+                # Nor for embeddings: pooling needs every prompt position's hidden state.
                 probe = bm.allocate(request.request_id, request.token_ids,
                                     min(request.num_tokens, budget),
-                                    use_prefix_cache=request.sampling_params.prompt_logprobs is None)
+                                    use_prefix_cache=request.sampling_params.prompt_logprobs is None
+                                    and not request.pooling)
                 if probe is None:
                     break
                 request.num_computed_tokens = probe.num_cached_tokens
@@ -244,6 +247,10 @@ class Scheduler:
                 continue  # aborted while the pass ran; its blocks are already free
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
             self.block_manager.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+            if request.pooling and request.num_computed_tokens >= request.num_prompt_tokens:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -36,6 +36,7 @@ from common.errors import SamplingError, TandemError
 from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
+from engine.request_grammar import RequestGrammar
 from common.sampling_params import SamplingParams
 from prefill_node.connector import PrefillConnector
 
@@ -77,10 +78,16 @@ class PrefillWorker(EngineLoop):
     async def prefill(self, job: PrefillJob, sender) -> PrefillOutcome:
         self.check_alive()
         self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
+        started = time.monotonic()
+        try:  # compiled off the engine thread, before the request reaches it
+            grammar = await self.grammar_for(job.params, frozenset())
+        except (TandemError, ValueError) as exc:
+            sender.abort(job.transfer_id or job.request_id, f"prefill refused the request: {exc}")
+            raise
         future = self.loop.create_future()
         self._futures[job.request_id] = future
-        self._started[job.request_id] = time.monotonic()
-        self.call(lambda: self._admit(job, sender))
+        self._started[job.request_id] = started
+        self.call(lambda: self._admit(job, sender, grammar))
         try:
             return await future
         except asyncio.CancelledError:
@@ -104,13 +111,14 @@ class PrefillWorker(EngineLoop):
 
     # -- engine thread -------------------------------------------------------------------
 
-    def _admit(self, job: PrefillJob, sender) -> None:
+    def _admit(self, job: PrefillJob, sender, grammar: RequestGrammar | None) -> None:
         try:
             self.engine.require_resident()  # an unload may have run since prefill()
             request = self.engine.make_request(job.prompt_token_ids, job.params, job.request_id,
                                                stop_token_ids=frozenset(), max_tokens=1,
                                                max_chunk_tokens=job.max_chunk_tokens,
                                                num_prior_output_tokens=job.num_prior_output_tokens)
+            request.grammar = grammar
             request.kv_transfer = KVTransferParams(job.transfer_id or job.request_id, peer=sender)
             self.engine.submit(request)
         except (TandemError, ValueError) as exc:

@@ -13,6 +13,9 @@ Threading contract:
 - `snapshot` is a LoadSnapshot of plain ints, replaced (never mutated) by the engine thread
   after every iteration; other threads read it for heartbeats instead of touching the
   scheduler's queues, which the engine thread mutates.
+- Grammars compile on the loop's own grammar thread (`grammar_for`), before a request is
+  handed to the engine thread, within GRAMMAR_TIMEOUT_S: a large schema delays only its own
+  request, never a step of the batch.
 - `set_resident` drops or reloads the engine's weights through `call` (keep_alive,
   coordinator/residency.py); while they are dropped the workers refuse new requests.
 - If the loop dies, `alive` turns False, open requests are failed (`on_fatal`) and new ones
@@ -26,6 +29,7 @@ Threading contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -33,10 +37,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.sampling_params import SamplingParams
+from engine.grammar import GrammarError
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.request_grammar import RequestGrammar
 
 log = logging.getLogger(__name__)
 
+# The longest a request waits for its grammar to compile (past the size limit of
+# common/sampling_params.py, a compile takes well under a second); then it is refused.
+GRAMMAR_TIMEOUT_S = 10.0
 HASHES_REFRESH_S = 0.25  # at most this often the engine thread copies the prefix cache's hashes
 
 
@@ -81,6 +91,9 @@ class EngineLoop:
         self.steps = 0
         self.snapshot = LoadSnapshot.of(engine)
         self.fatal: BaseException | None = None
+        # One thread: compiles queue behind each other, never beside the engine's own thread's
+        # work for more than one core's worth; created at the first grammar.
+        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -91,6 +104,27 @@ class EngineLoop:
         self._stopping.set()
         self._calls.put(lambda: None)
         self._thread.join(timeout_s)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def grammar_for(self, params: SamplingParams,
+                          stop_token_ids: frozenset[int]) -> RequestGrammar | None:
+        """The request's grammar matcher (engine/grammar.py), compiled on the grammar thread
+        (asyncio side; never the engine thread); None for a request without a grammar.
+        GrammarError when it does not compile, or not within GRAMMAR_TIMEOUT_S (the compile
+        runs on, and its result is cached for the next request with that grammar)."""
+        if params.grammar is None:
+            return None
+        if self._grammar_pool is None:
+            self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"{self._thread.name}-grammar")
+        work = self._grammar_pool.submit(self.engine.grammars.matcher, params.grammar,
+                                         stop_token_ids)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(work), GRAMMAR_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise GrammarError(f"the {params.grammar.kind} grammar did not compile within "
+                               f"{GRAMMAR_TIMEOUT_S:g} s") from None
 
     def call(self, fn: Callable[[], None]) -> None:
         self._calls.put(fn)

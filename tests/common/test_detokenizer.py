@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 
 import pytest
 
@@ -156,6 +157,63 @@ def test_no_stops_passes_text_through():
     m = StopStringMatcher([])
     assert m.feed("anything") == ("anything", False)
     assert m.flush() == ""
+
+
+class _FindEverywhere:
+    """The obvious matcher, as a reference: find every stop string in the held text plus the
+    new text (cost grows with the number of stop strings), hold the longest tail that is a
+    proper prefix of one."""
+
+    def __init__(self, stops):
+        self.stops, self.held, self.stopped = list(dict.fromkeys(stops)), "", False
+
+    def feed(self, text):
+        if self.stopped:
+            return "", True
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return buf[:min(hits)], True
+        keep = max((n for s in self.stops for n in range(1, min(len(s) - 1, len(buf)) + 1)
+                    if buf.endswith(s[:n])), default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self):
+        held, self.held = self.held, ""
+        return "" if self.stopped else held
+
+
+def test_the_automaton_equals_finding_every_stop_string():
+    rng = random.Random(7)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 16)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) \
+            if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        ours, ref = StopStringMatcher(stops), _FindEverywhere(stops)
+        assert [ours.feed(p) for p in pieces] == [ref.feed(p) for p in pieces], (stops, pieces)
+        assert ours.flush() == ref.flush()
+
+
+def test_cost_per_character_does_not_grow_with_the_number_of_stop_strings(monkeypatch):
+    """One automaton step per new character, whether there is one stop string or 256."""
+    from common import stop_strings
+
+    steps = []
+    real_step = stop_strings._Automaton.step
+    monkeypatch.setattr(stop_strings._Automaton, "step",
+                        lambda self, state, ch: steps.append(ch) or real_step(self, state, ch))
+    for stops in (["zz-end"], [f"stop-{i:04d}-end" for i in range(256)]):
+        steps.clear()
+        m = StopStringMatcher(stops)
+        for _ in range(50):
+            assert m.feed(" a token") == (" a token", False)
+        assert len(steps) == 50 * len(" a token")
+    assert m.feed("stop-0042-e")[1] is False and m.feed("nd!") == ("", True)
 
 
 @pytest.mark.parametrize("stops", [[""], ["ok", ""], "STOP", [3]])

@@ -219,3 +219,13 @@ def test_grammar_spec_checks_its_shape_and_travels_on_the_wire():
     params = SamplingParams(temperature=0, grammar=spec)
     assert sampling_from_proto(sampling_to_proto(params)) == params
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).grammar is None
+
+
+def test_stop_lists_are_bounded_before_any_work():
+    from common.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
+    assert SamplingParams(stop=["s"] * MAX_STOP_STRINGS).stop  # at the limit: accepted
+    with pytest.raises(InvalidOptionError, match=f"at most {MAX_STOP_STRINGS} strings, got 110000"):
+        SamplingParams.from_options({"stop": [f"s{i}" for i in range(110_000)]})
+    with pytest.raises(InvalidOptionError, match=f"at most {MAX_STOP_LENGTH} characters"):
+        SamplingParams.from_options({"stop": ["x" * (MAX_STOP_LENGTH + 1)]})

@@ -11,7 +11,6 @@ import torch
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from engine.config import SchedulerConfig
-from engine.embedding import plan_batches
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
 from common.sampling_params import SamplingParams
@@ -54,11 +53,6 @@ def check_pool(engine: LLMEngine) -> None:
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.owners() == []
     assert bm.cached_hashes() == []
-
-
-def test_plan_batches_keeps_order_and_budget():
-    assert plan_batches([3, 4, 2, 9, 1], 7) == [[0, 1], [2], [3], [4]]
-    assert plan_batches([10], 4) == [[0]]
 
 
 def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, reference):
@@ -115,4 +109,95 @@ def test_embed_refuses_empty_and_overlong_inputs(model_dir):
             worker.stop()
 
     run(body)
+    check_pool(engine)
+
+
+def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference):
+    """Budget 16: a 70-token input takes five passes, and every one of them also carries the
+    running request's decode token (split-fuse); the vector equals the unchunked one."""
+    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
+                                 block_size=BLOCK, load_tokenizer=False,
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    gen = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0), "gen", max_tokens=40)
+    engine.step()  # the prompt; "gen" decodes from here on
+    ids = [(7 * i + 3) % 250 for i in range(70)]
+    engine.submit(engine.make_embedding_request(ids, request_id="emb"))
+    passes, vector = [], None
+    while vector is None:
+        outs = engine.step()
+        passes.append([o.request_id for o in outs])
+        vector = next((o.embedding for o in outs if o.request_id == "emb"), None)
+        assert len(passes) < 20
+    assert len(passes) == 5  # ceil(70 / 15): 15 embedding tokens + 1 decode token per pass
+    assert all("gen" in p for p in passes)  # the stream got a token in every pass
+    torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
+                               reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+    assert "emb" not in engine.scheduler.requests
+    engine.abort_request(gen.request_id)
+    engine.block_manager.reset_prefix_cache()
+    check_pool(engine)
+
+
+def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
+    """A pool too small for both: the embedding is preempted by the older decode's growth and
+    recomputed from its first token; its vector still equals the reference."""
+    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=6,
+                                 block_size=BLOCK, load_tokenizer=False,
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0), "gen", max_tokens=40)
+    ids = [(5 * i + 1) % 250 for i in range(50)]
+    engine.submit(engine.make_embedding_request(ids, request_id="emb"))
+    preempted = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    vector = None
+    for _ in range(200):
+        outs = engine.step()
+        vector = vector or next((o.embedding for o in outs if o.request_id == "emb"), None)
+        if not engine.has_unfinished():
+            break
+    assert vector is not None and "emb" in preempted
+    torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
+                               reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+    engine.block_manager.reset_prefix_cache()
+    check_pool(engine)
+
+
+def test_a_caller_that_leaves_stops_the_work_and_frees_the_blocks(model_dir):
+    """Budget 8, a 200-token input (25 passes): the caller is cancelled after the first pass;
+    the request is aborted between two passes and no block stays held."""
+    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
+                                 block_size=BLOCK, load_tokenizer=False,
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    steps = []
+    real_step = engine.step
+    engine.step = lambda: steps.append(1) or real_step()
+
+    async def body(loop):
+        worker = DecodeWorker(engine, loop)
+        worker.start()
+        try:
+            task = asyncio.ensure_future(worker.embed([[(3 * i) % 250 for i in range(200)]]))
+            while len(steps) < 3:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if not engine.scheduler.requests:
+                    break
+        finally:
+            worker.stop()
+
+    run(body)
+    assert not engine.scheduler.requests
+    assert len(steps) < 25  # stopped long before the 25 passes the input needed
+    engine.block_manager.reset_prefix_cache()
     check_pool(engine)
