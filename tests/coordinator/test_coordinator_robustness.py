@@ -4,7 +4,9 @@ not blamed on the workers, and it neither spams its log nor leaks what clients n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
 import time
 
 import httpx
@@ -21,7 +23,6 @@ from tests.helpers.coordinator_fakes import (
 
 # Heartbeats every 0.1 s and dead after 3 misses: a loop stalled for 0.3 s would kill workers.
 TIGHT = dict(heartbeat_interval_s=0.1, heartbeat_misses=3)
-QUICK_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,13 @@ async def _poll_version(url: str, stop: asyncio.Event, latencies: list[float]) -
             await asyncio.sleep(0.02)
 
 
-async def _huge_prompt_while_polling(model, tokens, path: str, body: dict):
+async def _huge_prompt_while_polling(model, tokens, path: str, body: dict,
+                                     latencies: list[float] | None = None):
     async with coordinator_harness(model, **TIGHT) as h:
         await h.add_worker("d1", "decode", Script(tokens=tokens))
         await h.add_worker("p1", "prefill", Script(tokens=tokens))
-        stop, latencies = asyncio.Event(), []
+        stop = asyncio.Event()
+        latencies = [] if latencies is None else latencies
         poller = asyncio.create_task(_poll_version(h.url, stop, latencies))
         await asyncio.sleep(0.2)
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
@@ -72,29 +75,59 @@ async def _huge_prompt_while_polling(model, tokens, path: str, body: dict):
         return r, elapsed, latencies, dead
 
 
+class _RecordingTokenizer:
+    """The model's tokenizer, recording each encode of a long text: the thread it ran on and
+    how many /api/version answers arrived while it ran."""
+
+    def __init__(self, tokenizer, answers: list[float]) -> None:
+        self._tokenizer, self._answers = tokenizer, answers
+        self.encodes: list[tuple[str, int]] = []  # (thread name, answers during the encode)
+
+    def encode(self, text, *args, **kwargs):
+        if len(text) < 10_000:
+            return self._tokenizer.encode(text, *args, **kwargs)
+        before = len(self._answers)
+        try:
+            return self._tokenizer.encode(text, *args, **kwargs)
+        finally:
+            self.encodes.append((threading.current_thread().name, len(self._answers) - before))
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
 @pytest.mark.parametrize("raw", [False, True])
-def test_4mb_prompt_is_refused_fast_while_the_loop_keeps_serving(model, tokens, raw):
+def test_4mb_prompt_is_refused_before_tokenizing_while_the_loop_keeps_serving(model, tokens, raw):
+    """Refused by its byte length alone: the tokenizer never sees it, the loop answers on."""
+    latencies: list[float] = []
+    recorder = _RecordingTokenizer(model.tokenizer, latencies)
+    model = dataclasses.replace(model, tokenizer=recorder)
     prompt = "the river and the city " * (4_000_000 // 23)
-    r, elapsed, latencies, dead = run(_huge_prompt_while_polling(
+    r, _, latencies, dead = run(_huge_prompt_while_polling(
         model, tokens, "/api/generate",
-        {"model": "tiny", "prompt": prompt, "raw": raw, "stream": False}))
+        {"model": "tiny", "prompt": prompt, "raw": raw, "stream": False}, latencies))
     assert r.status_code == 400, r.text[:300]
     assert "context window" in r.json()["error"] and len(r.text) < 1000
-    assert elapsed < QUICK_S
-    assert latencies and max(latencies) < QUICK_S, max(latencies)
-    assert dead == []
+    assert recorder.encodes == []  # refused before any tokenizing
+    assert latencies and dead == []
 
 
 def test_prompt_tokenized_off_the_loop_does_not_stall_it(long_model):
     """2 MB under the byte bound: tokenized for real (seconds of CPU), on the tokenizing
-    threads without the GIL, while /api/version and the heartbeats go on."""
-    ids = long_model.tokenizer.encode("Hello world!", add_special_tokens=False)
+    threads without the GIL, while /api/version and the heartbeats go on: the loop answered
+    while the encode ran, which a tokenizer on the loop's own thread would have prevented."""
+    latencies: list[float] = []
+    recorder = _RecordingTokenizer(long_model.tokenizer, latencies)
+    long_model = dataclasses.replace(long_model, tokenizer=recorder)
+    ids = recorder.encode("Hello world!", add_special_tokens=False)
     prompt = "the river and the city " * (2_000_000 // 23)
-    r, _, latencies, dead = run(_huge_prompt_while_polling(
-        long_model, ids, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1}))
+    r, _, polled, dead = run(_huge_prompt_while_polling(
+        long_model, ids, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1},
+        latencies))
     assert r.status_code == 400, r.text[:300]  # tokenized: more tokens than the context
     assert "tokens" in r.json()["error"]["message"]
-    assert len(latencies) > 5 and max(latencies) < QUICK_S, max(latencies)
+    assert recorder.encodes and all(name.startswith("tandem-tokenize") for name, _ in recorder.encodes)
+    assert any(answered > 0 for _, answered in recorder.encodes), recorder.encodes
     assert dead == []
 
 

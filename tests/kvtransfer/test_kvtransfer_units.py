@@ -289,7 +289,7 @@ def test_fake_slow_transfer_runs_off_the_engine_thread(fake_pair):
     for layer in range(3):
         sender.send("r", layer, 0, source, [0])
     sender.finish("r", 2)
-    assert time.monotonic() - start < 0.1, "send() waited for the transfer"
+    # Had send() or finish() waited for the 0.45 s of transfer, it would be done by now.
     assert sender.poll("r").state is kt.TransferState.IN_FLIGHT
     assert wait_status(sender, "r").done
     assert time.monotonic() - start >= 0.45
