@@ -90,36 +90,3 @@ def dispatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-# The fastest formats that keep answers right on the default model (README: quality table).
-DEFAULT_PREFILL_QUANT = "fp32"
-DEFAULT_DECODE_QUANT = "int4"
-
-
-def add_quant_flags(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    from engine.config import DECODE_FORMATS, PREFILL_FORMATS
-
-    if serve:
-        prefill_help = "weight format of the prefill workers (and of a colocated worker's prompt-only passes)"
-        decode_help = ("weight format of the decode workers, every pass (and of a colocated "
-                       "worker's passes with decode tokens)")
-    else:  # `tandem run` in this process: one colocated engine holding both
-        prefill_help = "weight format of prompt-only passes"
-        decode_help = "weight format of every pass with a decode token"
-    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default=DEFAULT_PREFILL_QUANT,
-                   help=f"{prefill_help} (default {DEFAULT_PREFILL_QUANT})")
-    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
-                   help=f"{decode_help} (default {DEFAULT_DECODE_QUANT})")
-    add_kv_dtype_flag(p, serve)
-    from engine.device import add_device_flags  # torch-free
-
-    add_device_flags(p)
-
-
-def add_kv_dtype_flag(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    from engine.config import KV_DTYPES
-
-    where = "of every worker (prefill and decode must agree)" if serve else "of this process's engine"
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32",
-                   help=f"element type of the KV cache {where}; bf16 halves the cache and the KV "
-                        f"transfers (default fp32)")

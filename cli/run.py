@@ -7,7 +7,8 @@ import argparse
 import os
 import sys
 
-from cli.common_args import add_quant_flags, add_server_args, resolve_or_pull, server
+from cli.common_args import add_server_args, resolve_or_pull, server
+from worker.flags import add_engine_flags
 
 
 def register(subparsers) -> None:
@@ -24,7 +25,7 @@ def register(subparsers) -> None:
     p.add_argument("--num-predict", type=int, help="most tokens to generate (default: to the context's end)")
     p.add_argument("--num-ctx", type=int, help="context window in tokens (default: the model's)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    add_quant_flags(p)
+    add_engine_flags(p, "run")
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")),
                    help="torch threads of the in-process engine (default $TANDEM_THREADS or 1)")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
@@ -57,70 +58,85 @@ def _options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _remote_answerer(args: argparse.Namespace, running, history: list[dict]):
-    options = _options(args)
+def _answerer(history: list[dict], reply_to, verbose: bool):
+    """answer(prompt): the reply streamed to stdout and kept in `history` with the prompt.
+    reply_to(history) -> (the reply's text pieces, a function giving the timings line that
+    --verbose prints once the pieces are spent)."""
 
     def answer(prompt: str) -> str:
         history.append({"role": "user", "content": prompt})
-        pieces, final = [], {}
-        for obj in running.chat(args.model, history, options):
-            piece = obj.get("message", {}).get("content", "")
-            pieces.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            final = obj
-        sys.stdout.write("\n")
-        if args.verbose:
-            ns = 1e9
-            ev, evd = final.get("eval_count", 0), final.get("eval_duration", 0)
-            sys.stderr.write(
-                f"prompt eval: {final.get('prompt_eval_count', 0)} tokens "
-                f"({(final.get('tandem') or {}).get('cached_tokens', 0)} cached) in "
-                f"{final.get('prompt_eval_duration', 0) / ns:.3f}s; eval: {ev} tokens in "
-                f"{evd / ns:.3f}s ({(ev - 1) / (evd / ns) if evd else 0:.1f} tokens/s); "
-                f"total {final.get('total_duration', 0) / ns:.3f}s; "
-                f"done: {final.get('done_reason')}\n")
-        reply = "".join(pieces)
-        history.append({"role": "assistant", "content": reply})
-        return reply
-
-    return answer
-
-
-def _local_answerer(args: argparse.Namespace, history: list[dict]):
-    from common.sampling_params import SamplingParams
-    from engine.generation import TextStream, chat_prompt_ids
-    from engine.llm_engine import LLMEngine
-    from worker.runtime import configure_process
-
-    configure_process(args.threads)
-    params = SamplingParams.from_options(_options(args))
-    path = resolve_or_pull(args.model)
-    engine = LLMEngine.from_path(path, role="colocated", weight_format=args.decode_quant,
-                                 prefill_format=args.prefill_quant, kv_dtype=args.kv_dtype,
-                                 device=args.device, cuda_graphs=not args.no_cuda_graphs)
-
-    def answer(prompt: str) -> str:
-        history.append({"role": "user", "content": prompt})
-        stream = TextStream(engine, chat_prompt_ids(engine, history), params)
+        stream, timings = reply_to(history)
         pieces = []
         for piece in stream:
             pieces.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        if args.verbose:
-            s = stream.stats
-            sys.stderr.write(
-                f"prompt eval: {s.prompt_tokens} tokens ({s.cached_tokens} cached) in {s.prompt_eval_s:.3f}s; "
-                f"eval: {s.output_tokens} tokens in {s.eval_s:.3f}s "
-                f"({(s.output_tokens - 1) / s.eval_s if s.eval_s > 0 else 0:.1f} tokens/s); "
-                f"done: {s.done_reason}\n")
+        if verbose:
+            sys.stderr.write(timings() + "\n")
         reply = "".join(pieces)
         history.append({"role": "assistant", "content": reply})
         return reply
 
     return answer
+
+
+def _remote_answerer(args: argparse.Namespace, running, history: list[dict]):
+    options = _options(args)
+
+    def reply_to(messages: list[dict]):
+        final: dict = {}
+
+        def pieces():
+            for obj in running.chat(args.model, messages, options):
+                final.clear()
+                final.update(obj)
+                yield obj.get("message", {}).get("content", "")
+
+        def timings() -> str:
+            ns = 1e9
+            ev, evd = final.get("eval_count", 0), final.get("eval_duration", 0)
+            return (f"prompt eval: {final.get('prompt_eval_count', 0)} tokens "
+                    f"({(final.get('tandem') or {}).get('cached_tokens', 0)} cached) in "
+                    f"{final.get('prompt_eval_duration', 0) / ns:.3f}s; eval: {ev} tokens in "
+                    f"{evd / ns:.3f}s ({(ev - 1) / (evd / ns) if evd else 0:.1f} tokens/s); "
+                    f"total {final.get('total_duration', 0) / ns:.3f}s; "
+                    f"done: {final.get('done_reason')}")
+
+        return pieces(), timings
+
+    return _answerer(history, reply_to, args.verbose)
+
+
+def _local_answerer(args: argparse.Namespace, history: list[dict]):
+    from common.sampling_params import SamplingParams
+    from engine.config import CacheConfig, EngineConfig
+    from engine.generation import TextStream, chat_prompt_ids
+    from engine.llm_engine import LLMEngine
+    from worker.runtime import configure_process
+
+    # Checked before the model is resolved (or pulled) and loaded.
+    config = EngineConfig.for_role("colocated", args.decode_quant, args.prefill_quant,
+                                   cache=CacheConfig(kv_dtype=args.kv_dtype), device=args.device,
+                                   cuda_graphs=not args.no_cuda_graphs)
+    configure_process(args.threads)
+    params = SamplingParams.from_options(_options(args))
+    path = resolve_or_pull(args.model)
+    engine = LLMEngine.from_path(path, config)
+
+    def reply_to(messages: list[dict]):
+        stream = TextStream(engine, chat_prompt_ids(engine, messages), params)
+
+        def timings() -> str:
+            s = stream.stats
+            return (f"prompt eval: {s.prompt_tokens} tokens ({s.cached_tokens} cached) in "
+                    f"{s.prompt_eval_s:.3f}s; eval: {s.output_tokens} tokens in {s.eval_s:.3f}s "
+                    f"({(s.output_tokens - 1) / s.eval_s if s.eval_s > 0 else 0:.1f} tokens/s); "
+                    f"done: {s.done_reason}")
+
+        return stream, timings
+
+    return _answerer(history, reply_to, args.verbose)
 
 
 def _converse(args: argparse.Namespace, answer, history: list[dict]) -> int:

@@ -10,14 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-from cli.common_args import DEFAULT_MODEL, VersionAction, add_quant_flags, resolve_or_pull
+from cli.common_args import DEFAULT_MODEL, VersionAction, resolve_or_pull
 from common.errors import TandemError
 from common.model_store import default_home
+from worker.config import DEFAULT_TOKEN_BUDGET
+from worker.flags import add_engine_flags, add_kv_backend_flag, add_worker_flags
 
 
 def register(subparsers) -> None:
     from coordinator.api_tls import add_api_tls_args  # torch-free
-    from deploy.local import KV_BACKENDS  # torch-free
 
     p = subparsers.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -37,20 +38,18 @@ def register(subparsers) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
-    p.add_argument("--kv-backend", choices=KV_BACKENDS, default="zmq",
-                   help="KV transfer between prefill and decode workers")
-    p.add_argument("--chunk-size", type=int, default=512,
-                   help="per-pass token budget of every worker, so also the largest prefill chunk "
-                        "on a prefill worker (default 512)")
+    add_kv_backend_flag(p)
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_TOKEN_BUDGET,
+                   help="per-pass token budget of every worker (their --max-batched-tokens), so "
+                        "also the largest prefill chunk on a prefill worker (the coordinator's "
+                        f"--chunk-size; default {DEFAULT_TOKEN_BUDGET})")
     p.add_argument("--local-chunk-size", type=int,
                    help="largest prefill chunk per pass of a prompt prefilled on a decode worker, "
                         "beside its decodes (coordinator default 64)")
     p.add_argument("--prefill-threshold", type=int,
                    help="prompts of at most this many tokens may prefill on the decode worker")
-    add_quant_flags(p, serve=True)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker process (default 1)")
-    p.add_argument("--num-blocks", type=int,
-                   help="KV pool size per worker, in blocks (default: 1 GB of KV per worker)")
+    add_engine_flags(p, "serve")
+    add_worker_flags(p, "serve")
     p.add_argument("--max-streams", type=int,
                    help="most requests open at once, queued or running (429 above; coordinator "
                         "default 512)")

@@ -23,7 +23,8 @@ prefill_quant to prefill workers, decode_quant to decode workers (each packs onl
 format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
 worker, always (prefill and decode must agree on it: one value for the whole topology);
 device (and --no-cuda-graphs when cuda_graphs is False) to every worker, always;
-chunk_size (the per-pass token budget) to every worker and the coordinator; local_chunk_size
+chunk_size (the per-pass token budget) to every worker as --max-batched-tokens and to the
+coordinator as --chunk-size (the largest chunk of its plan for a prefill worker); local_chunk_size
 and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
 come after them on every worker's command line, so a flag there wins. api_key reaches the
 coordinator alone, in its environment (TANDEM_API_KEY), never on a command line: ps shows those.
@@ -53,11 +54,9 @@ from pathlib import Path
 from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
 from engine.device import check_device_spec
 from common.errors import TandemError
+from worker.config import DEFAULT_TOKEN_BUDGET, KV_BACKENDS
 from worker.runtime import worker_env
 
-# kvtransfer.backends() less "fake", spelled out so that `tandem` starts without importing torch
-# (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
-KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
 WORKER_HOST = "127.0.0.1"
 
 
@@ -76,7 +75,7 @@ class Topology:
     decode: int = 1
     colocated: bool = False  # one worker doing prefill and decode; prefill/decode ignored
     kv_backend: str = "zmq"
-    chunk_size: int = 512  # per-pass token budget of every worker
+    chunk_size: int = DEFAULT_TOKEN_BUDGET  # per-pass token budget of every worker (--max-batched-tokens)
     prefill_threshold: int | None = None  # None = the coordinator's default
     # Engine flags (None = the process's own default); see the module docstring for who gets which.
     prefill_quant: str | None = None  # weight format of prefill workers (and colocated prompt passes)

@@ -34,6 +34,7 @@ from pathlib import Path
 import ray
 
 from deploy.local import LaunchError, log_tail
+from worker.config import DEFAULT_TOKEN_BUDGET
 
 _PR_SET_PDEATHSIG = 1
 
@@ -101,7 +102,7 @@ class RayTopology:
     decode: int = 1
     colocated: bool = False  # one colocated worker per "decode" instead of prefill + decode
     kv_backend: str = "zmq"
-    chunk_size: int = 512
+    chunk_size: int = DEFAULT_TOKEN_BUDGET  # every worker's --max-batched-tokens
     prefill_threshold: int | None = None
     http_port: int = 11434  # 0 = any free port on the coordinator's node
     log_dir: str = "/tmp/tandem-ray"  # on each node

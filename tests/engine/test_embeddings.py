@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode_node.worker import DecodeJob, DecodeWorker
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.embedding import plan_batches
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
@@ -27,7 +27,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, num_blocks=64, block_size=BLOCK, load_tokenizer=False)
+    return LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=64)), load_tokenizer=False)
 
 
 def reference_vector(engine: LLMEngine, ids: list[int], normalize: bool = True) -> torch.Tensor:
@@ -63,9 +64,9 @@ def test_plan_batches_keeps_order_and_budget():
 
 def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, reference):
     # A budget of 40 tokens: the three inputs take two passes, with a decode running beside them.
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=40))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=40)), load_tokenizer=False)
     inputs = [[5, 17, 3, 99, 42, 7, 8, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
               [9, 8, 7],
               list(range(30, 65))]
@@ -101,8 +102,9 @@ def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, 
 
 
 def test_embed_refuses_empty_and_overlong_inputs(model_dir):
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False, max_model_len=32)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        max_model_len=32), load_tokenizer=False)
 
     async def body(loop):
         worker = DecodeWorker(engine, loop)
