@@ -1,7 +1,7 @@
 """What every worker process shares: its entry point (flags in worker/flags.py, config in
-worker/config.py), building its engine, the gRPC server
-with the standard health service, and registration plus heartbeats with the coordinator.
-The environment is read here (entry point), nowhere deeper."""
+worker/config.py), building its engine, the gRPC server with the standard health service, and
+registration plus heartbeats with the coordinator. The environment is read at the entry point
+(WorkerConfig.from_args), nowhere deeper."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def resolve_model(name: str) -> Path:
     return ModelStore(default_home()).resolve(name)
 
 
-def build_engine(config: WorkerConfig, path: Path, engine: EngineConfig | None = None,
+def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = None,
                  kv_cache=None) -> LLMEngine:
-    """The worker's engine from `path`: config.engine, or `engine` where the node sized its
+    """The worker's engine from `path`: config.engine, or `sized` where the node sized its
     pool itself (a decode worker, around its KV receiver's buffer `kv_cache`)."""
     configure_process(config.threads)
-    engine = LLMEngine.from_path(path, engine or config.engine, kv_cache=kv_cache,
+    engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)
     log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", config.role,
              "+".join(engine.model.formats), engine.config.cache.num_blocks,
