@@ -51,10 +51,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
-from engine.device import check_device_spec
+from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig
+from engine.device import DEFAULT_DEVICE, check_device_spec
 from common.errors import TandemError
-from worker.config import DEFAULT_TOKEN_BUDGET, KV_BACKENDS
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
 from worker.runtime import worker_env
 
 WORKER_HOST = "127.0.0.1"
@@ -74,7 +74,7 @@ class Topology:
     prefill: int = 1
     decode: int = 1
     colocated: bool = False  # one worker doing prefill and decode; prefill/decode ignored
-    kv_backend: str = "zmq"
+    kv_backend: str = DEFAULT_KV_BACKEND
     chunk_size: int = DEFAULT_TOKEN_BUDGET  # per-pass token budget of every worker (--max-batched-tokens)
     prefill_threshold: int | None = None  # None = the coordinator's default
     # Engine flags (None = the process's own default); see the module docstring for who gets which.
@@ -82,9 +82,9 @@ class Topology:
     decode_quant: str | None = None  # weight format of decode workers (and colocated decode passes)
     threads: int | None = None  # torch threads per worker process
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
-    kv_dtype: str = "fp32"  # KV cache element type of every worker (part of the KV layout)
+    kv_dtype: str = CacheConfig.kv_dtype  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
-    device: str = "auto"  # every worker's --device (engine/device.py); each worker resolves it
+    device: str = DEFAULT_DEVICE  # every worker's --device (engine/device.py); each worker resolves it
     cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`

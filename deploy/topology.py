@@ -54,7 +54,7 @@ else:  # pragma: no cover - Python 3.10
 
 from common.errors import TandemError
 from engine.config import CacheConfig
-from worker.config import DEFAULT_TOKEN_BUDGET
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 ROLES = ("coordinator", *WORKER_ROLES)
@@ -181,7 +181,7 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         raise TopologyError(f"{where}: unknown setting {key!r}; settings are "
                             f"{', '.join(sorted(_TOP_KEYS - {'hosts'}))}")
     model = _string(data, "model", where, required=True)
-    kv_backend = _string(data, "kv_backend", where) or "zmq"
+    kv_backend = _string(data, "kv_backend", where) or DEFAULT_KV_BACKEND
     if kv_backend not in KV_BACKENDS:
         raise TopologyError(f"{where}: kv_backend must be one of {', '.join(KV_BACKENDS)}, "
                             f"got {kv_backend!r}")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # kvtransfer.backends() less "fake", spelled out so that the flags stay torch-free
 # (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
 KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
+DEFAULT_KV_BACKEND = "zmq"
 # The fastest formats that keep answers right on the default model (README: quality table).
 DEFAULT_PREFILL_QUANT = "fp32"
 DEFAULT_DECODE_QUANT = "int4"
@@ -40,7 +41,7 @@ class WorkerConfig:
     advertise_host: str | None = None  # how the coordinator and peers reach us (else host)
     coordinator: str | None = None  # HOST:PORT of the registry; None runs alone
     worker_id: str | None = None  # None: role plus a random suffix
-    kv_backend: str = "zmq"  # one of KV_BACKENDS
+    kv_backend: str = DEFAULT_KV_BACKEND  # one of KV_BACKENDS
     kv_port: int = 0  # decode: the KV receiver's port (0 = any)
     kv_advertise: str | None = None  # decode: the KV endpoint peers dial, when not the bound one
     kv_deadline_s: float = 330.0  # decode: reservation to the last KV byte of a request
