@@ -1,6 +1,6 @@
 """`tandem launch TOPOLOGY.toml` and `tandem launch --down TOPOLOGY.toml`.
 
-cli/main.py mounts this subcommand with `add_launch_parser(sub)`; `python -m cli.launch`
+cli/main.py mounts this subcommand with `register(subparsers)`; `python -m cli.launch`
 runs it alone (e.g. on a host where only the deploy tools are wanted). The environment
 (TANDEM_HOME, for the default state folder) is read here.
 """
@@ -11,9 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from cli.common_args import dispatch
 
 
-def add_launch_parser(subparsers) -> argparse.ArgumentParser:
+def register(subparsers) -> None:
     p = subparsers.add_parser(
         "launch", help="start a multi-host topology (TOML) and serve until Ctrl-C",
         description="Start the coordinator and workers of TOPOLOGY on their hosts (SSH for "
@@ -32,7 +33,6 @@ def add_launch_parser(subparsers) -> argparse.ArgumentParser:
                    help="logs and launch record (default: the file's log_dir, else "
                         "$TANDEM_HOME/launch/<name>-<hash>)")
     p.set_defaults(func=cmd_launch)
-    return p
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -58,9 +58,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cli.launch")
-    add_launch_parser(parser.add_subparsers(dest="command", required=True))
-    from cli.main import dispatch  # cli.main imports this module at its top
-
+    register(parser.add_subparsers(dest="command", required=True))
     return dispatch(parser.parse_args(argv))
 
 

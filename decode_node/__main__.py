@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
 from common.errors import TandemError
-from engine.llm_engine import KV_TORCH_DTYPES
+from engine.llm_engine import sized_cache
 from common.model_identity import model_fingerprint
-from engine.model_runner import kv_cache_bytes_per_block
 from worker.node_server import (
     NodeIdentity,
     build_engine,
@@ -28,6 +28,7 @@ from worker.node_server import (
 )
 from common.rpc import worker_pb2_grpc as pb_grpc
 from kvtransfer.auth import kv_auth_from
+from worker.config import WorkerConfig
 
 
 def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
@@ -38,58 +39,57 @@ def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
     return {}
 
 
-async def main_async(args) -> None:
+async def main_async(config: WorkerConfig) -> None:
     import kvtransfer
     from common.model_files import load_config
 
-    path = resolve_model(args.model)
-    config = load_config(path)
-    fingerprint = model_fingerprint(path, config)
-    worker_id = args.worker_id or new_worker_id(args.role)
+    path = resolve_model(config.model)
+    model = load_config(path)
+    fingerprint = model_fingerprint(path, model)
+    worker_id = config.worker_id or new_worker_id(config.role)
     # The cache lives in the KV receiver's buffer (shared memory for the shm backend), so the
     # layout (--kv-dtype included) is fixed first and the engine is built around that tensor;
     # the engine checks that the tensor's dtype is its --kv-dtype.
-    num_blocks = args.num_blocks or max(1, int(args.kv_cache_gb * (1 << 30)) //
-                                        kv_cache_bytes_per_block(config, args.block_size,
-                                                                 KV_TORCH_DTYPES[args.kv_dtype]))
-    layout = kv_layout(config, args.block_size, args.kv_dtype, fingerprint)
-    shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if args.kv_backend == "shm" else None
-    if args.device == "cpu":  # node_main resolved --device
+    sized = replace(config.engine, cache=sized_cache(config.engine.cache, model))
+    num_blocks = sized.cache.num_blocks
+    layout = kv_layout(model, sized.cache.block_size, sized.cache.kv_dtype, fingerprint)
+    shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if config.kv_backend == "shm" else None
+    device = config.engine.device  # resolved by WorkerConfig.from_args
+    if device == "cpu":
         cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
-    elif args.kv_backend != "shm":
+    elif config.kv_backend != "shm":
         # Every other receiver copies each validated payload into the cache wherever it lives
         # (zmq and grpc from host frames, dist from its group, NCCL between two GPUs).
         cache = kvtransfer.KVCacheBuffer(layout, num_blocks, torch.zeros(
-            layout.cache_shape(num_blocks), dtype=layout.torch_dtype, device=args.device))
+            layout.cache_shape(num_blocks), dtype=layout.torch_dtype, device=device))
     else:
-        raise TandemError(f"a decode worker on {args.device} cannot use --kv-backend shm: its "
+        raise TandemError(f"a decode worker on {device} cannot use --kv-backend shm: its "
                           f"senders write a host shared-memory pool; use dist, zmq or grpc")
-    advertise = args.advertise_host or args.host
-    kv_auth = kv_auth_from(args.cluster_auth)  # with a cluster secret: CURVE and per-transfer tokens
-    receiver = kvtransfer.create_receiver(args.kv_backend, cache, layout,
-                                          **kv_endpoint_spec(args.kv_backend, args.host, args.kv_port),
+    kv_auth = kv_auth_from(config.cluster_auth)  # with a cluster secret: CURVE and per-transfer tokens
+    receiver = kvtransfer.create_receiver(config.kv_backend, cache, layout,
+                                          **kv_endpoint_spec(config.kv_backend, config.host, config.kv_port),
                                           **({"auth": kv_auth} if kv_auth else {}))
-    engine = build_engine(args, path, kv_cache=cache.tensor, num_blocks=num_blocks)
+    engine = build_engine(config, path, sized, kv_cache=cache.tensor)
     loop = asyncio.get_running_loop()
-    endpoint = args.kv_advertise or receiver.endpoint.replace("0.0.0.0", advertise)
-    worker = DecodeWorker(engine, loop, receiver, kv_backend=args.kv_backend, kv_endpoint=endpoint,
-                          kv_deadline_s=args.kv_deadline)
+    endpoint = config.kv_advertise or receiver.endpoint.replace("0.0.0.0", config.advertised)
+    worker = DecodeWorker(engine, loop, receiver, kv_backend=config.kv_backend, kv_endpoint=endpoint,
+                          kv_deadline_s=config.kv_deadline_s)
     worker.start()
 
     def status():
-        return worker_status(worker_id, args.role, worker,
-                             kv_counters(args.kv_backend, [receiver.stats()], sending=False),
-                             args.cluster_auth)
+        return worker_status(worker_id, config.role, worker,
+                             kv_counters(config.kv_backend, [receiver.stats()], sending=False),
+                             config.cluster_auth)
 
-    identity = NodeIdentity(worker_id, args.role, f"{advertise}:{args.port}", endpoint, args.kv_backend,
-                            fingerprint, layout.description)
+    identity = NodeIdentity(worker_id, config.role, f"{config.advertised}:{config.port}", endpoint,
+                            config.kv_backend, fingerprint, layout.description)
 
     def stop() -> None:
         worker.stop()
         receiver.close()
         cache.close()
 
-    await run_node(args, "tandem.worker.DecodeWorker",
+    await run_node(config, "tandem.worker.DecodeWorker",
                    lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, status), server),
                    identity, status, worker, on_stop=stop)
 

@@ -23,7 +23,8 @@ prefill_quant to prefill workers, decode_quant to decode workers (each packs onl
 format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
 worker, always (prefill and decode must agree on it: one value for the whole topology);
 device (and --no-cuda-graphs when cuda_graphs is False) to every worker, always;
-chunk_size (the per-pass token budget) to every worker and the coordinator; local_chunk_size
+chunk_size (the per-pass token budget) to every worker as --max-batched-tokens and to the
+coordinator as --chunk-size (the largest chunk of its plan for a prefill worker); local_chunk_size
 and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
 come after them on every worker's command line, so a flag there wins. api_key reaches the
 coordinator alone, in its environment (TANDEM_API_KEY), never on a command line: ps shows those.
@@ -50,14 +51,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS
-from engine.device import check_device_spec
+from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig
+from engine.device import DEFAULT_DEVICE, check_device_spec
 from common.errors import TandemError
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
 from worker.runtime import worker_env
 
-# kvtransfer.backends() less "fake", spelled out so that `tandem` starts without importing torch
-# (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
-KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
 WORKER_HOST = "127.0.0.1"
 
 
@@ -75,17 +74,17 @@ class Topology:
     prefill: int = 1
     decode: int = 1
     colocated: bool = False  # one worker doing prefill and decode; prefill/decode ignored
-    kv_backend: str = "zmq"
-    chunk_size: int = 512  # per-pass token budget of every worker
+    kv_backend: str = DEFAULT_KV_BACKEND
+    chunk_size: int = DEFAULT_TOKEN_BUDGET  # per-pass token budget of every worker (--max-batched-tokens)
     prefill_threshold: int | None = None  # None = the coordinator's default
     # Engine flags (None = the process's own default); see the module docstring for who gets which.
     prefill_quant: str | None = None  # weight format of prefill workers (and colocated prompt passes)
     decode_quant: str | None = None  # weight format of decode workers (and colocated decode passes)
     threads: int | None = None  # torch threads per worker process
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
-    kv_dtype: str = "fp32"  # KV cache element type of every worker (part of the KV layout)
+    kv_dtype: str = CacheConfig.kv_dtype  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
-    device: str = "auto"  # every worker's --device (engine/device.py); each worker resolves it
+    device: str = DEFAULT_DEVICE  # every worker's --device (engine/device.py); each worker resolves it
     cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`

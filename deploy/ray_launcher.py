@@ -34,6 +34,7 @@ from pathlib import Path
 import ray
 
 from deploy.local import LaunchError, log_tail
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
 
 _PR_SET_PDEATHSIG = 1
 
@@ -100,8 +101,8 @@ class RayTopology:
     prefill: int = 1
     decode: int = 1
     colocated: bool = False  # one colocated worker per "decode" instead of prefill + decode
-    kv_backend: str = "zmq"
-    chunk_size: int = 512
+    kv_backend: str = DEFAULT_KV_BACKEND
+    chunk_size: int = DEFAULT_TOKEN_BUDGET  # every worker's --max-batched-tokens
     prefill_threshold: int | None = None
     http_port: int = 11434  # 0 = any free port on the coordinator's node
     log_dir: str = "/tmp/tandem-ray"  # on each node
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--colocated", action="store_true")
-    p.add_argument("--kv-backend", choices=("zmq", "grpc"), default="zmq")
+    p.add_argument("--kv-backend", choices=("zmq", "grpc"), default=DEFAULT_KV_BACKEND)
     p.add_argument("--port", type=int, default=11434, help="coordinator HTTP port")
     p.add_argument("--coordinator-resource", help="custom resource the coordinator needs")
     p.add_argument("--start-timeout", type=float, default=300.0)

@@ -53,11 +53,13 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from common.errors import TandemError
+from engine.config import CacheConfig
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 ROLES = ("coordinator", *WORKER_ROLES)
 KV_BACKENDS = ("zmq", "grpc", "shm")
-DEFAULT_BLOCK_SIZE = 16  # worker/node_server.py's --block-size default
+DEFAULT_BLOCK_SIZE = CacheConfig.block_size  # a worker's --block-size default
 
 _TOP_KEYS = {"model", "kv_backend", "chunk_size", "prefill_threshold", "log_dir", "worker_args",
              "coordinator_args", "hosts", "start_timeout_s", "security"}
@@ -118,7 +120,7 @@ class ClusterTopology:
     kv_backend: str
     coordinator: Role
     workers: tuple[Role, ...]
-    chunk_size: int = 512
+    chunk_size: int = DEFAULT_TOKEN_BUDGET
     prefill_threshold: int | None = None
     log_dir: Path | None = None
     start_timeout_s: float = 300.0
@@ -179,7 +181,7 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         raise TopologyError(f"{where}: unknown setting {key!r}; settings are "
                             f"{', '.join(sorted(_TOP_KEYS - {'hosts'}))}")
     model = _string(data, "model", where, required=True)
-    kv_backend = _string(data, "kv_backend", where) or "zmq"
+    kv_backend = _string(data, "kv_backend", where) or DEFAULT_KV_BACKEND
     if kv_backend not in KV_BACKENDS:
         raise TopologyError(f"{where}: kv_backend must be one of {', '.join(KV_BACKENDS)}, "
                             f"got {kv_backend!r}")
@@ -222,7 +224,7 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
                                 args=_strings(table, "args", at)))
     topology = ClusterTopology(
         source=source, model=model, kv_backend=kv_backend, coordinator=coordinator,
-        workers=tuple(workers), chunk_size=_int(data, "chunk_size", where, 512, minimum=1),
+        workers=tuple(workers), chunk_size=_int(data, "chunk_size", where, DEFAULT_TOKEN_BUDGET, minimum=1),
         prefill_threshold=(_int(data, "prefill_threshold", where, 0, minimum=0)
                            if "prefill_threshold" in data else None),
         log_dir=Path(data["log_dir"]).expanduser() if _string(data, "log_dir", where) else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig, positive
+from engine.device import check_device_spec
 
 # Element types of the paged KV cache. The attention kernels read either (queries stay fp32);
 # bf16 halves the cache and the bytes of every KV transfer. Prefill and decode workers that
@@ -26,18 +27,25 @@ def check_kv_dtype(value: object, name: str = "kv_dtype") -> str:
     return value  # type: ignore[return-value]
 
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool: `num_blocks` blocks of `block_size` tokens, for every layer, each
-    element a `kv_dtype` (one of KV_DTYPES)."""
+    element a `kv_dtype` (one of KV_DTYPES). num_blocks None: as many as `kv_cache_bytes`
+    holds, counted by LLMEngine.from_path once the model's geometry is known."""
 
     block_size: int = 16
-    num_blocks: int = 512
+    num_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # sizes the pool only when num_blocks is None
     enable_prefix_caching: bool = True
     kv_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        positive(self, "block_size", "num_blocks")
+        positive(self, "block_size", "kv_cache_bytes")
+        if self.num_blocks is not None:
+            positive(self, "num_blocks")
         check_kv_dtype(self.kv_dtype, "CacheConfig.kv_dtype")
 
 
@@ -54,7 +62,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         positive(self, "max_num_batched_tokens", "max_num_seqs")
         if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
 
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "w8a8")
@@ -84,7 +93,11 @@ def role_formats(role: str, decode_format: str, prefill_format: str | None) -> t
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig
+    """What one engine is. `model` None: read from the model's files by LLMEngine.from_path,
+    which also sizes cache.num_blocks when that is None; LLMEngine itself takes a config with
+    both known."""
+
+    model: ModelConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     role: str = "colocated"  # one of ENGINE_ROLES
@@ -95,8 +108,22 @@ class EngineConfig:
     weight_format: str = "fp32"
     prefill_weight_format: str | None = None  # None: weight_format for every pass
     max_model_len: int | None = None  # defaults to model.max_position
+    # Where the weights, the KV cache and sampling go (engine/device.py: cpu, cuda, cuda:N,
+    # auto), resolved when the model loads; cuda_graphs: replay decode steps as CUDA graphs
+    # there (CUDA only, engine/cuda_graphs.py).
+    device: str = "cpu"
+    cuda_graphs: bool = True
+
+    @classmethod
+    def for_role(cls, role: str, decode_format: str, prefill_format: str | None = None,
+                 **fields) -> EngineConfig:
+        """An engine of `role` given the two formats a user picks (--decode-quant,
+        --prefill-quant): it holds only those role_formats keeps for that role."""
+        main, second = role_formats(role, decode_format, prefill_format)
+        return cls(role=role, weight_format=main, prefill_weight_format=second, **fields)
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
         if self.role not in ENGINE_ROLES:
             raise ValueError(f"role must be one of {ENGINE_ROLES}, got {self.role!r}")
         for name in ("weight_format", "prefill_weight_format"):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # torch is imported only by resolve_device: the CLI parsers and launchers that check a
 # --device flag stay torch-free.
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+DEFAULT_DEVICE = "auto"  # of every command that runs a model (--device)
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 
@@ -73,7 +74,7 @@ def check_device_spec(spec: str) -> str:
 
 def add_device_flags(parser) -> None:
     """--device and --no-cuda-graphs, on every command that runs a model."""
-    parser.add_argument("--device", default="auto",
+    parser.add_argument("--device", default=DEFAULT_DEVICE,
                         help="where the model, its KV cache and sampling run: cpu, cuda, cuda:N, "
                              "or auto (cuda when available, else cpu; default)")
     parser.add_argument("--no-cuda-graphs", action="store_true",

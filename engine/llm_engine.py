@@ -14,16 +14,15 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import (
-    KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_dtype, role_formats,
-)
+from common.model_config import ModelConfig
+from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, check_kv_dtype
 from engine.device import resolve_device
 from engine.embedding import mean_pooled
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
@@ -39,7 +38,6 @@ from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 # CacheConfig.kv_dtype -> the element type of the cache tensor.
 KV_TORCH_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in KV_DTYPE_TORCH_NAMES.items()}
 
@@ -54,6 +52,15 @@ def kv_dtype_name(value: str | torch.dtype) -> str:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} "
                          f"(torch.float32, torch.bfloat16), got {value}")
     return check_kv_dtype(value)
+
+
+def sized_cache(cache: CacheConfig, model: ModelConfig) -> CacheConfig:
+    """`cache` with num_blocks known: as given, else as many blocks of `model`'s KV as
+    cache.kv_cache_bytes holds (at least one)."""
+    if cache.num_blocks is not None:
+        return cache
+    per_block = kv_cache_bytes_per_block(model, cache.block_size, KV_TORCH_DTYPES[cache.kv_dtype])
+    return replace(cache, num_blocks=max(1, cache.kv_cache_bytes // per_block))
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,11 @@ def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
                  kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None,
-                 tokenizer_path: str | Path | None = None, cuda_graphs: bool = True) -> None:
-        """The KV cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must
-        agree with it, and so must a caller-provided `kv_cache` tensor. The cache lives on
-        the model's device; cuda_graphs: replay decode steps as CUDA graphs there (CUDA only,
-        engine/cuda_graphs.py)."""
+                 tokenizer_path: str | Path | None = None) -> None:
+        """`config` with its model and cache.num_blocks known (from_path fills them). The KV
+        cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must agree with
+        it, and so must a caller-provided `kv_cache` tensor. The cache lives on the model's
+        device; config.cuda_graphs: replay decode steps as CUDA graphs there."""
         want = config.cache.kv_dtype
         if kv_dtype is not None and kv_dtype_name(kv_dtype) != want:
             raise ValueError(f"kv_dtype {kv_dtype_name(kv_dtype)!r} contradicts the engine config's "
@@ -103,6 +110,10 @@ class LLMEngine:
         if kv_cache is not None and kv_cache.dtype != KV_TORCH_DTYPES[want]:
             raise ValueError(f"the provided kv_cache holds {kv_cache.dtype}, but the engine's KV "
                              f"dtype is {want} ({KV_TORCH_DTYPES[want]})")
+        if config.model is None or config.cache.num_blocks is None:
+            raise ValueError(f"LLMEngine needs a config with its model and cache.num_blocks known "
+                             f"(LLMEngine.from_path reads them), got model={config.model!r}, "
+                             f"num_blocks={config.cache.num_blocks!r}")
         if config.role != "colocated" and getattr(model, "prefill_copy", None) is not None:
             raise ValueError(f"a {config.role} engine runs every pass in one weight format, but the "
                              f"model holds {model.formats}")
@@ -112,7 +123,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache, cuda_graphs)
+        self.runner = ModelRunner(model, config.cache, KV_TORCH_DTYPES[want], kv_cache,
+                                  config.cuda_graphs)
         # The KV connector of a worker that transfers KV (engine/kv_connector.py); None for
         # an engine that never does (colocated, `tandem run`).
         self.connector: KVConnector | None = None
@@ -131,46 +143,31 @@ class LLMEngine:
         self._reload_model = None  # from_path: rebuilds the model for load_weights
 
     @classmethod
-    def from_path(cls, path: str | Path, *, role: str = "colocated", weight_format: str = "fp32",
-                  prefill_format: str | None = None, block_size: int = 16,
-                  num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                  scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
-                  enable_prefix_caching: bool = True, kv_dtype: str | torch.dtype = "fp32",
-                  load_tokenizer: bool = True, kv_cache: torch.Tensor | None = None,
-                  device: str | torch.device = "cpu", cuda_graphs: bool = True) -> "LLMEngine":
-        """weight_format is the decode format, prefill_format the prefill format; which of
-        them the model packs is the role's choice (engine.config.role_formats): a prefill
-        engine only prefill_format (weight_format when None), a decode engine only
-        weight_format, a colocated engine both when they differ. kv_dtype: the KV cache's
-        element type, "fp32" or "bf16" (or the torch dtype); checked before the model loads,
-        as is `device` (engine/device.py: cpu, cuda, cuda:N, auto) where the weights, the KV
-        cache and sampling go."""
+    def from_path(cls, path: str | Path, config: EngineConfig | None = None, *,
+                  kv_cache: torch.Tensor | None = None, load_tokenizer: bool = True) -> "LLMEngine":
+        """The engine `config` describes (default: EngineConfig()), with the model read from
+        `path`: config.model must be None, and cache.num_blocks None is sized from
+        cache.kv_cache_bytes. config.weight_format (and a colocated engine's
+        prefill_weight_format) are the formats the model packs; EngineConfig.for_role picks
+        them from a user's decode and prefill formats. The device is resolved before the
+        model loads. kv_cache: a tensor the caller allocated (a decode worker's receiver
+        buffer), of config.cache's shape and dtype."""
         from engine.loaders import load_model
         from common.tokenizer import Tokenizer
 
-        main_format, second_format = role_formats(role, weight_format, prefill_format)
-        kv_name = kv_dtype_name(kv_dtype)
-        target = resolve_device(device).torch_device
+        config = config or EngineConfig()
+        if config.model is not None:
+            raise ValueError("from_path reads the model's config from its files: pass an "
+                             "EngineConfig with model=None")
+        main_format, second_format = config.weight_format, config.prefill_weight_format
+        target = resolve_device(config.device).torch_device
         t0 = time.monotonic()
         loaded = load_model(Path(path))
         model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
                                                         prefill_format=second_format, device=target)
-        if num_blocks is None:
-            per_block = kv_cache_bytes_per_block(loaded.config, block_size, KV_TORCH_DTYPES[kv_name])
-            num_blocks = max(1, kv_cache_bytes // per_block)
-        config = EngineConfig(
-            model=loaded.config,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_name),
-            scheduler=scheduler or SchedulerConfig(),
-            role=role,
-            weight_format=main_format,
-            prefill_weight_format=second_format,
-            max_model_len=max_model_len,
-        )
+        config = replace(config, model=loaded.config, cache=sized_cache(config.cache, loaded.config))
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path,
-                     cuda_graphs=cuda_graphs)
+        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
         engine.load_duration_s = time.monotonic() - t0
 
         def reload():  # the same path and formats, for load_weights after unload_weights

@@ -20,39 +20,40 @@ from worker.node_server import (
     worker_status,
 )
 from common.rpc import worker_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig
 from kvtransfer.auth import kv_auth_from
 from prefill_node.senders import SenderPool
 from prefill_node.server import PrefillServicer
 from prefill_node.worker import PrefillWorker
 
 
-async def main_async(args) -> None:
-    path = resolve_model(args.model)
-    engine = build_engine(args, path)
-    config = engine.config.model
-    fingerprint = model_fingerprint(path, config)
+async def main_async(config: WorkerConfig) -> None:
+    path = resolve_model(config.model)
+    engine = build_engine(config, path)
+    model = engine.config.model
+    fingerprint = model_fingerprint(path, model)
     # From the cache the engine actually allocated: the sender refuses payloads whose dtype is
     # not the layout's, and the decode worker's layout must match it.
-    layout = kv_layout(config, engine.config.cache.block_size,
+    layout = kv_layout(model, engine.config.cache.block_size,
                        kv_dtype_name(engine.runner.kv_cache.dtype), fingerprint)
-    worker_id = args.worker_id or new_worker_id("prefill")
+    worker_id = config.worker_id or new_worker_id("prefill")
     worker = PrefillWorker(engine, asyncio.get_running_loop())
     worker.start()
-    senders = SenderPool(layout, auth=kv_auth_from(args.cluster_auth))
+    senders = SenderPool(layout, auth=kv_auth_from(config.cluster_auth))
 
     def status():
         return worker_status(worker_id, "prefill", worker,
-                             kv_counters(args.kv_backend, senders.stats(), sending=True),
-                             args.cluster_auth)
+                             kv_counters(config.kv_backend, senders.stats(), sending=True),
+                             config.cluster_auth)
 
-    identity = NodeIdentity(worker_id, "prefill", f"{args.advertise_host or args.host}:{args.port}", "",
-                            args.kv_backend, fingerprint, layout.description)
+    identity = NodeIdentity(worker_id, "prefill", f"{config.advertised}:{config.port}", "",
+                            config.kv_backend, fingerprint, layout.description)
 
     def stop() -> None:
         worker.stop()
         senders.close()
 
-    await run_node(args, "tandem.worker.PrefillWorker",
+    await run_node(config, "tandem.worker.PrefillWorker",
                    lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(
                        PrefillServicer(worker, senders, status), server),
                    identity, status, worker, on_stop=stop)

@@ -123,10 +123,11 @@ def _recover(ctx: sc.Ctx, fault_at: float, timeout_s: float = 120.0) -> float | 
 def reference_texts(model_path: Path) -> Callable[[str, int], tuple[str, int]]:
     """(text, tokens) of a greedy chat request on the single-process engine, memoized."""
     from engine.generation import TextStream, chat_prompt_ids
+    from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     from common.sampling_params import SamplingParams
 
-    reference = LLMEngine.from_path(model_path, num_blocks=2048)
+    reference = LLMEngine.from_path(model_path, EngineConfig(cache=CacheConfig(num_blocks=2048)))
     cache: dict[tuple[str, int], tuple[str, int]] = {}
 
     def expected(content: str, n: int) -> tuple[str, int]:

@@ -1,10 +1,10 @@
-"""What every worker process shares: its command line, building its engine, the gRPC server
-with the standard health service, and registration plus heartbeats with the coordinator.
-The environment is read here (entry point), nowhere deeper."""
+"""What every worker process shares: its entry point (flags in worker/flags.py, config in
+worker/config.py), building its engine, the gRPC server with the standard health service, and
+registration plus heartbeats with the coordinator. The environment is read at the entry point
+(WorkerConfig.from_args), nowhere deeper."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -17,16 +17,11 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import kvtransfer
-
-from common.cluster_auth import (
-    PROOF_HEADER, REGISTER_REPLY, ClusterAuth, add_auth_args, auth_from_args,
-)
-from engine.config import (
-    DECODE_FORMATS, KV_DTYPE_TORCH_NAMES, KV_DTYPES, PREFILL_FORMATS, SchedulerConfig,
-)
-from engine.device import add_device_flags, resolve_device
+from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY, ClusterAuth
+from engine.config import KV_DTYPE_TORCH_NAMES, EngineConfig
+from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
+from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
 from engine.llm_engine import LLMEngine
 from common.rpc import worker_pb2 as pb
@@ -39,85 +34,22 @@ log = logging.getLogger("tandem.node")
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def node_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--model", required=True, help="model name, GGUF file or HF directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
-    p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
-    p.add_argument("--kv-backend", default="zmq", choices=[b for b in kvtransfer.backends() if b != "fake"])
-    p.add_argument("--kv-port", type=int, default=0, help="decode: port of the KV receiver (0 = any)")
-    p.add_argument("--kv-advertise", default=None,
-                   help="decode: the KV endpoint peers connect to (e.g. tcp://HOST:PORT), when it "
-                        "differs from the bound one: a port forward, NAT, a proxy in the path")
-    p.add_argument("--kv-deadline", type=float, default=330.0,
-                   help="decode: seconds from reservation until all of a request's KV must have arrived")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--role", default=roles[0], choices=roles)
-    p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="per-pass token budget")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64)
-    p.add_argument("--chunk-size", type=non_negative_int, default=0,
-                   help="largest prefill chunk of one request (0 = budget)")
-    p.add_argument("--num-blocks", type=positive_int, default=None,
-                   help="KV pool size in blocks (default: as many as --kv-cache-gb holds)")
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    # Part of the KV layout: a prefill and a decode worker that exchange KV must agree on it
-    # (registration and the KV handshake refuse a mismatch), so `tandem serve` gives every
-    # worker of a topology the same value.
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32",
-                   help="element type of the KV cache (bf16 halves the cache and the KV transfers)")
-    # Each role packs only its own format (engine.config.role_formats); a worker ignores the
-    # flag of the other role, so one flag list can go to every worker of a topology.
-    p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default="fp32",
-                   help="weight format of prefill workers (and of a colocated worker's prompt passes)")
-    p.add_argument("--decode-quant", choices=DECODE_FORMATS, default="int4",
-                   help="weight format of decode workers, every pass (and of a colocated worker's "
-                        "passes with decode tokens)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads of this process")
-    add_device_flags(p)
-    p.add_argument("--log-level", default="INFO")
-    add_auth_args(p)
-    return p
-
-
 def resolve_model(name: str) -> Path:
     from common.model_store import ModelStore, default_home
 
     return ModelStore(default_home()).resolve(name)
 
 
-def build_engine(args: argparse.Namespace, path: Path, kv_cache=None, num_blocks: int | None = None) -> LLMEngine:
-    configure_process(args.threads)
-    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
-                                max_num_seqs=args.max_num_seqs,
-                                long_prefill_token_threshold=args.chunk_size)
-    # The role decides which of the two formats the model packs: a prefill worker only
-    # --prefill-quant, a decode worker only --decode-quant, a colocated worker both.
-    engine = LLMEngine.from_path(
-        path, role=args.role, weight_format=args.decode_quant, prefill_format=args.prefill_quant,
-        block_size=args.block_size, num_blocks=num_blocks or args.num_blocks,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), scheduler=scheduler, kv_cache=kv_cache,
-        kv_dtype=args.kv_dtype, load_tokenizer=False, device=args.device,
-        cuda_graphs=not args.no_cuda_graphs)
-    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", args.role,
+def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = None,
+                 kv_cache=None) -> LLMEngine:
+    """The worker's engine from `path`: config.engine, or `sized` where the node sized its
+    pool itself (a decode worker, around its KV receiver's buffer `kv_cache`)."""
+    configure_process(config.threads)
+    engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
+                                 load_tokenizer=False)
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", config.role,
              "+".join(engine.model.formats), engine.config.cache.num_blocks,
-             engine.config.cache.kv_dtype, args.threads, engine.runner.device,
+             engine.config.cache.kv_dtype, config.threads, engine.runner.device,
              " (CUDA graphs)" if engine.runner.graphs is not None else "")
     return engine
 
@@ -282,21 +214,21 @@ async def watch_engine(engine_loop: EngineLoop, stop: asyncio.Event, period_s: f
             pass
 
 
-async def run_node(args: argparse.Namespace, service_name: str,
+async def run_node(config: WorkerConfig, service_name: str,
                    add_servicer: Callable[[grpc.aio.Server], None], identity: NodeIdentity,
                    status: Callable[[], pb.WorkerStatus], engine_loop: EngineLoop,
                    on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
-    auth: ClusterAuth = args.cluster_auth
+    auth = config.cluster_auth or ClusterAuth()
     # With a secret, only the coordinator's calls (they carry its proof) are served.
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=guarded(auth.server_interceptors()))
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = auth.add_port(server, f"{args.host}:{args.port}")
+    port = auth.add_port(server, f"{config.host}:{config.port}")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s %s serving on %s:%d (%s)", identity.role, identity.worker_id, args.host, port,
+    log.info("%s %s serving on %s:%d (%s)", identity.role, identity.worker_id, config.host, port,
              auth.describe())
 
     stop = asyncio.Event()
@@ -304,8 +236,8 @@ async def run_node(args: argparse.Namespace, service_name: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
-    if args.coordinator:
-        tasks.append(asyncio.create_task(register_and_heartbeat(args.coordinator, identity, status, stop,
+    if config.coordinator:
+        tasks.append(asyncio.create_task(register_and_heartbeat(config.coordinator, identity, status, stop,
                                                                  auth)))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -325,20 +257,20 @@ async def run_node(args: argparse.Namespace, service_name: str,
 
 
 def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | None = None) -> int:
-    """A worker process's entry point: parse, log, run on uvloop, report a TandemError as one
-    line and exit status 1."""
+    """A worker process's entry point: parse, build its WorkerConfig once (the cluster auth
+    and the device checked before the model loads), log, run main_async(config) on uvloop;
+    a bad value or a TandemError is one line and exit status 1."""
     import uvloop
 
-    args = node_arg_parser(prog, roles).parse_args(argv)
+    args = worker_arg_parser(prog, roles).parse_args(argv)
     setup_logging(args.log_level)
     try:
-        args.cluster_auth = auth_from_args(args)  # checked before the model loads
-        args.device = str(resolve_device(args.device).torch_device)  # so is the device
+        config = WorkerConfig.from_args(args)
     except ValueError as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1
     try:
-        uvloop.run(main_async(args))
+        uvloop.run(main_async(config))
     except TandemError as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1

@@ -92,7 +92,7 @@ def test_ollama_host_is_read_as_ollama_reads_it(value, want):
 
 
 def test_serve_listens_where_ollama_host_says_unless_flags_do():
-    from cli.main import serve_address
+    from cli.serve import serve_address
     from common.errors import TandemError
 
     assert serve_address(None, None, None) == ("127.0.0.1", 11434)

@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 from engine.generation import TextStream, chat_prompt_ids
+from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from tests.helpers.cluster import running_cluster
@@ -36,7 +37,7 @@ def wait_resident(cluster, resident: bool, timeout_s: float = 20.0) -> list[dict
 
 def test_keep_alive_0_drops_the_weights_and_the_next_request_reloads_them(tmp_path):
     tiny = make_tiny_hf_model(tmp_path / "m", "llama", max_position=1024)
-    reference = LLMEngine.from_path(tiny, num_blocks=256)
+    reference = LLMEngine.from_path(tiny, EngineConfig(cache=CacheConfig(num_blocks=256)))
     ids = chat_prompt_ids(reference, [{"role": "user", "content": CONTENT}])
     expected = "".join(TextStream(reference, ids, SamplingParams(temperature=0.0, num_predict=N)))
     options = {"temperature": 0, "num_predict": N}

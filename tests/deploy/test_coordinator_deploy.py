@@ -220,11 +220,11 @@ def test_tandem_serve_reports_bad_topologies_without_traceback(tmp_path):
 
 def parsed_worker(spec: ProcessSpec):
     """A worker's planned command line, parsed by that worker's own flag parser."""
-    from worker.node_server import node_arg_parser
+    from worker.flags import worker_arg_parser
 
     module = spec.argv[2]
     roles = ("prefill",) if module == "prefill_node" else ("decode", "colocated")
-    return node_arg_parser(module, roles).parse_args(spec.argv[3:])
+    return worker_arg_parser(module, roles).parse_args(spec.argv[3:])
 
 
 def test_plan_carries_each_engine_flag_to_the_roles_that_use_it(tmp_path):
@@ -286,15 +286,21 @@ def test_topology_refuses_bad_engine_flags(tmp_path, field, value, message):
 
 
 def test_worker_processes_refuse_bad_engine_flags(capsys):
-    from worker.node_server import node_arg_parser
+    from worker.config import WorkerConfig
+    from worker.flags import worker_arg_parser
 
     base = ["--model", "m", "--port", "1"]
-    for bad in (["--threads", "0"], ["--num-blocks", "0"], ["--decode-quant", "w8a8"],
-                ["--prefill-quant", "int4"]):
+    parser = worker_arg_parser("decode_node", ("decode", "colocated"))
+    for bad in (["--decode-quant", "w8a8"], ["--prefill-quant", "int4"]):  # argparse: choices
         with pytest.raises(SystemExit):
-            node_arg_parser("decode_node", ("decode", "colocated")).parse_args(base + bad)
-    err = capsys.readouterr().err
-    assert "must be >= 1, got 0" in err and "invalid choice: 'w8a8'" in err
+            parser.parse_args(base + bad)
+    assert "invalid choice: 'w8a8'" in capsys.readouterr().err
+    for bad, message in ((["--threads", "0"], "threads must be >= 1, got 0"),
+                         (["--num-blocks", "0"], "num_blocks must be positive, got 0"),
+                         (["--max-chunk-tokens", "-1"], "long_prefill_token_threshold must be >= 0, got -1"),
+                         (["--max-batched-tokens", "0"], "max_num_batched_tokens must be positive")):
+        with pytest.raises(ValueError, match=message):  # the config each worker builds once
+            WorkerConfig.from_args(parser.parse_args(base + ["--device", "cpu"] + bad))
 
 
 def test_tandem_serve_passes_its_flags_into_the_topology(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.generation import TextStream, chat_prompt_ids
+from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
 from common.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ import transformers  # noqa: E402 - the test oracle (test extra), never a produc
 
 @pytest.fixture(scope="module")
 def engine(default_gguf) -> LLMEngine:
-    return LLMEngine.from_path(default_gguf, num_blocks=256)
+    return LLMEngine.from_path(default_gguf, EngineConfig(cache=CacheConfig(num_blocks=256)))
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,8 @@ def test_decode_formats_keep_quality_against_fp32(default_gguf):
 
 
 def test_int4_decode_answers_the_capital_of_france(default_gguf):
-    engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="fp32", num_blocks=64)
+    engine = LLMEngine.from_path(default_gguf, EngineConfig.for_role(
+        "colocated", "int4", "fp32", cache=CacheConfig(num_blocks=64)))
     prompt = chat_prompt_ids(engine, [{"role": "user", "content": "What is the capital of France?"}])
     answer = "".join(TextStream(engine, prompt, SamplingParams(temperature=0.0, num_predict=16)))
     assert "Paris" in answer, answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.device import resolve_device
 from common.hf_config import hf_model_config
 from engine.model_runner import ModelRunner, SequenceChunk
@@ -48,7 +48,8 @@ def test_engine_from_path_checks_the_device_before_loading(tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="no usable CUDA device"):
-        LLMEngine.from_path(tmp_path / "no-such-model", device="cuda")  # fails before the load
+        # Fails before the load: the path does not exist.
+        LLMEngine.from_path(tmp_path / "no-such-model", EngineConfig(device="cuda"))
 
 
 def test_model_and_runner_follow_the_device():
@@ -69,7 +70,7 @@ def test_model_and_runner_follow_the_device():
 
 def test_every_planned_worker_gets_the_device(tmp_path):
     from deploy.local import Topology, plan
-    from worker.node_server import node_arg_parser
+    from worker.flags import worker_arg_parser
 
     n = iter(range(22000, 22100))
     t = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, prefill=1, decode=2,
@@ -79,7 +80,7 @@ def test_every_planned_worker_gets_the_device(tmp_path):
     for spec in specs[1:]:
         module = spec.argv[2]
         roles = ("prefill",) if module == "prefill_node" else ("decode", "colocated")
-        args = node_arg_parser(module, roles).parse_args(spec.argv[3:])
+        args = worker_arg_parser(module, roles).parse_args(spec.argv[3:])
         assert (args.device, args.no_cuda_graphs) == ("cuda:1", True)
     default = Topology(model="m", model_path=tmp_path, log_dir=tmp_path)
     assert default.worker_flags("decode")[-2:] == ["--device", "auto"]
@@ -89,20 +90,25 @@ def test_every_planned_worker_gets_the_device(tmp_path):
 
 def test_worker_builds_its_engine_on_the_device(tmp_path, monkeypatch):
     from worker import node_server
+    from worker.config import WorkerConfig
+    from worker.flags import worker_arg_parser
 
     seen = {}
 
-    def fake_from_path(path, **kwargs):
-        seen.update(kwargs)
+    def fake_from_path(path, config, **kwargs):
+        seen["config"] = config
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(node_server.LLMEngine, "from_path", staticmethod(fake_from_path))
     monkeypatch.setattr(node_server, "configure_process", lambda threads: None)
-    parser = node_server.node_arg_parser("decode_node", ("decode",))
-    for argv, want in (([], ("auto", True)), (["--device", "cpu", "--no-cuda-graphs"], ("cpu", False))):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = worker_arg_parser("decode_node", ("decode",))
+    # --device auto is resolved once, when the worker builds its config.
+    for argv, want in (([], ("cpu", True)), (["--device", "cpu", "--no-cuda-graphs"], ("cpu", False))):
+        config = WorkerConfig.from_args(parser.parse_args(["--model", "m", "--port", "1", *argv]))
         with pytest.raises(RuntimeError, match="stop here"):
-            node_server.build_engine(parser.parse_args(["--model", "m", "--port", "1", *argv]), tmp_path)
-        assert (seen["device"], seen["cuda_graphs"]) == want
+            node_server.build_engine(config, tmp_path)
+        assert (seen["config"].device, seen["config"].cuda_graphs) == want
 
 
 def test_worker_without_cuda_exits_at_start_up(monkeypatch, capsys):
@@ -136,12 +142,12 @@ def test_tandem_serve_and_run_pass_the_device(tmp_path, monkeypatch, capsys):
 
     seen = {}
 
-    def fake_from_path(path, **kwargs):
-        seen.update(kwargs)
+    def fake_from_path(path, config, **kwargs):
+        seen["config"] = config
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(engine.llm_engine.LLMEngine, "from_path", staticmethod(fake_from_path))
     monkeypatch.setattr("worker.runtime.configure_process", lambda threads: None)
     with pytest.raises(RuntimeError, match="stop here"):
         cli.main.main(["run", str(model_dir), "hi", "--local", "--device", "cpu"])
-    assert (seen["device"], seen["cuda_graphs"]) == ("cpu", True)
+    assert (seen["config"].device, seen["config"].cuda_graphs) == ("cpu", True)

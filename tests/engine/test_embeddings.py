@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode_node.worker import DecodeJob, DecodeWorker
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
 from common.sampling_params import SamplingParams
@@ -26,7 +26,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, num_blocks=64, block_size=BLOCK, load_tokenizer=False)
+    return LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=64)), load_tokenizer=False)
 
 
 def reference_vector(engine: LLMEngine, ids: list[int], normalize: bool = True) -> torch.Tensor:
@@ -57,9 +58,9 @@ def check_pool(engine: LLMEngine) -> None:
 
 def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, reference):
     # A budget of 40 tokens: the three inputs take two passes, with a decode running beside them.
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=40))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=40)), load_tokenizer=False)
     inputs = [[5, 17, 3, 99, 42, 7, 8, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
               [9, 8, 7],
               list(range(30, 65))]
@@ -95,8 +96,9 @@ def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, 
 
 
 def test_embed_refuses_empty_and_overlong_inputs(model_dir):
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False, max_model_len=32)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        max_model_len=32), load_tokenizer=False)
 
     async def body(loop):
         worker = DecodeWorker(engine, loop)
@@ -115,9 +117,9 @@ def test_embed_refuses_empty_and_overlong_inputs(model_dir):
 def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference):
     """Budget 16: a 70-token input takes five passes, and every one of them also carries the
     running request's decode token (split-fuse); the vector equals the unchunked one."""
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16)), load_tokenizer=False)
     gen = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0), "gen", max_tokens=40)
     engine.step()  # the prompt; "gen" decodes from here on
     ids = [(7 * i + 3) % 250 for i in range(70)]
@@ -141,9 +143,9 @@ def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference):
 def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
     """A pool too small for both: the embedding is preempted by the older decode's growth and
     recomputed from its first token; its vector still equals the reference."""
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=6,
-                                 block_size=BLOCK, load_tokenizer=False,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=6),
+        scheduler=SchedulerConfig(max_num_batched_tokens=24)), load_tokenizer=False)
     engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0), "gen", max_tokens=40)
     ids = [(5 * i + 1) % 250 for i in range(50)]
     engine.submit(engine.make_embedding_request(ids, request_id="emb"))
@@ -172,9 +174,9 @@ def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
 def test_a_caller_that_leaves_stops_the_work_and_frees_the_blocks(model_dir):
     """Budget 8, a 200-token input (25 passes): the caller is cancelled after the first pass;
     the request is aborted between two passes and no block stays held."""
-    engine = LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                                 block_size=BLOCK, load_tokenizer=False,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8)), load_tokenizer=False)
     steps = []
     real_step = engine.step
     engine.step = lambda: steps.append(1) or real_step()

@@ -11,6 +11,7 @@ import pytest
 
 from worker.engine_loop import EngineLoop
 from common.errors import ResidencyError
+from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from reliability.model_factory import make_tiny_hf_model
@@ -19,7 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, num_predict=8)
 
 
 def test_unload_frees_the_model_and_load_restores_it(tmp_path):
-    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), num_blocks=64)
+    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), EngineConfig(
+        cache=CacheConfig(num_blocks=64)))
     before = list(engine.generate([1, 5, 9, 13], GREEDY))
     model, pool = weakref.ref(engine.model), engine.runner.kv_cache
     engine.unload_weights()
@@ -34,7 +36,8 @@ def test_unload_frees_the_model_and_load_restores_it(tmp_path):
 
 
 def test_unload_is_refused_while_requests_are_open(tmp_path):
-    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), num_blocks=64)
+    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), EngineConfig(
+        cache=CacheConfig(num_blocks=64)))
     engine.add_request([1, 5, 9], GREEDY)
     with pytest.raises(ResidencyError):
         engine.unload_weights()
@@ -42,7 +45,8 @@ def test_unload_is_refused_while_requests_are_open(tmp_path):
 
 
 def test_engine_loop_set_resident_runs_between_steps(tmp_path):
-    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), num_blocks=64)
+    engine = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "m", "llama"), EngineConfig(
+        cache=CacheConfig(num_blocks=64)))
 
     async def scenario():
         loop = EngineLoop(engine, asyncio.get_running_loop())

@@ -16,6 +16,7 @@ import torch
 
 from engine.grammar import GrammarBackend, GrammarError, apply_bitmask
 from common.grammar_compile import compile_error
+from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, probabilities
@@ -115,7 +116,8 @@ def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams,
 
 def test_a_random_model_writes_schema_valid_json_and_stops(tiny_dir, tokenizer):
     # A worker's engine: no tokenizer until a grammar needs the vocabulary.
-    engine = LLMEngine.from_path(tiny_dir, num_blocks=64, load_tokenizer=False)
+    engine = LLMEngine.from_path(tiny_dir, EngineConfig(
+        cache=CacheConfig(num_blocks=64)), load_tokenizer=False)
     prompt = tokenizer.encode("Describe a person.")
     stops = tokenizer.stop_token_ids
     free, _ = run_one(engine, prompt, SamplingParams(temperature=1.0, top_k=0, top_p=1.0,

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from deploy.local import Topology, plan
-from engine.config import KV_DTYPES, CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, KV_DTYPES
 from engine.llm_engine import LLMEngine, kv_dtype_name
-from worker.node_server import kv_layout, node_arg_parser
+from worker.config import WorkerConfig
+from worker.flags import worker_arg_parser
+from worker.node_server import kv_layout
 from reliability.model_factory import make_tiny_hf_model
 
 BASE = ["--model", "m", "--port", "1"]
@@ -33,7 +35,7 @@ def parsed_worker(argv: list[str]):
     """A worker's planned command line, parsed by that worker's own flag parser."""
     module = argv[2]
     roles = ("prefill",) if module == "prefill_node" else ("decode", "colocated")
-    return node_arg_parser(module, roles).parse_args(argv[3:])
+    return worker_arg_parser(module, roles).parse_args(argv[3:])
 
 
 # -- engine --------------------------------------------------------------------------------------
@@ -48,31 +50,34 @@ def test_cache_config_and_engine_validate_the_kv_dtype(tmp_path):
         kv_dtype_name(torch.float16)
     # Refused before the model is looked at (this path does not exist).
     with pytest.raises(ValueError, match="kv_dtype must be one of fp32, bf16, got 'int8'"):
-        LLMEngine.from_path(tmp_path / "nothing-here", kv_dtype="int8")
+        LLMEngine.from_path(tmp_path / "nothing-here", EngineConfig(
+            cache=CacheConfig(kv_dtype="int8")))
 
 
 def test_engine_allocates_its_cache_in_the_kv_dtype(model_dir):
-    bf16 = LLMEngine.from_path(model_dir, num_blocks=8, kv_dtype="bf16", load_tokenizer=False)
+    bf16 = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(num_blocks=8, kv_dtype="bf16")), load_tokenizer=False)
     assert bf16.config.cache.kv_dtype == "bf16" and bf16.runner.kv_cache.dtype == torch.bfloat16
-    same = LLMEngine.from_path(model_dir, num_blocks=8, kv_dtype=torch.bfloat16, load_tokenizer=False)
-    assert same.config.cache.kv_dtype == "bf16"
     # The pool size from a byte budget counts 2-byte elements: twice the blocks of fp32.
     budget = 1 << 20
-    n32 = LLMEngine.from_path(model_dir, kv_cache_bytes=budget, load_tokenizer=False).config.cache.num_blocks
-    n16 = LLMEngine.from_path(model_dir, kv_cache_bytes=budget, kv_dtype="bf16",
-                              load_tokenizer=False).config.cache.num_blocks
+    n32 = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(kv_cache_bytes=budget)), load_tokenizer=False).config.cache.num_blocks
+    n16 = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(kv_cache_bytes=budget, kv_dtype="bf16")), load_tokenizer=False).config.cache.num_blocks
     assert n16 == 2 * n32
     # A caller-provided cache (a decode worker's receive buffer) must be in the engine's dtype.
     shape = tuple(bf16.runner.kv_cache.shape)
     with pytest.raises(ValueError, match="kv_cache holds torch.float32, but the engine's KV dtype is bf16"):
-        LLMEngine.from_path(model_dir, num_blocks=8, kv_dtype="bf16", load_tokenizer=False,
-                            kv_cache=torch.zeros(shape))
+        LLMEngine.from_path(model_dir, EngineConfig(
+            cache=CacheConfig(num_blocks=8, kv_dtype="bf16")), kv_cache=torch.zeros(shape),
+            load_tokenizer=False)
     with pytest.raises(ValueError, match="contradicts the engine config's cache.kv_dtype 'fp32'"):
         LLMEngine(bf16.model, EngineConfig(model=bf16.config.model), kv_dtype="bf16")
 
 
 def test_worker_layout_carries_the_kv_dtype(model_dir):
-    engine = LLMEngine.from_path(model_dir, num_blocks=8, kv_dtype="bf16", load_tokenizer=False)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(num_blocks=8, kv_dtype="bf16")), load_tokenizer=False)
     config = engine.config.model
     layout = kv_layout(config, 16, kv_dtype_name(engine.runner.kv_cache.dtype), "model-x")
     fp32 = kv_layout(config, 16, "fp32", "model-x")
@@ -88,7 +93,7 @@ def test_worker_layout_carries_the_kv_dtype(model_dir):
 
 def test_worker_kv_dtype_flag_defaults_validates_and_reaches_the_engine(capsys):
     for module, roles in (("prefill_node", ("prefill",)), ("decode_node", ("decode", "colocated"))):
-        parser = node_arg_parser(module, roles)
+        parser = worker_arg_parser(module, roles)
         assert parser.parse_args(BASE).kv_dtype == "fp32"
         assert parser.parse_args(BASE + ["--kv-dtype", "bf16"]).kv_dtype == "bf16"
         with pytest.raises(SystemExit):
@@ -101,16 +106,16 @@ def test_build_engine_uses_the_worker_kv_dtype(model_dir, monkeypatch):
 
     seen = {}
 
-    def fake_from_path(path, **kwargs):
-        seen.update(kwargs)
+    def fake_from_path(path, config, **kwargs):
+        seen["config"] = config
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(node_server.LLMEngine, "from_path", staticmethod(fake_from_path))
     monkeypatch.setattr(node_server, "configure_process", lambda threads: None)
-    args = node_arg_parser("prefill_node", ("prefill",)).parse_args(BASE + ["--kv-dtype", "bf16"])
+    args = worker_arg_parser("prefill_node", ("prefill",)).parse_args(BASE + ["--kv-dtype", "bf16"])
     with pytest.raises(RuntimeError, match="stop here"):
-        node_server.build_engine(args, model_dir)
-    assert seen["kv_dtype"] == "bf16"
+        node_server.build_engine(WorkerConfig.from_args(args), model_dir)
+    assert seen["config"].cache.kv_dtype == "bf16"
 
 
 # -- tandem serve: topology, plan, CLI ------------------------------------------------------------
@@ -163,8 +168,8 @@ def test_tandem_run_builds_its_engine_with_the_kv_dtype(model_dir, tmp_path, mon
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
     seen = {}
 
-    def fake_from_path(path, **kwargs):
-        seen.update(kwargs)
+    def fake_from_path(path, config, **kwargs):
+        seen["config"] = config
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(engine.llm_engine.LLMEngine, "from_path", staticmethod(fake_from_path))
@@ -172,7 +177,7 @@ def test_tandem_run_builds_its_engine_with_the_kv_dtype(model_dir, tmp_path, mon
     for argv, want in ((["--kv-dtype", "bf16"], "bf16"), ([], "fp32")):
         with pytest.raises(RuntimeError, match="stop here"):
             cli.main.main(["run", str(model_dir), "hi", "--local", *argv])
-        assert seen.pop("kv_dtype") == want
+        assert seen.pop("config").cache.kv_dtype == want
 
 
 # -- the coordinator refuses a worker whose KV dtype differs ---------------------------------------

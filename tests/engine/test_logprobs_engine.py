@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.errors import InvalidOptionError
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
 from common.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 def reference(model_dir, prompt_ids: list[int], n: int):
     """(greedy tokens, their entries, log_softmax of the logits each was drawn from)."""
-    engine = LLMEngine.from_path(model_dir, num_blocks=64)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(cache=CacheConfig(num_blocks=64)))
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -63,7 +63,7 @@ def test_engine_entries_are_log_softmax_of_its_logits(model_dir):
 
 
 def test_engine_reports_nothing_unless_asked(model_dir):
-    engine = LLMEngine.from_path(model_dir, num_blocks=64)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(cache=CacheConfig(num_blocks=64)))
     asked = engine.add_request([1, 5, 9], SamplingParams(temperature=0, logprobs=0, num_predict=3))
     plain = engine.add_request([1, 5, 7], SamplingParams(temperature=0, num_predict=3))
     got: dict[str, list] = {asked.request_id: [], plain.request_id: []}
@@ -119,9 +119,11 @@ def check_prompt_entries(entries, prompt_ids, logp, n):
 
 @pytest.mark.parametrize("budget", [512, 5])  # 5: the prompt spans five chunked passes
 def test_prompt_logprobs_equal_one_full_forward(model_dir, budget):
-    engine = LLMEngine.from_path(model_dir, num_blocks=64, block_size=4,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=budget))
-    logp = full_prompt_logp(LLMEngine.from_path(model_dir, num_blocks=64, block_size=4), PROMPT)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+    logp = full_prompt_logp(LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64))), PROMPT)
     request, firsts = run_prompt_logprobs(engine, PROMPT, n=3)
     # Once, with the first token, and never again.
     assert firsts[0] is not None and all(f is None for f in firsts[1:]) and len(firsts) == 2
@@ -129,8 +131,10 @@ def test_prompt_logprobs_equal_one_full_forward(model_dir, budget):
 
 
 def test_prompt_logprobs_bypass_a_warm_prefix_cache(model_dir):
-    engine = LLMEngine.from_path(model_dir, num_blocks=64, block_size=4)
-    logp = full_prompt_logp(LLMEngine.from_path(model_dir, num_blocks=64, block_size=4), PROMPT)
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64)))
+    logp = full_prompt_logp(LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64))), PROMPT)
     warm = engine.add_request(PROMPT, SamplingParams(temperature=0, num_predict=1))
     while engine.has_unfinished():
         engine.step()
@@ -144,8 +148,9 @@ def test_prompt_logprobs_bypass_a_warm_prefix_cache(model_dir):
 
 
 def test_prompt_logprobs_cost_nothing_for_others(model_dir):
-    engine = LLMEngine.from_path(model_dir, num_blocks=64, block_size=4,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=6))
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=6)))
     plain = engine.add_request(PROMPT[:9], SamplingParams(temperature=0, num_predict=2))
     asked = engine.add_request(PROMPT, SamplingParams(temperature=0, num_predict=2,
                                                       prompt_logprobs=1))
@@ -189,7 +194,8 @@ def test_cluster_logprobs_match_the_single_process_engine(model_dir, tmp_path):
         values, _ = logp.topk(2)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
     lp = scored.choices[0].logprobs
-    logp = full_prompt_logp(LLMEngine.from_path(model_dir, num_blocks=64), prompt_ids)
+    logp = full_prompt_logp(LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(num_blocks=64))), prompt_ids)
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt_ids)
     assert lp.token_logprobs[1:] == pytest.approx(
         [logp[i, t].item() for i, t in enumerate(prompt_ids[1:])], abs=1e-4)

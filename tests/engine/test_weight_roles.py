@@ -10,8 +10,6 @@ every `linear` call the model makes.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
@@ -20,7 +18,9 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
 from engine.models import llama as llama_module
 from engine.models.llama import LM_HEAD_FORMAT
-from worker.node_server import build_engine, node_arg_parser
+from worker.config import WorkerConfig
+from worker.flags import worker_arg_parser
+from worker.node_server import build_engine
 from common.sampling_params import SamplingParams
 from reliability.model_factory import make_tiny_hf_model
 
@@ -34,10 +34,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("roles") / "tiny", vocab_size=VOCAB, seed=11)
 
 
-def engine_for(model_dir, role, decode, prefill, num_blocks=256, scheduler=None) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, role=role, weight_format=decode, prefill_format=prefill,
-                               block_size=BLOCK, num_blocks=num_blocks, load_tokenizer=False,
-                               scheduler=scheduler)
+def engine_for(model_dir, role, decode, prefill, num_blocks=256,
+               scheduler=SchedulerConfig()) -> LLMEngine:
+    return LLMEngine.from_path(model_dir, EngineConfig.for_role(
+        role, decode, prefill, cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        scheduler=scheduler), load_tokenizer=False)
 
 
 def packed_formats(model) -> set[str]:
@@ -165,8 +166,8 @@ def test_node_processes_build_their_role_only(model_dir):
              "--decode-quant", "int8", "--num-blocks", "8", "--block-size", str(BLOCK)]
 
     def built(prog, roles, *extra) -> tuple[str, ...]:
-        args: argparse.Namespace = node_arg_parser(prog, roles).parse_args(flags + list(extra))
-        return build_engine(args, model_dir).model.formats
+        args = worker_arg_parser(prog, roles).parse_args(flags + list(extra))
+        return build_engine(WorkerConfig.from_args(args), model_dir).model.formats
 
     assert built("prefill_node", ("prefill",)) == ("w8a8",)
     assert built("decode_node", ("decode", "colocated"), "--role", "decode") == ("int8",)

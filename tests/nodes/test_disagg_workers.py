@@ -23,7 +23,7 @@ import torch
 
 import kvtransfer
 from decode_node.worker import DecodeJob, DecodeWorker, Tokens
-from engine.config import SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.errors import SamplingError, TandemError
 from engine.llm_engine import LLMEngine, kv_dtype_name
 from common.model_identity import model_fingerprint
@@ -47,12 +47,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, num_blocks=512, block_size=BLOCK)
+    return LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=512)))
 
 
 @pytest.fixture(scope="module")
 def reference_bf16(model_dir) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, num_blocks=512, block_size=BLOCK, kv_dtype="bf16")
+    return LLMEngine.from_path(model_dir, EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=512, kv_dtype="bf16")))
 
 
 def expected(reference: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -65,9 +67,11 @@ class Pair:
     def __init__(self, model_dir, loop, *, prefill_budget=32, decode_blocks=256, faults=(),
                  kv_deadline_s=30.0, ack_timeout_s=30.0, reserve_timeout_s=10.0,
                  kv_dtype="fp32", backend="fake") -> None:
-        self.prefill_engine = LLMEngine.from_path(
-            model_dir, role="prefill", num_blocks=256, block_size=BLOCK, load_tokenizer=False,
-            scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget), kv_dtype=kv_dtype)
+        self.prefill_engine = LLMEngine.from_path(model_dir, EngineConfig(
+            role="prefill",
+            cache=CacheConfig(block_size=BLOCK, num_blocks=256, kv_dtype=kv_dtype),
+            scheduler=SchedulerConfig(max_num_batched_tokens=prefill_budget)),
+            load_tokenizer=False)
         cfg = self.prefill_engine.config.model
         # As the worker entry points build them: the prefill side from its engine's cache,
         # the decode side before allocating the cache its engine then uses.
@@ -80,9 +84,10 @@ class Pair:
             self.receiver = FakeReceiver(self.cache, self.cache.layout)
         else:
             self.receiver = kvtransfer.create_receiver(backend, self.cache, self.cache.layout)
-        self.decode_engine = LLMEngine.from_path(model_dir, role="decode", num_blocks=decode_blocks,
-                                                 block_size=BLOCK, load_tokenizer=False,
-                                                 kv_cache=self.cache.tensor, kv_dtype=kv_dtype)
+        self.decode_engine = LLMEngine.from_path(model_dir, EngineConfig(
+            role="decode",
+            cache=CacheConfig(block_size=BLOCK, num_blocks=decode_blocks, kv_dtype=kv_dtype)),
+            kv_cache=self.cache.tensor, load_tokenizer=False)
         self.prefill = PrefillWorker(self.prefill_engine, loop)
         self.decode = DecodeWorker(self.decode_engine, loop, self.receiver, backend, kv_deadline_s=kv_deadline_s,
                                    reserve_timeout_s=reserve_timeout_s)
@@ -198,8 +203,9 @@ async def test_bf16_kv_disaggregated_matches_the_single_process_bf16_engine(pair
 @run_async
 async def test_mismatched_kv_dtype_is_refused_before_any_compute(pair_factory, model_dir):
     pair = pair_factory()  # fp32 KV on the decode side
-    bf16 = LLMEngine.from_path(model_dir, role="prefill", num_blocks=16, block_size=BLOCK,
-                               load_tokenizer=False, kv_dtype="bf16")
+    bf16 = LLMEngine.from_path(model_dir, EngineConfig(
+        role="prefill", cache=CacheConfig(block_size=BLOCK, num_blocks=16, kv_dtype="bf16")),
+        load_tokenizer=False)
     layout = kv_layout(bf16.config.model, BLOCK, kv_dtype_name(bf16.runner.kv_cache.dtype),
                        pair.layout.model_id)
     with pytest.raises(TandemError, match="dtype: 'bfloat16' != 'float32'"):

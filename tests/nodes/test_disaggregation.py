@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.generation import TextStream, chat_prompt_ids
+from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from tests.helpers.cluster import running_cluster
@@ -33,7 +34,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny) -> LLMEngine:
-    return LLMEngine.from_path(tiny, num_blocks=1024)
+    return LLMEngine.from_path(tiny, EngineConfig(cache=CacheConfig(num_blocks=1024)))
 
 
 def text_prompt(n_words: int, seed: int) -> str:
@@ -70,7 +71,8 @@ def test_greedy_through_each_backend_equals_single_process(tiny, reference, tmp_
 
 @pytest.fixture(scope="module")
 def reference_bf16(tiny) -> LLMEngine:
-    return LLMEngine.from_path(tiny, num_blocks=1024, kv_dtype="bf16")
+    return LLMEngine.from_path(tiny, EngineConfig(
+        cache=CacheConfig(num_blocks=1024, kv_dtype="bf16")))
 
 
 @pytest.mark.parametrize("backend", ["zmq", "shm", "grpc", "dist"])
@@ -191,7 +193,8 @@ def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
 @pytest.mark.model
 @pytest.mark.parametrize("backend", ["zmq", "dist"])
 def test_default_model_disaggregated_equals_single_process(default_gguf, tmp_path, backend):
-    engine = LLMEngine.from_path(default_gguf, weight_format="int4", prefill_format="fp32", num_blocks=256)
+    engine = LLMEngine.from_path(default_gguf, EngineConfig.for_role(
+        "colocated", "int4", "fp32", cache=CacheConfig(num_blocks=256)))
     questions = ["List four primary colors.", "What is continuous batching?",
                  "Summarize: " + text_prompt(120, seed=3)]
     expected = [expected_text(engine, q, 24) for q in questions]

@@ -12,6 +12,7 @@ import pytest
 
 from common.sampling_params import GrammarSpec, SamplingParams
 from decode_node.worker import DecodeJob, DecodeWorker
+from engine.config import CacheConfig, EngineConfig
 from engine.grammar import GrammarBackend
 from engine.llm_engine import LLMEngine
 from reliability.model_factory import make_tiny_hf_model
@@ -26,8 +27,8 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir) -> LLMEngine:
-    return LLMEngine.from_path(model_dir, role="decode", weight_format="fp32", num_blocks=64,
-                               block_size=16)
+    return LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=16, num_blocks=64)))
 
 
 @pytest.fixture

@@ -1,0 +1,118 @@
+"""`tandem serve`: the coordinator and its workers on this host (Ollama API). Like `ollama
+serve`, it listens at $OLLAMA_HOST unless --host/--port say otherwise, and logs to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from cli.common_args import DEFAULT_MODEL, VersionAction, resolve_or_pull
+from common.errors import TandemError
+from common.model_store import default_home
+from worker.config import DEFAULT_TOKEN_BUDGET
+from worker.flags import add_engine_flags, add_kv_backend_flag, add_worker_flags
+
+
+def register(subparsers) -> None:
+    from coordinator.api_tls import add_api_tls_args  # torch-free
+
+    p = subparsers.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name (pulled if missing), GGUF file or Hugging Face directory")
+    p.add_argument("--version", action=VersionAction)
+    p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
+                                  "as `ollama serve`, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port of the coordinator (default: $OLLAMA_HOST's, "
+                                            "else 11434)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the HTTP APIs and the gRPC "
+                        "metadata 'authorization: Bearer KEY' (default $TANDEM_API_KEY; prefer "
+                        "the variable: ps shows flags). Browser origins: $OLLAMA_ORIGINS")
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="port of the gRPC client API (0 = any free port; default 50051)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="one worker doing prefill and decode instead")
+    add_kv_backend_flag(p)
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_TOKEN_BUDGET,
+                   help="per-pass token budget of every worker (their --max-batched-tokens), so "
+                        "also the largest prefill chunk on a prefill worker (the coordinator's "
+                        f"--chunk-size; default {DEFAULT_TOKEN_BUDGET})")
+    p.add_argument("--local-chunk-size", type=int,
+                   help="largest prefill chunk per pass of a prompt prefilled on a decode worker, "
+                        "beside its decodes (coordinator default 64)")
+    p.add_argument("--prefill-threshold", type=int,
+                   help="prompts of at most this many tokens may prefill on the decode worker")
+    add_engine_flags(p, "serve")
+    add_worker_flags(p, "serve")
+    p.add_argument("--max-streams", type=int,
+                   help="most requests open at once, queued or running (429 above; coordinator "
+                        "default 512)")
+    add_api_tls_args(p)
+    p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds to wait for every worker to register (default 300)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.local import Topology, serve
+
+    log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
+        "serve-%Y%m%d-%H%M%S")
+    host, port = serve_address(args.host, args.port, os.environ.get("OLLAMA_HOST"))
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY", "").strip() or None
+    try:
+        # Checked before the model is resolved (or pulled) and before anything starts.
+        topology = Topology(model=args.model, model_path=Path(args.model), log_dir=log_dir,
+                            host=host, port=port, api_key=api_key, prefill=args.prefill,
+                            decode=args.decode, colocated=args.colocated,
+                            kv_backend=args.kv_backend, chunk_size=args.chunk_size,
+                            prefill_threshold=args.prefill_threshold,
+                            prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
+                            threads=args.threads, num_blocks=args.num_blocks,
+                            kv_dtype=args.kv_dtype, local_chunk_size=args.local_chunk_size,
+                            max_streams=args.max_streams, device=args.device,
+                            cuda_graphs=not args.no_cuda_graphs,
+                            coordinator_args=("--grpc-port", str(args.grpc_port)),
+                            api_tls=_api_tls(args))
+        from engine.device import resolve_device
+
+        resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them
+    except ValueError as exc:
+        raise TandemError(str(exc)) from None
+    topology = dataclasses.replace(topology, model_path=resolve_or_pull(args.model))
+    return serve(topology, start_timeout_s=args.start_timeout, out=_log)
+
+
+def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:
+    """--api-tls-cert/--api-tls-key, checked here (files, PEM, matching key) before anything
+    starts, as the coordinator will check them again."""
+    from coordinator.api_tls import api_tls_from
+
+    tls = api_tls_from(args.api_tls_cert, args.api_tls_key)  # ValueError: a start-up error
+    return (str(tls.cert.resolve()), str(tls.key.resolve())) if tls else None
+
+
+def _log(line: str) -> None:
+    """`tandem serve` logs to stderr, as `ollama serve` does (stdout stays free for pipes)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def serve_address(host: str | None, port: int | None, ollama_host: str | None
+                  ) -> tuple[str, int]:
+    """Where `tandem serve` listens: --host and --port where given, else $OLLAMA_HOST's (as
+    `ollama serve`), else 127.0.0.1:11434. OLLAMA_HOST=":PORT" (no host) listens on every
+    interface, as Go's net.Listen does with it."""
+    from deploy.remote import DEFAULT_PORT, parse_host
+
+    if (host is None or port is None) and (ollama_host or "").strip():
+        address = parse_host(ollama_host)
+        host = (address.host or "0.0.0.0") if host is None else host
+        port = address.port if port is None else port
+    return host or "127.0.0.1", DEFAULT_PORT if port is None else port

@@ -1,0 +1,97 @@
+"""A worker process's configuration: built once from its flags (worker/flags.py) by
+WorkerConfig.from_args, validated at construction, never changed after.
+
+    WorkerConfig          the process: addresses, role, KV transport, threads, auth
+      engine: EngineConfig  the engine it runs (engine/config.py); model None until the
+                            model's files are read, cache.num_blocks None until sized
+
+Torch-free: the CLI and the launchers import the defaults below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.config import ENGINE_ROLES, CacheConfig, EngineConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    import argparse
+
+    from common.cluster_auth import ClusterAuth
+
+# kvtransfer.backends() less "fake", spelled out so that the flags stay torch-free
+# (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
+KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
+DEFAULT_KV_BACKEND = "zmq"
+# The fastest formats that keep answers right on the default model (README: quality table).
+DEFAULT_PREFILL_QUANT = "fp32"
+DEFAULT_DECODE_QUANT = "int4"
+# Every worker's per-pass token budget unless told (`tandem serve --chunk-size`).
+DEFAULT_TOKEN_BUDGET = SchedulerConfig.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str  # name in the store, GGUF file or Hugging Face directory
+    port: int  # of this worker's gRPC server
+    role: str  # one of ENGINE_ROLES the node serves
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # the gRPC server's bind address
+    advertise_host: str | None = None  # how the coordinator and peers reach us (else host)
+    coordinator: str | None = None  # HOST:PORT of the registry; None runs alone
+    worker_id: str | None = None  # None: role plus a random suffix
+    kv_backend: str = DEFAULT_KV_BACKEND  # one of KV_BACKENDS
+    kv_port: int = 0  # decode: the KV receiver's port (0 = any)
+    kv_advertise: str | None = None  # decode: the KV endpoint peers dial, when not the bound one
+    kv_deadline_s: float = 330.0  # decode: reservation to the last KV byte of a request
+    threads: int = 1  # torch threads of this process
+    log_level: str = "INFO"
+    cluster_auth: ClusterAuth | None = field(default=None, repr=False)  # None: no secret, no TLS
+
+    def __post_init__(self) -> None:
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
+        if self.engine.role != self.role:
+            raise ValueError(f"the engine's role {self.engine.role!r} is not the worker's {self.role!r}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, "
+                             f"got {self.kv_backend!r}")
+        if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"ports must be in 0..65535, got port={self.port}, "
+                             f"kv_port={self.kv_port}")
+        if not self.kv_deadline_s > 0:
+            raise ValueError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        """From worker_arg_parser's Namespace (read, never changed). Resolves --device here,
+        so a CUDA-less host fails before the model loads, and reads the cluster's secret and
+        TLS files (ValueError for either)."""
+        from common.cluster_auth import auth_from_args
+        from engine.device import resolve_device
+
+        auth = auth_from_args(args)
+        device = str(resolve_device(args.device).torch_device)
+        engine = EngineConfig.for_role(
+            args.role, args.decode_quant, args.prefill_quant,
+            cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                              kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+                              kv_dtype=args.kv_dtype),
+            scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                                      max_num_seqs=args.max_num_seqs,
+                                      long_prefill_token_threshold=args.max_chunk_tokens),
+            device=device, cuda_graphs=not args.no_cuda_graphs)
+        return cls(model=args.model, port=args.port, role=args.role, engine=engine,
+                   host=args.host, advertise_host=args.advertise_host,
+                   coordinator=args.coordinator, worker_id=args.worker_id,
+                   kv_backend=args.kv_backend, kv_port=args.kv_port,
+                   kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
+                   threads=args.threads, log_level=args.log_level, cluster_auth=auth)
+
+    @property
+    def advertised(self) -> str:
+        """The host peers reach this worker at."""
+        return self.advertise_host or self.host
