@@ -3,7 +3,8 @@
 The process entry: flags and the environment (read here only) -> config -> serve.
 Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
 environment variable, never a flag, since ps shows every process's command line);
-OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
+TANDEM_API_KEYS_FILE (named keys, `NAME KEY` per line: each name a tenant with its own prefix
+cache, coordinator/tenants.py); OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
 TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py).
 """
 
@@ -14,6 +15,7 @@ import logging
 import os
 import sys
 
+from coordinator.tenants import read_keys_file
 from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
 from common.cluster_auth import add_auth_args, auth_from_args
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster_auth=auth_from_args(args),
             api_tls=api_tls_from(args.api_tls_cert, args.api_tls_key),
             api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
+            tenant_keys=tuple(read_keys_file(keys_file).items()) if (
+                keys_file := os.environ.get("TANDEM_API_KEYS_FILE", "").strip()) else (),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
         store = ModelStore(default_home())
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logging.getLogger("coordinator").info(
         "client APIs %s; browser origins allowed besides Ollama's defaults: %s",
-        "require the API key (TANDEM_API_KEY)" if config.api_key else "are open (no API key)",
+        (f"require an API key ({len(config.api_keys().tenants)} tenant(s), each with its own "
+         "prefix cache)") if config.api_keys() else "are open (no API key)",
         ", ".join(config.allowed_origins) or "none")
     logging.getLogger("coordinator").info(
         "client APIs: %s", f"TLS ({config.api_tls.cert})" if config.api_tls else "plaintext")

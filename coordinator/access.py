@@ -30,20 +30,20 @@ runs (ApiKeyInterceptor).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 from collections.abc import Sequence
 
 import grpc
 from fastapi import FastAPI
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import HTTPConnection
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.http_errors import error_response
 from common.cluster_auth import refusal_handler
 from coordinator.model import shown
+from coordinator.tenants import ApiKeys, cache_salt
 
 OLLAMA_DEFAULT_ORIGINS = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
@@ -56,22 +56,6 @@ VERSION_HEADER = "X-Tandem-Version"
 CORS_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 HTTP_KEY_HINT = "send the header 'Authorization: Bearer KEY' with the server's API key"
 GRPC_KEY_HINT = "send the metadata 'authorization: Bearer KEY' with the server's API key"
-
-
-class ApiKey:
-    def __init__(self, key: str) -> None:
-        self._digest = hashlib.sha256(key.encode()).digest()
-
-    def matches(self, authorization: str | None) -> bool:
-        """True when `authorization` (a header's or metadata's value) is `Bearer KEY`.
-        The scheme is case-insensitive (RFC 7235)."""
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return False
-        # latin-1: the bytes the client sent (Starlette decodes header values as latin-1).
-        presented = hashlib.sha256(token.encode("latin-1", "replace")).digest()
-        return hmac.compare_digest(presented, self._digest)
 
 
 class Origins:
@@ -98,10 +82,18 @@ class AccessGuard:
     """Pure ASGI (no BaseHTTPMiddleware: streams pass through untouched). Also stamps every
     answer with tandem's own version, since /api/version reports the Ollama version matched."""
 
-    def __init__(self, app: ASGIApp, *, key: ApiKey | None, origins: Origins,
+    def __init__(self, app: ASGIApp, *, key: ApiKeys | None, origins: Origins,
                  version: str) -> None:
         self.app, self.key, self.origins = app, key, origins
         self.version = version
+
+    def _admit_tenant(self, scope: Scope, headers: Headers) -> bool:
+        """Whether the request carries a key; its tenant is recorded for the handlers."""
+        tenant = self.key.tenant(headers.get("authorization"))
+        if tenant is None:
+            return False
+        scope.setdefault("state", {})["tenant"] = tenant
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,7 +113,7 @@ class AccessGuard:
             refusal = error_response(path, 403, f"origin {shown(origin)} is not allowed: the "
                                                 "server's OLLAMA_ORIGINS must list it")
         elif (self.key is not None and path not in OPEN_PATHS
-              and not self.key.matches(headers.get("authorization"))):
+              and not self._admit_tenant(scope, headers)):
             what = "invalid" if "authorization" in headers else "missing"
             refusal = error_response(path, 401, f"{what} API key: {HTTP_KEY_HINT}",
                                      headers={"WWW-Authenticate": 'Bearer realm="tandem"'},
@@ -132,11 +124,29 @@ class AccessGuard:
         await refusal(scope, receive, stamped)
 
 
-def install_http_access(app: FastAPI, api_key: str | None, extra_origins: Sequence[str],
+def tenant_of(scope: Scope) -> str:
+    """The tenant AccessGuard admitted the request as ("" on a server without keys)."""
+    return scope.get("state", {}).get("tenant", "")
+
+
+def request_salt(request: HTTPConnection, own: str | None = None) -> bytes:
+    """The prefix-cache salt of an HTTP request: its tenant's, split by its own `cache_salt`."""
+    return cache_salt(tenant_of(request.scope), own)
+
+
+def grpc_salt(keys: ApiKeys | None, context: grpc.aio.ServicerContext) -> bytes:
+    """The prefix-cache salt of a gRPC call, from the key in its metadata."""
+    if keys is None:
+        return b""
+    metadata = dict(context.invocation_metadata() or ())
+    return cache_salt(keys.tenant(metadata.get("authorization")) or "")
+
+
+def install_http_access(app: FastAPI, keys: ApiKeys | None, extra_origins: Sequence[str],
                         version: str) -> None:
     origins = Origins(extra_origins)
     # Starlette runs the middleware added last outermost: CORS answers preflights first.
-    app.add_middleware(AccessGuard, key=ApiKey(api_key) if api_key else None, origins=origins,
+    app.add_middleware(AccessGuard, key=keys, origins=origins,
                        version=version)
     app.add_middleware(CORSMiddleware, allow_origins=("*",) if origins.any else (),
                        allow_origin_regex=None if origins.any else origins.regex,
@@ -149,7 +159,7 @@ def install_http_access(app: FastAPI, api_key: str | None, extra_origins: Sequen
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Ends every call without the key UNAUTHENTICATED, except the health service's."""
 
-    def __init__(self, key: ApiKey) -> None:
+    def __init__(self, key: ApiKeys) -> None:
         self.key = key
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):

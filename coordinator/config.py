@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.tenants import DEFAULT_TENANT, ApiKeys
 from coordinator.api_tls import ApiTLS
 from common.cluster_auth import ClusterAuth
 
@@ -63,6 +64,10 @@ class CoordinatorConfig:
     # all but grpc.health.v1. None = no key. Read from TANDEM_API_KEY, never from a flag (ps
     # shows a command line); repr=False keeps it out of every log of this config.
     api_key: str | None = field(default=None, repr=False)
+    # Named keys (coordinator/tenants.py): tenant name -> key, from an API keys file
+    # (TANDEM_API_KEYS_FILE). Each key is accepted like api_key (which is tenant "default"),
+    # and its tenant's prefix cache is its own.
+    tenant_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     # Browser origins allowed besides Ollama's defaults (localhost, app://, ...): OLLAMA_ORIGINS'
     # entries, each an origin where `*` matches any text; "*" alone allows every origin.
     allowed_origins: tuple[str, ...] = ()
@@ -76,6 +81,8 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key(self.api_key)
+        for _, key in self.tenant_keys:
+            check_api_key(key)
         for origin in self.allowed_origins:
             if not origin or any(c.isspace() for c in origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin "
@@ -110,6 +117,13 @@ class CoordinatorConfig:
                      "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def api_keys(self) -> ApiKeys | None:
+        """Every key the client APIs accept, by tenant; None = the APIs are open."""
+        keys = dict(self.tenant_keys)
+        if self.api_key is not None:
+            keys.setdefault(DEFAULT_TENANT, self.api_key)
+        return ApiKeys(keys) if keys else None
 
     @property
     def heartbeat_deadline_s(self) -> float:

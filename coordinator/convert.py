@@ -74,7 +74,8 @@ def refused_from_status(status: pb.WorkerStatus) -> dict[tuple[str, str], int]:
 def generate_request(request_id: str, prompt_ids: list[int], params: SamplingParams,
                      stop_token_ids: frozenset[int], max_tokens: int,
                      remote_prefill: bool, max_chunk_tokens: int = 0,
-                     transfer_id: str = "", num_prior_output_tokens: int = 0) -> pb.GenerateRequest:
+                     transfer_id: str = "", num_prior_output_tokens: int = 0,
+                     cache_salt: bytes = b"") -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -85,12 +86,13 @@ def generate_request(request_id: str, prompt_ids: list[int], params: SamplingPar
         max_chunk_tokens=max_chunk_tokens,
         transfer_id=transfer_id,
         num_prior_output_tokens=num_prior_output_tokens,
+        cache_salt=cache_salt,
     )
 
 
 def prefill_request(transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                     kv_endpoint: str, kv_backend: str, max_chunk_tokens: int = 0,
-                    num_prior_output_tokens: int = 0) -> pb.PrefillRequest:
+                    num_prior_output_tokens: int = 0, cache_salt: bytes = b"") -> pb.PrefillRequest:
     """The prefill worker's request id is the transfer id: unique per attempt of a request."""
     return pb.PrefillRequest(
         request_id=transfer_id,
@@ -100,4 +102,5 @@ def prefill_request(transfer_id: str, prompt_ids: list[int], params: SamplingPar
         destination=pb.KVDestination(endpoint=kv_endpoint, backend=kv_backend),
         max_chunk_tokens=max_chunk_tokens,
         num_prior_output_tokens=num_prior_output_tokens,
+        cache_salt=cache_salt,
     )

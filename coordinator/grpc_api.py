@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import model_info
-from coordinator.access import ApiKey, ApiKeyInterceptor
+from coordinator.access import ApiKeyInterceptor, grpc_salt
 from coordinator.admission import Overloaded
 from coordinator.generation import Generation
 from coordinator.metrics import RequestTimings
@@ -77,6 +77,7 @@ class TandemServicer(pb_grpc.TandemServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.info = model_info.describe(coordinator.model)
+        self.keys = coordinator.config.api_keys()  # tenants, for the prefix cache's salt
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if _status(exc) == grpc.StatusCode.INTERNAL and not isinstance(exc, WorkerError):
@@ -98,7 +99,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                                         request.system or None, request.raw,
                                         list(request.context),
                                         params.context_limit(model.context_len))
-            generation = await self.coordinator.submit(prompt_ids, params, timings)
+            generation = await self.coordinator.submit(
+                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context))
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return
@@ -130,7 +132,8 @@ class TandemServicer(pb_grpc.TandemServicer):
                 return
             prompt_ids = await off_loop(chat_prompt_ids, model, messages, None,
                                         params.context_limit(model.context_len))
-            generation = await self.coordinator.submit(prompt_ids, params, timings)
+            generation = await self.coordinator.submit(
+                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context))
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return
@@ -176,8 +179,8 @@ async def start_client_api(coordinator: Coordinator, host: str, port: int
     """Serve Tandem + health + reflection on host:port (0 = a free port); with an API key,
     every call but health's must carry it (coordinator/access.py); with API TLS files, over
     TLS only (coordinator/api_tls.py)."""
-    key = coordinator.config.api_key
-    server = grpc.aio.server(interceptors=guarded([ApiKeyInterceptor(ApiKey(key))] if key else None))
+    keys = coordinator.config.api_keys()
+    server = grpc.aio.server(interceptors=guarded([ApiKeyInterceptor(keys)] if keys else None))
     pb_grpc.add_TandemServicer_to_server(TandemServicer(coordinator), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(coordinator), server)
     reflection.enable_server_reflection(

@@ -110,7 +110,7 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
                   redoc_url=None, openapi_url="/openapi.json")
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
-    install_http_access(app, limits.api_key, limits.allowed_origins, tandem_version())
+    install_http_access(app, limits.api_keys(), limits.allowed_origins, tandem_version())
     # Rows of one path and handler (GET and HEAD) are one route, so a 405 names every method.
     for (path, handler), rows in groupby(generate_routes(coordinator),
                                          key=lambda r: (r.path, r.handler)):

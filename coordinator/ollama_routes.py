@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from coordinator import model_info
+from coordinator.access import request_salt
 from coordinator.generation import Generation
 from coordinator.http_stream import WatchedStream, collect, read_json_body
 from coordinator.metrics import RequestTimings
@@ -82,7 +83,7 @@ class OllamaRoutes:
 
     async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
                          params: SamplingParams, timings: RequestTimings,
-                         keep_alive: float | None = None) -> Generation:
+                         keep_alive: float | None = None, cache_salt: bytes = b"") -> Generation:
         """A chat admitted: the model checked, tools checked against the template (a 400 as
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too."""
         model = self.model
@@ -90,7 +91,7 @@ class OllamaRoutes:
         require_tool_support(tools, model.tokenizer.chat_template, name)
         prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools,
                                     params.context_limit(model.context_len))
-        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive)
+        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
 
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()
@@ -102,7 +103,7 @@ class OllamaRoutes:
             await self.coordinator.preload(req.keep_alive)
             return JSONResponse(chat_load(name, req.unload))
         generation = await self.start_chat(req.model, req.messages, req.tools, req.params,
-                                           timings, req.keep_alive)
+                                           timings, req.keep_alive, request_salt(request))
         # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
         template = self.model.tokenizer.chat_template
         calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
@@ -126,7 +127,7 @@ class OllamaRoutes:
         prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
                                     req.context, req.params.context_limit(model.context_len))
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   req.keep_alive)
+                                                   req.keep_alive, request_salt(request))
 
         def context() -> list[int] | None:
             return None if req.raw else prompt_ids + generation.output_ids

@@ -84,6 +84,7 @@ class OpenAIRequest:
     tool_choice: ToolChoice = ToolChoice("auto")
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     score_only: bool = False  # completions, echo with max_tokens 0: the prompt alone
+    cache_salt: str | None = None  # vLLM's: this request's own prefix-cache partition
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -200,7 +201,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-_KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_format",
+_KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_format", "cache_salt",
                     "logprobs", "top_logprobs",
                     "max_tokens", "max_completion_tokens", "tools", "tool_choice", *_OPTION_FIELDS,
                     *_UNIMPLEMENTED})
@@ -228,7 +229,7 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
         params = replace(params, grammar=forced_grammar(tools, choice, parallel))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
                          messages=messages, tools=(tools or None) if choice.mode != "none" else None,
-                         tool_choice=choice)
+                         tool_choice=choice, cache_salt=_cache_salt(body))
 
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
@@ -249,7 +250,15 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
                      prompt_logprobs=logprobs if echo else None)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
-                         prompt=prompt, echo=echo, score_only=echo and max_tokens == 0)
+                         prompt=prompt, echo=echo, score_only=echo and max_tokens == 0,
+                         cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    value = body.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and value):
+        raise RequestError(f"cache_salt must be a non-empty string, got {json.dumps(value)[:60]}")
+    return value
 
 
 # ---- responses -----------------------------------------------------------------------------------

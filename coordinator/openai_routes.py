@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from coordinator.access import request_salt
 from coordinator import openai_api as oa
 from coordinator.generation import Generation
 from coordinator.http_stream import SSE, WatchedStream, collect, read_json_body
@@ -56,7 +57,8 @@ class OpenAIRoutes:
         req = oa.parse_chat_completion(await read_json_body(request, self.limits.max_body_bytes),
                                        self.limits.max_messages)
         generation = await self.ollama.start_chat(req.model, req.messages, req.tools,
-                                                  req.params, timings)
+                                                  req.params, timings,
+                                                  cache_salt=request_salt(request, req.cache_salt))
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
         # tool_choice makes the whole output the call.
@@ -83,7 +85,8 @@ class OpenAIRoutes:
         self.coordinator.model.require(req.model)
         prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
                                     req.params.context_limit(model.context_len))
-        generation = await self.coordinator.submit(prompt_ids, req.params, timings)
+        generation = await self.coordinator.submit(prompt_ids, req.params, timings,
+                                                   cache_salt=request_salt(request, req.cache_salt))
         rid = oa.new_id("cmpl")
         echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
         if req.stream:

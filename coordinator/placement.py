@@ -76,8 +76,9 @@ class Prompt:
     """A prompt's token ids and, computed on first use per block size, its blocks' chain
     hashes: one placement hashes the prompt once however many workers it scores."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> None:
         self.token_ids = token_ids
+        self.cache_salt = cache_salt  # the tenant's: workers hash its blocks with it
         self._hashes: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:
@@ -95,7 +96,7 @@ class Prompt:
         bs = w.load.block_size
         hashes = self._hashes.get(bs)
         if hashes is None:
-            hashes = self._hashes[bs] = block_hashes(self.token_ids[:-1], bs)
+            hashes = self._hashes[bs] = block_hashes(self.token_ids[:-1], bs, self.cache_salt)
         n = 0
         for h in hashes:
             if h not in cached:
@@ -189,9 +190,9 @@ def has_spare_budget(decode: WorkerSnapshot, prompt_tokens: int, default_budget:
 
 def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
           prefill_threshold: int, default_budget: int,
-          overlap_weight: float = OVERLAP_WEIGHT) -> Placement | None:
+          overlap_weight: float = OVERLAP_WEIGHT, cache_salt: bytes = b"") -> Placement | None:
     """None when no decode-capable worker is alive."""
-    prompt = Prompt(prompt_ids)
+    prompt = Prompt(prompt_ids, cache_salt)
     chosen = choose_decode(workers, prompt, overlap_weight)
     if chosen is None:
         return None

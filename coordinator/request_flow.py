@@ -76,6 +76,8 @@ class FlowRequest:
     params: SamplingParams
     max_tokens: int  # tokens the request may generate (num_predict and the context applied)
     stop_token_ids: frozenset[int]
+    # The prefix-cache tenant (common/block_hash.py, coordinator/tenants.py): b"" = shared.
+    cache_salt: bytes = b""
 
 
 @dataclass
@@ -105,11 +107,12 @@ class RequestFlow:
         self.registry = registry
         self.config = config
 
-    def place(self, prompt_ids: list[int], exclude: Collection[str] = ()) -> Placement:
+    def place(self, prompt_ids: list[int], exclude: Collection[str] = (),
+              cache_salt: bytes = b"") -> Placement:
         workers = [w for w in self.registry.snapshots() if w.worker_id not in exclude]
         placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
-                          default_budget=self.config.chunk_size)
+                          default_budget=self.config.chunk_size, cache_salt=cache_salt)
         if placement is None:
             raise NoWorkers("no live decode worker is registered; retry once workers are up")
         return placement
@@ -148,7 +151,7 @@ class RequestFlow:
         max_tokens = req.max_tokens - prior
         # After a move the prompt logprobs have come already (with the first token).
         params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
-        placement = self.place(prompt_ids, dead)
+        placement = self.place(prompt_ids, dead, req.cache_salt)
         decode = self.registry.get(placement.decode.worker_id)
         remote = placement.prefill is not None
         out.decode_worker, out.placement_reason = decode.worker_id, placement.reason
@@ -159,7 +162,7 @@ class RequestFlow:
                                      max_tokens, remote,
                                      0 if remote else self.config.local_chunk_size,
                                      transfer_id=transfer_id if remote else "",
-                                     num_prior_output_tokens=prior),
+                                     num_prior_output_tokens=prior, cache_salt=req.cache_salt),
             timeout=self.config.request_timeout_s)
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
         try:
@@ -183,7 +186,8 @@ class RequestFlow:
 
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
                               transfer_id: str, prompt_ids: list[int], prior: int,
-                              params: SamplingParams, out: FlowOutcome) -> TokenIds:
+                              params: SamplingParams, out: FlowOutcome,
+                              cache_salt: bytes = b"") -> TokenIds:
         """The first token (and its logprob) from the prefill worker, while watching the decode
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
@@ -191,7 +195,7 @@ class RequestFlow:
         self.registry.assign(prefill_id, prefill_tokens=n)
         call = record.prefill_stub.Prefill(
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
-                                    decode.kv_backend, self.config.chunk_size, prior),
+                                    decode.kv_backend, self.config.chunk_size, prior, cache_salt),
             timeout=self.config.prefill_timeout_s)
         prefill = asyncio.ensure_future(call)
         try:

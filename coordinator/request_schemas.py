@@ -208,6 +208,8 @@ class _OpenAIGeneration(_Body):
     repetition_penalty: float | None = Field(default=None, ge=0.001, le=100)
     response_format: ResponseFormat | None = None
     user: str | None = None
+    # vLLM's: the request's own prefix-cache partition within its tenant (coordinator/tenants.py)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class ChatCompletionRequest(_OpenAIGeneration):

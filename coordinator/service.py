@@ -84,8 +84,10 @@ class Coordinator:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def prepare(self, prompt_ids: list[int], params: SamplingParams) -> FlowRequest:
+    def prepare(self, prompt_ids: list[int], params: SamplingParams,
+                cache_salt: bytes = b"") -> FlowRequest:
         """Check a request against the model's limits; raises a TandemError naming the limit.
+        cache_salt: the caller's prefix-cache tenant (coordinator/tenants.py).
 
         A prompt longer than the context window is an error, never silently truncated."""
         limit = self.model.context_len
@@ -108,16 +110,18 @@ class Coordinator:
                                      f"room in the {context}-token context window")
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
-                           stop_token_ids=self.model.tokenizer.stop_token_ids)
+                           stop_token_ids=self.model.tokenizer.stop_token_ids,
+                           cache_salt=cache_salt)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     timings: RequestTimings, keep_alive_s: float | None = None) -> Generation:
+                     timings: RequestTimings, keep_alive_s: float | None = None,
+                     cache_salt: bytes = b"") -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
         A grammar that does not compile is refused here (InvalidOptionError: a 400).
         keep_alive_s: how long the model stays loaded after this request (None = the
-        server's default; math.inf = forever)."""
+        server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant."""
         timings.prompt_tokens = len(prompt_ids)
-        request = self.prepare(prompt_ids, params)
+        request = self.prepare(prompt_ids, params, cache_salt)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)

@@ -29,7 +29,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
                         frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
                         request.remote_prefill, request.max_chunk_tokens, request.transfer_id,
-                        request.num_prior_output_tokens)
+                        request.num_prior_output_tokens, request.cache_salt)
         try:
             events = self.worker.open(job)
         except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching

@@ -61,6 +61,7 @@ class DecodeJob:
     max_chunk_tokens: int = 0  # the coordinator's chunk plan for a local prefill; 0 = ours
     transfer_id: str = ""  # remote prefill: the KV transfer's id ("" = request_id)
     num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
+    cache_salt: bytes = b""  # the prefix-cache tenant (common/block_hash.py)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ class DecodeWorker(EngineLoop):
                                           job.stop_token_ids, job.max_tokens, job.max_chunk_tokens,
                                           job.num_prior_output_tokens)
             request.grammar = grammar
+            request.cache_salt = job.cache_salt
             if job.remote_prefill:
                 if self.connector is None:
                     raise TandemError("this worker has no KV receiver; it cannot take remote prefills")

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.block_hash import ROOT_HASH, chain_hash
+from common.block_hash import chain_hash, root_hash
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class BlockManager:
         # Chain hashes of each owner's leading full blocks whose KV is committed: commit's
         # progress, so a second commit of the same tokens does no work.
         self._hashes: dict[str, list[bytes]] = {}
+        # Each owner's chain root (common/block_hash.py root_hash of its tenant's salt).
+        self._roots: dict[str, bytes] = {}
         # Bumped whenever the set of registered hashes changes, so a publisher (heartbeats
         # for prefix-aware routing) copies cached_hashes() only when there is news.
         self.cache_version = 0
@@ -114,26 +116,28 @@ class BlockManager:
         serve. See block_hashes() for computing a prompt's."""
         return list(self._hash_to_block)
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_len(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
         """Tokens of `token_ids` an owner's first `allocate` would reuse now (read-only), so a
         scheduler can size a prefill chunk before allocating."""
-        return len(self._lookup(token_ids)[0]) * self._block_size
+        return len(self._lookup(token_ids, root_hash(salt))[0]) * self._block_size
 
     # ---- allocation ----
 
     def allocate(self, owner: str, token_ids: Sequence[int], num_tokens: int,
-                 use_prefix_cache: bool = True) -> Allocation | None:
+                 use_prefix_cache: bool = True, salt: bytes = b"") -> Allocation | None:
         """Make `owner`'s table cover `num_tokens` slots (and, on the first call, at least the
         cached prefix found for `token_ids`). None, with nothing changed, if the pool is short.
 
         First call: reuse the longest registered prefix of `token_ids`, capped so that the last
         token is always computed (the model needs its logits). Later calls only append blocks;
         `token_ids` is then unused. use_prefix_cache=False takes only fresh blocks (for blocks
-        a remote writer fills: it must never write into blocks other requests share).
+        a remote writer fills: it must never write into blocks other requests share). `salt`
+        (first call): the owner's tenant; it reuses and registers only blocks of that salt.
         """
         first = owner not in self._tables
         lookup = first and use_prefix_cache
-        hit_blocks, hit_hashes = self._lookup(token_ids) if lookup else ([], [])
+        root = root_hash(salt) if first else self._roots[owner]
+        hit_blocks, hit_hashes = self._lookup(token_ids, root) if lookup else ([], [])
         table = self._tables.get(owner, [])
         covered = max(num_tokens, len(hit_blocks) * self._block_size)
         need = max(0, self._blocks_for(covered) - len(table) - len(hit_blocks))
@@ -149,6 +153,7 @@ class BlockManager:
         if first:
             table = self._tables[owner] = list(hit_blocks)
             self._hashes[owner] = list(hit_hashes)
+            self._roots[owner] = root
         table.extend(new_blocks)
         return Allocation(block_ids=list(table),
                           num_cached_tokens=len(hit_blocks) * self._block_size,
@@ -166,7 +171,7 @@ class BlockManager:
         full = min(full, len(table))
         bs = self._block_size
         for i in range(len(hashes), full):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else self._roots[owner]
             digest = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(digest)
             block = table[i]
@@ -181,6 +186,7 @@ class BlockManager:
         """Drop the owner's references. Unknown owners are a no-op (see module docstring)."""
         table = self._tables.pop(owner, None)
         self._hashes.pop(owner, None)
+        self._roots.pop(owner, None)
         if table is None:
             return
         # Tail first: a table's later blocks then become least recently freed, so they are
@@ -227,24 +233,25 @@ class BlockManager:
             raise AssertionError("a registered block is on the plain free list")
         if {h: b for b, h in self._block_to_hash.items()} != self._hash_to_block:
             raise AssertionError("prefix-cache maps are not inverse")
-        if self._tables.keys() != self._hashes.keys():
-            raise AssertionError("owner tables and hash chains disagree")
+        if not self._tables.keys() == self._hashes.keys() == self._roots.keys():
+            raise AssertionError("owner tables, hash chains and chain roots disagree")
 
     # ---- internals ----
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The registered blocks that hold the longest prefix of token_ids, and their hashes.
-        Stops one token short of the end so that the last token is always computed."""
+    def _lookup(self, token_ids: Sequence[int], root: bytes) -> tuple[list[int], list[bytes]]:
+        """The registered blocks that hold the longest prefix of token_ids under chain root
+        `root`, and their hashes. Stops one token short of the end so that the last token is
+        always computed."""
         if not self._caching:
             return [], []
         bs = self._block_size
         max_hit = max(0, (len(token_ids) - 1) // bs)
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(max_hit):
             parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
             block = self._hash_to_block.get(parent)

@@ -85,6 +85,9 @@ class Request:
     # it samples nothing and finishes (FINISHED_STOPPED) once the whole prompt is computed.
     pooling: bool = False
     normalize: bool = True  # pooling: L2-normalize the pooled vector
+    # The prefix-cache tenant (common/block_hash.py): the request reuses and registers only
+    # blocks of the same salt. b"": the shared cache.
+    cache_salt: bytes = b""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

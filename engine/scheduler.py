@@ -189,7 +189,7 @@ class Scheduler:
             if (request.kv_transfer is not None and self.connector is not None
                     and request.status is RequestStatus.WAITING and not bm.has(request.request_id)):
                 remote = self.connector.get_num_new_matched_tokens(
-                    request, bm.cached_prefix_len(request.token_ids))
+                    request, bm.cached_prefix_len(request.token_ids, request.cache_salt))
                 if remote > 0:
                     if not self._reserve_remote(request):
                         break  # in arrival order: it waits for blocks, and so do those behind it
@@ -202,7 +202,7 @@ class Scheduler:
                 probe = bm.allocate(request.request_id, request.token_ids,
                                     min(request.num_tokens, budget),
                                     use_prefix_cache=request.sampling_params.prompt_logprobs is None
-                                    and not request.pooling)
+                                    and not request.pooling, salt=request.cache_salt)
                 if probe is None:
                     break
                 request.num_computed_tokens = probe.num_cached_tokens
@@ -225,7 +225,7 @@ class Scheduler:
         never preempts at once), the leading ones from the prefix cache when they are there:
         shared blocks are read-only, so the remote writes only the fresh ones after them."""
         alloc = self.block_manager.allocate(request.request_id, request.token_ids,
-                                            request.num_prompt_tokens + 1)
+                                            request.num_prompt_tokens + 1, salt=request.cache_salt)
         if alloc is None:
             return False
         self.waiting.popleft()
@@ -246,7 +246,9 @@ class Scheduler:
             if request.request_id not in self.requests:
                 continue  # aborted while the pass ran; its blocks are already free
             request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
-            self.block_manager.commit(request.request_id, request.token_ids, request.num_computed_tokens)
+            if not request.pooling:  # an embedding input never enters the shared prefix cache
+                self.block_manager.commit(request.request_id, request.token_ids,
+                                          request.num_computed_tokens)
             if request.pooling and request.num_computed_tokens >= request.num_prompt_tokens:
                 self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)

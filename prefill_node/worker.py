@@ -49,6 +49,7 @@ class PrefillJob:
     transfer_id: str = ""  # "" = request_id
     max_chunk_tokens: int = 0  # the coordinator's chunk plan; 0 = this worker's limit
     num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
+    cache_salt: bytes = b""  # the prefix-cache tenant (common/block_hash.py)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class PrefillWorker(EngineLoop):
                                                max_chunk_tokens=job.max_chunk_tokens,
                                                num_prior_output_tokens=job.num_prior_output_tokens)
             request.grammar = grammar
+            request.cache_salt = job.cache_salt
             request.kv_transfer = KVTransferParams(job.transfer_id or job.request_id, peer=sender)
             self.engine.submit(request)
         except (TandemError, ValueError) as exc:

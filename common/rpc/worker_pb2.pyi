@@ -61,7 +61,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stop_token_ids", "max_tokens", "remote_prefill", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class GenerateRequest(_message.Message):
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -80,7 +81,8 @@ class GenerateRequest(_message.Message):
     max_chunk_tokens: int
     transfer_id: str
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., remote_prefill: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "error", "num_cached_tokens", "kv_bytes_received", "logprobs", "prompt_logprobs")
@@ -117,7 +119,7 @@ class KVDestination(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "max_chunk_tokens", "transfer_id", "num_prior_output_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class PrefillRequest(_message.Message):
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -132,7 +135,8 @@ class PrefillRequest(_message.Message):
     max_chunk_tokens: int
     transfer_id: str
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., max_chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens", "prefill_seconds", "logprobs", "prompt_logprobs")

@@ -55,9 +55,9 @@ def test_overlap_counts_leading_blocks_only_and_never_the_last_token():
 def test_prompt_is_hashed_once_per_block_size_and_only_when_someone_caches(monkeypatch):
     calls = []
 
-    def counting(ids, bs):
+    def counting(ids, bs, salt=b""):
         calls.append(bs)
-        return block_hashes(ids, bs)
+        return block_hashes(ids, bs, salt)
 
     monkeypatch.setattr(placement, "block_hashes", counting)
     cold = [worker("d1"), worker("d2"), worker("p1", "prefill"), worker("p2", "prefill")]
@@ -190,3 +190,13 @@ def test_the_uncached_part_decides_local_or_remote():
 def test_colocated_reason_names_the_cache():
     got = place([worker("c1", "colocated", hashes=cached(PROMPT, 10))], PROMPT, **SHORT)
     assert got.prefill is None and got.reason == "colocated worker, 10 of 39 blocks cached on c1"
+
+
+def test_a_tenant_prompt_overlaps_only_that_tenant_s_cached_blocks():
+    """Routing scores a prompt with its tenant's salt: another tenant's cached blocks for the
+    same tokens are no overlap (they would be a miss on the worker too)."""
+    ids = list(range(1, 66))
+    mine = worker("d1", hashes=frozenset(block_hashes(ids[:-1], BS, b"salt-a")))
+    assert placement.Prompt(ids, b"salt-a").overlap(mine) == 64 // BS
+    assert placement.Prompt(ids, b"salt-b").overlap(mine) == 0
+    assert placement.Prompt(ids).overlap(mine) == 0

@@ -324,3 +324,30 @@ def test_random_operations_keep_invariants(seed):
         bm.free(owner)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_tenants_share_blocks_only_within_their_salt():
+    """A prompt cached by one tenant is a miss for another (no cached_tokens side channel),
+    a hit for the same tenant, and the hashes the coordinator computes match the registry."""
+    from common.block_hash import block_hashes
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    bm.allocate("a1", prompt, len(prompt), salt=b"tenant-a")
+    bm.commit("a1", prompt, len(prompt))
+    assert sorted(bm.cached_hashes()) == sorted(block_hashes(prompt, 4, b"tenant-a"))
+    assert set(bm.cached_hashes()).isdisjoint(block_hashes(prompt, 4))
+    other = bm.allocate("b1", prompt, len(prompt), salt=b"tenant-b")
+    shared = bm.allocate("s1", prompt, len(prompt))  # the unsalted (shared) cache
+    same = bm.allocate("a2", prompt, len(prompt), salt=b"tenant-a")
+    assert other.num_cached_tokens == 0 and shared.num_cached_tokens == 0
+    assert same.num_cached_tokens == 12 and same.block_ids[:3] == bm.block_table("a1")[:3]
+    assert bm.cached_prefix_len(prompt, b"tenant-a") == 12
+    assert bm.cached_prefix_len(prompt, b"tenant-b") == 0 == bm.cached_prefix_len(prompt)
+    bm.commit("b1", prompt, len(prompt))  # b's own copy registers under b's salt
+    assert bm.allocate("b2", prompt, len(prompt), salt=b"tenant-b").num_cached_tokens == 12
+    bm.check_invariants()
+    for owner in ("a1", "b1", "s1", "a2", "b2"):
+        bm.free(owner)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants()
