@@ -207,6 +207,11 @@ class RequestFlow:
                 await asyncio.wait({prefill})
             try:
                 result = prefill.result()
+            except asyncio.CancelledError:  # the call's channel retired under it (see _read)
+                if _cancelled_from_outside():
+                    raise
+                raise _WorkerDied(prefill_id, f"prefill worker {prefill_id}'s call was "
+                                  "cancelled (it registered again)") from None
             except grpc.aio.AioRpcError as exc:
                 message = _rpc_message("prefill", record, exc)
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -270,6 +275,13 @@ class RequestFlow:
         except asyncio.TimeoutError:
             raise WorkerError(f"decode worker {decode.worker_id} sent nothing for "
                               f"{timeout:g} s") from None
+        except asyncio.CancelledError:
+            if _cancelled_from_outside():
+                raise
+            # Not our task's cancellation: the call's channel was closed under it (the worker
+            # registered again and its old channel was retired). A worker failure: move on.
+            raise _WorkerDied(decode.worker_id, f"decode worker {decode.worker_id}'s call was "
+                              "cancelled (it registered again)") from None
         except grpc.aio.AioRpcError as exc:
             message = _rpc_message("decode", decode, exc)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -285,6 +297,14 @@ class RequestFlow:
         if max_tokens <= 1:
             return "length"
         return None
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task itself is being cancelled (the client left, a deadline), as
+    opposed to a gRPC call that grpc.aio ended with CancelledError because its channel closed."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before it, assume ours
+    return cancelling is None or cancelling() > 0
 
 
 def _raise_failure(decode: WorkerRecord, tokens: pb.Tokens, prefill_id: str) -> None:

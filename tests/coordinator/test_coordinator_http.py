@@ -365,6 +365,40 @@ def test_decode_worker_dying_mid_stream_migrates_to_another(model, tokens):
     assert moved.max_tokens == model.context_len - prompt_len(model) - 3
 
 
+def test_a_live_worker_registering_again_mid_stream_loses_no_stream(model, tokens, monkeypatch):
+    """A wrong death verdict: d1 registers again while it streams. The registry retires d1's
+    old channel, which ends the call under the flow with CancelledError (grpc.aio's way); the
+    flow takes that as a worker failure and moves the request on: the client sees the whole
+    answer and a done line, never a 500 or a cut stream."""
+    from coordinator import registry as registry_module
+
+    def retire_now(channel):
+        asyncio.get_running_loop().create_task(channel.close(grace=0.05))
+
+    monkeypatch.setattr(registry_module, "_close_later", retire_now)
+
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens, pause_after=3))
+            d2 = await h.add_worker("d2", "decode", Script(tokens=tokens[3:]),
+                                    num_blocks=50)  # fewer free blocks: d1 is chosen first
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                lines = []
+                async with client.stream("POST", f"{h.url}/api/chat",
+                                         json={"model": "tiny", "messages": MESSAGES}) as r:
+                    async for line in r.aiter_lines():
+                        lines.append(json.loads(line))
+                        if len(lines) == 3:
+                            assert (await d1.register()).accepted  # the same live worker
+            return d1, d2, lines
+
+    d1, d2, lines = run(scenario())
+    assert "error" not in lines[-1] and lines[-1]["done"] is True
+    assert "".join(line["message"]["content"] for line in lines) == TEXT
+    assert lines[-1]["tandem"]["migrations"] == 1 and lines[-1]["tandem"]["decode_worker"] == "d2"
+    assert d1.cancelled == [d1.requests[0].request_id]
+
+
 def test_stop_string_ends_the_stream_and_cancels_the_worker(model, tokens):
     async def scenario():
         async with coordinator_harness(model) as h:

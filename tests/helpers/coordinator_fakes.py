@@ -78,6 +78,7 @@ class Script:
     die_after: int | None = None  # decode: abort UNAVAILABLE after this many streamed tokens
     unavailable: bool = False  # prefill: every Prefill fails UNAVAILABLE
     hang: bool = False  # decode: after the first event, stream nothing until cancelled
+    pause_after: int | None = None  # decode: after this many streamed tokens, stream nothing more
     kv_bytes_received: int = 0  # decode: reported on the first event (Tokens.kv_bytes_received)
     # Parallel to `tokens`: each token's logprob entry, sent only when the request asked for
     # logprobs (SamplingOptions.logprobs set); [0] travels in the PrefillResult.
@@ -236,6 +237,8 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
             for i, token in enumerate(tokens):
                 if script.die_after is not None and i >= script.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker crashed")
+                if script.pause_after is not None and i >= script.pause_after:
+                    await asyncio.sleep(DEADLINE_S)  # until the call is cancelled
                 await asyncio.sleep(script.token_delay_s)
                 last = i == len(tokens) - 1
                 yield pb.GenerateEvent(tokens=pb.Tokens(
