@@ -20,13 +20,23 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from coordinator.http_stream import read_json_body
+from coordinator.http_stream import read_json_body, until_disconnected
 from coordinator.metrics import RequestTimings
 from coordinator.model import ServedModel, shown
 from coordinator.ollama_request import RequestError
 from coordinator.prompts import encode, off_loop
 from coordinator.service import Coordinator
 from common.errors import ContextLengthError
+
+
+MAX_EMBED_INPUTS = 512  # inputs in one embedding request (OpenAI takes up to 2,048)
+MAX_REPLY_BYTES = 4 << 20  # gRPC's default message limit on the worker -> coordinator channel
+
+
+def _check_count(items: list, limit: int) -> None:
+    if len(items) > limit:
+        raise RequestError(f"an embedding request takes at most {limit} inputs for this model, "
+                           f"got {len(items)}")
 
 
 def _model_name(body: dict[str, Any], coordinator: Coordinator) -> str:
@@ -120,13 +130,21 @@ class EmbeddingRoutes:
         self.model = coordinator.model  # as served at start
         self.limits = coordinator.config
         self.hidden = self.model.config.hidden_size
+        # Inputs per request: MAX_EMBED_INPUTS, and fewer for a model whose vectors would not
+        # fit the worker's reply (each float ~5 bytes in protobuf, plus framing per vector).
+        self.max_inputs = max(1, min(MAX_EMBED_INPUTS,
+                                     MAX_REPLY_BYTES // (self.hidden * 5 + 16)))
 
-    async def _vectors(self, items: list, context: int, truncate: bool, normalize: bool,
-                       timings: RequestTimings) -> tuple[list[list[float]], int]:
+    async def _vectors(self, request: Request, items: list, context: int, truncate: bool,
+                       normalize: bool, timings: RequestTimings) -> tuple[list[list[float]], int]:
+        """The inputs' vectors, computed by a decode worker; ClientGone (the work cancelled on
+        every worker) when the client leaves first."""
+        _check_count(items, self.max_inputs)
         ids = await off_loop(_token_ids, self.coordinator.model, items, context, truncate)
         count = sum(map(len, ids))
         timings.prompt_tokens = count
-        return await self.coordinator.embed(ids, normalize, timings), count
+        vectors = await until_disconnected(request, self.coordinator.embed(ids, normalize, timings))
+        return vectors, count
 
     async def embed(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
@@ -134,7 +152,7 @@ class EmbeddingRoutes:
         name = _model_name(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=False)
         _check_dimensions(body, self.hidden)
-        embeddings, count = await self._vectors(items, _context(body, self.model),
+        embeddings, count = await self._vectors(request, items, _context(body, self.model),
                                                 _truncate(body), True, timings)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
@@ -149,7 +167,7 @@ class EmbeddingRoutes:
         items = _texts(body.get("prompt"), "prompt", tokens_allowed=False)
         if len(items) != 1:
             raise RequestError("prompt must be a string")
-        embeddings, _ = await self._vectors(items, _context(body, self.model), True, False,
+        embeddings, _ = await self._vectors(request, items, _context(body, self.model), True, False,
                                             timings)
         return JSONResponse({"embedding": embeddings[0]})
 
@@ -163,7 +181,7 @@ class EmbeddingRoutes:
             raise RequestError("encoding_format must be 'float' or 'base64'")
         _check_dimensions(body, self.hidden)
         # OpenAI refuses an input over the context; it never truncates.
-        embeddings, count = await self._vectors(items, self.model.context_len, False, True,
+        embeddings, count = await self._vectors(request, items, self.model.context_len, False, True,
                                                 timings)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from coordinator.access import install_http_access
 from coordinator.admission import Overloaded, TooManyStreams
+from coordinator.http_stream import ClientGone
 from coordinator.http_errors import error_response
 from coordinator.model import shown
 from coordinator.ollama_request import RequestError
@@ -93,6 +94,14 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
         # A handler for this class (not Exception's) keeps Starlette from re-raising it, so
         # uvicorn does not log a traceback either.
         log.info("client %s left before sending the whole body of %s %s",
+                 request.client.host if request.client else "?", request.method,
+                 request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        # The client left while its non-streamed answer was computed; the work was cancelled.
+        log.info("client %s left before the answer to %s %s; its work was cancelled",
                  request.client.host if request.client else "?", request.method,
                  request.url.path)
         return Response(status_code=499)

@@ -175,11 +175,14 @@ class Coordinator:
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
-        held = False
+        held = admitted = False
         try:
             await self._wait_for_decode_worker(timings)
             timings.load_wait += await self.residency.acquire()
             held = True
+            # Admitted like a prompt: an embedding holds a running slot while it computes.
+            await self.admission.acquire()
+            admitted = True
             timings.admitted = time.monotonic()
             request = pb.EmbedRequest(request_id=uuid.uuid4().hex, normalize=normalize,
                                       inputs=[pb.TokenIds(token_ids=ids) for ids in inputs])
@@ -212,6 +215,8 @@ class Coordinator:
                     self.registry.assign(record.worker_id, requests=-1)
         finally:
             self.open_requests -= 1
+            if admitted:
+                self.admission.release()
             if held:
                 self.residency.release(None)
 
