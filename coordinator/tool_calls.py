@@ -80,8 +80,14 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
+MAX_TOOLS = 128  # tools in one request: each is rendered into the prompt and may be forced
+
+
 def check_tool_list(tools: list[dict] | None) -> None:
-    """Each tool names its function (a 400 otherwise): forcing and parsing rely on it."""
+    """Each tool names its function (a 400 otherwise): forcing and parsing rely on it. At most
+    MAX_TOOLS of them."""
+    if tools and len(tools) > MAX_TOOLS:
+        raise InvalidOptionError(f"a request takes at most {MAX_TOOLS} tools, got {len(tools)}")
     for i, tool in enumerate(tools or []):
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:

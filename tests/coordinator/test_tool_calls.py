@@ -111,3 +111,13 @@ def test_response_shapes_and_formats():
     for bad in ("yaml", {"type": "xml"}, {"type": "json_schema"}):
         with pytest.raises(InvalidOptionError):
             (ollama_format if isinstance(bad, str) else openai_response_format)(bad)
+
+
+def test_a_tool_list_past_the_limit_is_refused():
+    from common.errors import InvalidOptionError
+    from coordinator.tool_calls import MAX_TOOLS, check_tool_list
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    check_tool_list([tool] * MAX_TOOLS)
+    with pytest.raises(InvalidOptionError, match=f"at most {MAX_TOOLS} tools"):
+        check_tool_list([tool] * (MAX_TOOLS + 1))
