@@ -184,8 +184,11 @@ class Coordinator:
             await self.admission.acquire()
             admitted = True
             timings.admitted = time.monotonic()
+            # In local-prefill chunks: a long input costs a concurrent stream one short pass
+            # at a time, as a short prompt prefilled on the decode worker does.
             request = pb.EmbedRequest(request_id=uuid.uuid4().hex, normalize=normalize,
-                                      inputs=[pb.TokenIds(token_ids=ids) for ids in inputs])
+                                      inputs=[pb.TokenIds(token_ids=ids) for ids in inputs],
+                                      max_chunk_tokens=self.config.local_chunk_size)
             tried: list[str] = []
             while True:
                 workers = [w for w in self.registry.snapshots(DECODE_ROLES) if w.worker_id not in tried]

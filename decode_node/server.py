@@ -56,7 +56,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if not inputs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
         try:
-            vectors = await self.worker.embed(inputs, request.normalize)
+            vectors = await self.worker.embed(inputs, request.normalize, request.max_chunk_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ResidencyError as exc:

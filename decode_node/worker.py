@@ -127,12 +127,14 @@ class DecodeWorker(EngineLoop):
         if job.request_id in self._streams:  # else the consumer left while it compiled
             self.call(lambda: self._admit(job, grammar))
 
-    async def embed(self, inputs: list[list[int]], normalize: bool = True) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]], normalize: bool = True,
+                    max_chunk_tokens: int = 0) -> list[list[float]]:
         """Pooled embeddings of `inputs` (engine/embedding.py): one embedding request per input,
         scheduled by the engine like any prompt: chunked under the token budget beside the
         running decodes, waiting in arrival order for blocks. ValueError for an empty or too
         long input. Cancelled (the client left): the inputs still running are aborted and
-        their blocks freed, so no work outlives the caller."""
+        their blocks freed, so no work outlives the caller. max_chunk_tokens: the largest
+        chunk of one input per pass (the coordinator's local chunk plan; 0 = the budget)."""
         self.check_alive()
         self.engine.require_resident()
         limit = self.engine.context_length
@@ -143,7 +145,7 @@ class DecodeWorker(EngineLoop):
         futures = {f"embed-{batch}-{i}": self.loop.create_future() for i in range(len(inputs))}
         self._embeds.update(futures)
         jobs = list(zip(futures, inputs))
-        self.call(lambda: self._admit_embeddings(jobs, normalize))
+        self.call(lambda: self._admit_embeddings(jobs, normalize, max_chunk_tokens))
         try:
             return list(await asyncio.gather(*futures.values()))
         finally:
@@ -196,11 +198,14 @@ class DecodeWorker(EngineLoop):
             self._first_event.discard(job.request_id)
             self._emit(job.request_id, Tokens([], True, "error", str(exc)))
 
-    def _admit_embeddings(self, jobs: list[tuple[str, list[int]]], normalize: bool) -> None:
+    def _admit_embeddings(self, jobs: list[tuple[str, list[int]]], normalize: bool,
+                          max_chunk_tokens: int) -> None:
         for request_id, ids in jobs:
             try:
                 self.engine.require_resident()
-                self.engine.submit(self.engine.make_embedding_request(ids, normalize, request_id))
+                request = self.engine.make_embedding_request(ids, normalize, request_id)
+                request.max_chunk_tokens = max(0, max_chunk_tokens)
+                self.engine.submit(request)
             except (TandemError, ValueError) as exc:
                 self.post(self._embedding_failed, request_id, exc)
                 continue

@@ -203,3 +203,35 @@ def test_a_caller_that_leaves_stops_the_work_and_frees_the_blocks(model_dir):
     assert len(steps) < 25  # stopped long before the 25 passes the input needed
     engine.block_manager.reset_prefix_cache()
     check_pool(engine)
+
+
+def test_the_coordinator_s_chunk_plan_caps_each_pass_of_an_input(model_dir, reference):
+    """max_chunk_tokens 16 (the coordinator sends its local chunk size): a 70-token input takes
+    five passes even though the budget would fit it in one; the vector is unchanged."""
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512)), load_tokenizer=False)
+    sizes = []
+    real_schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = real_schedule()
+        sizes.extend(c.num_tokens for c in out.chunks)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    ids = [(11 * i + 5) % 250 for i in range(70)]
+
+    async def body(loop):
+        worker = DecodeWorker(engine, loop)
+        worker.start()
+        try:
+            return await asyncio.wait_for(worker.embed([ids], max_chunk_tokens=16), 60)
+        finally:
+            worker.stop()
+
+    [vector] = run(body)
+    assert sizes == [16, 16, 16, 16, 6]
+    torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
+                               reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+    check_pool(engine)
