@@ -41,6 +41,10 @@ class RequestTimings:
     finished: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Ollama's truncation (coordinator/prompts.py fit_chat): the oldest messages left out
+    # so that the chat fits its context, and the prompt tokens that saved.
+    truncated_messages: int = 0
+    truncated_tokens: int = 0
     output_tokens: int = 0
     prefill_worker_s: float = 0.0  # PrefillResult.prefill_seconds; 0 for a local prefill
     itl: list[float] = field(default_factory=list)  # seconds between consecutive output tokens

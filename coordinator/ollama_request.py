@@ -40,6 +40,9 @@ class ChatRequest:
     tools: list[dict] | None
     unload: bool = False  # keep_alive 0: with no messages, Ollama answers done_reason "unload"
     keep_alive: float | None = None  # seconds the model stays loaded after (None = default)
+    # Ollama's `truncate` (default true): a conversation longer than the context drops its
+    # oldest non-system messages until it fits (coordinator/prompts.py fit_chat); false: a 400.
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,9 +193,12 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
     _unsupported(body, model)
     params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
     keep_alive = _keep_alive(body)
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise RequestError(f"truncate must be true or false, got {json.dumps(truncate)[:60]}")
     return ChatRequest(model=model, messages=messages,
                        stream=stream_flag(body), params=params, tools=tools or None,
-                       unload=keep_alive == 0, keep_alive=keep_alive)
+                       unload=keep_alive == 0, keep_alive=keep_alive, truncate=truncate)
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:

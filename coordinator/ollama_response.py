@@ -53,6 +53,7 @@ def serving_figures(g: Generation) -> dict[str, Any]:
     return {
         "ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": [round(x, 6) for x in t.itl],
         "queue_s": t.queue_time, "cached_tokens": t.cached_tokens,
+        "truncated_messages": t.truncated_messages, "truncated_tokens": t.truncated_tokens,
         "decode_worker": g.outcome.decode_worker or None,
         "prefill_worker": g.outcome.prefill_worker or None,
         "kv_bytes": g.outcome.kv_bytes, "migrations": g.outcome.migrations,

@@ -26,7 +26,7 @@ from coordinator.ollama_response import (
     chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
     ndjson,
 )
-from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
+from coordinator.prompts import chat_prompt_ids, fit_chat, generate_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
 from coordinator.tool_calls import (
@@ -83,14 +83,23 @@ class OllamaRoutes:
 
     async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
                          params: SamplingParams, timings: RequestTimings,
-                         keep_alive: float | None = None, cache_salt: bytes = b"") -> Generation:
+                         keep_alive: float | None = None, cache_salt: bytes = b"",
+                         truncate: bool = False) -> Generation:
         """A chat admitted: the model checked, tools checked against the template (a 400 as
-        Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too."""
+        Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
+        truncate: drop the oldest messages of a chat longer than its context (Ollama's
+        /api/chat default) instead of refusing it."""
         model = self.model
         self.coordinator.model.require(name)
         require_tool_support(tools, model.tokenizer.chat_template, name)
-        prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools,
-                                    params.context_limit(model.context_len))
+        context = params.context_limit(model.context_len)
+        if truncate:
+            fitted = await off_loop(fit_chat, model, messages, tools, context)
+            prompt_ids = fitted.prompt_ids
+            timings.truncated_messages = fitted.dropped_messages
+            timings.truncated_tokens = fitted.dropped_tokens
+        else:
+            prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context)
         return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
 
     async def chat(self, request: Request) -> Response:
@@ -103,7 +112,8 @@ class OllamaRoutes:
             await self.coordinator.preload(req.keep_alive)
             return JSONResponse(chat_load(name, req.unload))
         generation = await self.start_chat(req.model, req.messages, req.tools, req.params,
-                                           timings, req.keep_alive, request_salt(request))
+                                           timings, req.keep_alive, request_salt(request),
+                                           truncate=req.truncate)
         # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
         template = self.model.tokenizer.chat_template
         calls = ToolCallParser(call_format(template), req.tools) if req.tools else None

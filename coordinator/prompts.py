@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import dataclass
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -73,6 +74,43 @@ def chat_prompt_ids(model: ServedModel, messages: list[dict],
     tokenizer = model.tokenizer
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     return encode(tokenizer, prompt, add_special_tokens=True, context=context)
+
+
+@dataclass(frozen=True)
+class FittedChat:
+    prompt_ids: list[int]
+    dropped_messages: int  # the oldest non-system messages left out so that the chat fits
+    dropped_tokens: int  # how many prompt tokens that saved
+
+
+def fit_chat(model: ServedModel, messages: list[dict], tools: list[dict] | None,
+             context: int) -> FittedChat:
+    """Ollama's truncation: a conversation whose prompt leaves no room in `context` for one
+    generated token drops its oldest non-system messages, the fewest that make it fit (the
+    system messages and the last message always stay). Found by bisection over how many to
+    drop, so a long history costs O(log n) renders, not n. A chat that cannot fit even then is
+    returned whole: prepare() answers it with the context-length 400."""
+    full = chat_prompt_ids(model, messages, tools, context=None)
+    if len(full) < context:
+        return FittedChat(full, 0, 0)
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+
+    def without(n: int) -> list[int]:
+        gone = set(droppable[:n])
+        return chat_prompt_ids(model, [m for i, m in enumerate(messages) if i not in gone],
+                               tools, context=None)
+
+    lo, hi = 1, len(droppable)  # invariant: dropping hi fits, if anything does
+    if not droppable or len(best := without(hi)) >= context:
+        return FittedChat(full, 0, 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        ids = without(mid)
+        if len(ids) < context:
+            hi, best = mid, ids
+        else:
+            lo = mid + 1
+    return FittedChat(best, hi, len(full) - len(best))
 
 
 def generate_prompt_ids(model: ServedModel, prompt: str, system: str | None = None,

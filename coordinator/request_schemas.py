@@ -90,6 +90,8 @@ class ChatRequest(_OllamaGeneration):
 
     messages: list[OllamaMessage] | None = None
     tools: list[Tool] | None = None
+    # default true: a chat longer than its context drops its oldest non-system messages
+    truncate: bool | None = None
 
 
 class GenerateRequest(_OllamaGeneration):

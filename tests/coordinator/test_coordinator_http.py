@@ -472,3 +472,43 @@ def test_api_ps_lists_the_model_only_while_a_worker_serves_it(model, tokens):
     before, after = run(scenario())
     assert before == {"models": []}
     assert [m["name"] for m in after["models"]] == ["tiny"]
+
+
+def test_a_chat_longer_than_its_context_drops_its_oldest_messages(model, tokens):
+    """Ollama's truncate (default true): the oldest non-system messages go, the fewest that
+    make the chat fit num_ctx, and the answer says how much was dropped; truncate false is the
+    context-length 400; a chat whose last message alone overflows is a 400 either way."""
+    from coordinator.prompts import chat_prompt_ids
+
+    system = {"role": "system", "content": "You are terse."}
+    turns = [{"role": "user" if i % 2 == 0 else "assistant",
+              "content": f"turn {i}: the river"} for i in range(12)]
+    messages = [system, *turns, {"role": "user", "content": "And now?"}]
+    full = len(chat_prompt_ids(model, messages))
+    num_ctx = min(full // 2, model.context_len)
+    assert full >= model.context_len  # the whole chat overflows the model itself
+    kept = next(n for n in range(1, len(turns) + 1)  # the fewest dropped that fit
+                if len(chat_prompt_ids(model, [system, *turns[n:], messages[-1]])) < num_ctx)
+
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                body = {"model": "tiny", "messages": messages, "stream": False,
+                        "options": {"num_ctx": num_ctx}}
+                fitted = (await client.post(f"{h.url}/api/chat", json=body)).json()
+                refused = await client.post(f"{h.url}/api/chat", json={**body, "truncate": False})
+                huge = {**body, "messages": [system, {"role": "user", "content": "x " * full}]}
+                overflow = await client.post(f"{h.url}/api/chat", json=huge)
+            return d1, fitted, refused, overflow
+
+    d1, fitted, refused, overflow = run(scenario())
+    assert fitted.get("done") is True, fitted
+    assert fitted["message"]["content"] == TEXT
+    assert fitted["tandem"]["truncated_messages"] == kept
+    sent = list(d1.requests[0].prompt_token_ids)
+    assert sent == chat_prompt_ids(model, [system, *turns[kept:], messages[-1]])
+    assert fitted["tandem"]["truncated_tokens"] == full - len(sent)
+    assert fitted["prompt_eval_count"] == len(sent) < num_ctx
+    assert refused.status_code == 400 and "context" in refused.json()["error"]
+    assert overflow.status_code == 400
