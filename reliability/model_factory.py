@@ -191,16 +191,43 @@ _HF_TO_GGUF_LAYER = {
 }
 
 
+def encode_matrix(w: np.ndarray, ggml_type: str):
+    """(data, raw_dtype) for GGUFWriter.add_tensor: a float matrix stored as `ggml_type`."""
+    from gguf import GGMLQuantizationType, quants
+
+    from reliability.kquant_fixtures import quantize_k
+
+    qtype = GGMLQuantizationType[ggml_type]
+    if qtype == GGMLQuantizationType.F32:
+        return w, None
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16), None
+    if ggml_type.endswith("_K"):
+        return quantize_k(w, ggml_type), qtype
+    return quants.quantize(w, qtype), qtype
+
+
 def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama",
                    vocab_size: int = 320, hidden: int = 64, layers: int = 2, heads: int = 4,
                    kv_heads: int = 2, intermediate: int = 128, tie: bool = False, seed: int = 0,
-                   max_position: int = 512) -> TinyGGUF:
+                   max_position: int = 512, types: dict[str, str] | None = None,
+                   store_dequantized: bool = False) -> TinyGGUF:
     """Write a random model as llama.cpp would convert it: Q/K permuted for arch "llama",
-    2-D matrices in `ggml_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1), norms and biases in F32
-    as llama.cpp keeps them, lm_head omitted when tied."""
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    2-D matrices in `ggml_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), norms and biases in F32 as llama.cpp keeps them, lm_head omitted when tied.
 
-    qtype = GGMLQuantizationType[ggml_type]
+    types: per-matrix overrides of ggml_type, keyed by GGUF name ("blk.0.attn_v.weight") or
+    by the part after the block index ("attn_v.weight", every layer), the exact name winning;
+    a Q4_K_M-like mix is {"token_embd.weight": "Q6_K", "output.weight": "Q6_K", ...} with
+    ggml_type "Q4_K". K-quants need row lengths (hidden, intermediate) that are multiples
+    of 256.
+
+    store_dequantized: write each matrix as F32 holding exactly what its quantized blocks
+    dequantize to (by gguf.quants, the oracle), so the same seed and types give the F32
+    twin of a quantized file."""
+    from gguf import GGUFWriter, quants
+
+    types = types or {}
     model = build_tiny_hf(arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, tie,
                           None, seed, max_position)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -224,12 +251,15 @@ def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama"
         elif arch == "llama" and gg.split(".", 2)[-1] in ("attn_k.weight", "attn_k.bias"):
             w = llama_cpp_permute(w, kv_heads)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        if w.ndim == 1:
             writer.add_tensor(gg, w)
-        elif qtype == GGMLQuantizationType.F16:
-            writer.add_tensor(gg, w.astype(np.float16))
         else:
-            writer.add_tensor(gg, quants.quantize(w, qtype), raw_dtype=qtype)
+            name = types.get(gg, types.get(gg.split(".", 2)[-1] if gg.startswith("blk.") else gg,
+                                           ggml_type))
+            data, raw_dtype = encode_matrix(w, name)
+            if store_dequantized and raw_dtype is not None:
+                data, raw_dtype = quants.dequantize(data, raw_dtype), None
+            writer.add_tensor(gg, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

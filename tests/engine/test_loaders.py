@@ -215,7 +215,7 @@ def test_gguf_half_types_keep_dtype(tmp_path, ggml_type):
         assert torch.equal(got, ref.to(got.dtype)), name
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_quantized_stay_blocks_and_unpermute(tmp_path, ggml_type):
     tiny = make_tiny_gguf(tmp_path / "m.gguf", ggml_type, tie=True)
     loaded = load_model(tiny.path)
@@ -320,10 +320,10 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_quant_type(tmp_path):
-    block_bytes = 176  # one Q5_K super-block: 256 weights
-    path = _write_gguf(tmp_path / "q5k.gguf", "llama", {
-        "token_embd.weight": (np.zeros((8, block_bytes), np.uint8), GGMLQuantizationType.Q5_K)})
-    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight has ggml type Q5_K"):
+    block_bytes = 84  # one Q2_K super-block: 256 weights
+    path = _write_gguf(tmp_path / "q2k.gguf", "llama", {
+        "token_embd.weight": (np.zeros((8, block_bytes), np.uint8), GGMLQuantizationType.Q2_K)})
+    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight has ggml type Q2_K"):
         load_model(path)
 
 
