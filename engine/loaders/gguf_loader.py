@@ -18,8 +18,8 @@ pairs (j, j + head_dim/2), so we undo the permutation per head:
     undo:     w.reshape(n_head, head_dim//2, 2, in).swapaxes(1, 2).reshape(out, in)
 
 Rows are independent in a quantized matrix (blocks run along the input dimension), so the same
-row gather applies to raw blocks. Qwen2 uses NEOX (rotate-half) RoPE in llama.cpp and is stored
-unpermuted.
+row gather applies to raw blocks. Qwen2 and Qwen3 use NEOX (rotate-half) RoPE in llama.cpp and
+are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ GGUF_TO_HF: dict[str, str] = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
@@ -59,7 +61,7 @@ GGUF_TO_HF: dict[str, str] = {
 _HF_TO_GGUF = {v: k for k, v in GGUF_TO_HF.items()}
 
 # general.architecture -> whether llama.cpp permuted Q/K rows for interleaved RoPE.
-QK_PERMUTED: dict[str, bool] = {"llama": True, "qwen2": False}
+QK_PERMUTED: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
 
 # Which head count each permuted tensor is split by (Q: query heads, K: kv heads).
 _PERMUTED_BY: dict[str, str] = {
