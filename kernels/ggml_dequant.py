@@ -1,6 +1,8 @@
 """GGML block-quantized rows -> fp32, in numpy, from llama.cpp's block layouts (ggml-common.h).
 
     dequantize_rows(ggml_type, data [rows, bytes_per_row] uint8) -> fp32 [rows, cols]
+    q4_k_groups(data) -> (q, scale, minus)   Q4_K as 4-bit groups of 32: w = scale * q - minus,
+                                             for a repack into int4 without rounding q
     BLOCKS[ggml_type] = (weights per block, bytes per block)
 
 Every block is independent and blocks run along a row, so a row is a run of whole blocks.
@@ -110,6 +112,18 @@ def _q4_k_q(b: np.ndarray) -> np.ndarray:
 
 def _q4_k(b: np.ndarray) -> np.ndarray:
     return _k_quant(b, _q4_k_q(b).astype(np.float32))
+
+
+def q4_k_groups(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows [rows, bytes] -> (q uint8 [rows, cols], scale fp32 [rows, cols / 32],
+    minus fp32 [rows, cols / 32]) with w = scale * q - minus per group of 32, the very products
+    dequantize_rows forms (scale = d * sc, minus = dmin * mn)."""
+    rows = data.shape[0]
+    b = np.ascontiguousarray(data).reshape(-1, BLOCKS["Q4_K"][1])
+    sc, mn = _k4_scales_mins(b[:, 4:16])
+    scale = (_f16(b[:, 0:2]) * sc[..., 0]).reshape(rows, -1)
+    minus = (_f16(b[:, 2:4]) * mn[..., 0]).reshape(rows, -1)
+    return _q4_k_q(b).reshape(rows, -1), scale, minus
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
