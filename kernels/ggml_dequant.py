@@ -103,7 +103,10 @@ def _k_quant(b: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Q4_K/Q5_K: q [n, 8, 32] fp32 -> w [n, 256]."""
     sc, mn = _k4_scales_mins(b[:, 4:16])
     d, dmin = _f16(b[:, 0:2])[..., None], _f16(b[:, 2:4])[..., None]
-    return ((d * sc) * q - dmin * mn).reshape(len(b), QK_K)
+    # In place on q (a fresh fp32 array): the same two roundings as (d * sc) * q - dmin * mn.
+    np.multiply(q, d * sc, out=q)
+    np.subtract(q, dmin * mn, out=q)
+    return q.reshape(len(b), QK_K)
 
 
 def _q4_k_q(b: np.ndarray) -> np.ndarray:
@@ -142,7 +145,9 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     q = (low | (high.reshape(n, 2, 128) << 4)).astype(np.int8) - np.int8(32)
     scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
     ds = (_f16(b[:, 208:210]) * scales)[..., None]  # [n, 16, 1]
-    return (ds * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+    w = q.reshape(n, 16, 16).astype(np.float32)
+    np.multiply(ds, w, out=w)
+    return w.reshape(n, QK_K)
 
 
 _BLOCK_DEQUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
