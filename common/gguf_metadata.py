@@ -35,10 +35,12 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
                    10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
-# general.architecture -> (ModelConfig.architecture, attention_bias). Mistral GGUFs say "llama".
-GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", False),
-    "qwen2": ("qwen2", True),
+# general.architecture -> (ModelConfig.architecture, attention_bias, qk_norm). Mistral GGUFs
+# say "llama".
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "llama": ("llama", False, False),
+    "qwen2": ("qwen2", True, False),
+    "qwen3": ("qwen3", False, True),
 }
 
 
@@ -160,7 +162,7 @@ def gguf_config(metadata: dict[str, Any], name: str | None = None) -> ModelConfi
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
-    family, attention_bias = GGUF_ARCHITECTURES[arch]
+    family, attention_bias, qk_norm = GGUF_ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{key}", default)
@@ -221,6 +223,7 @@ def gguf_config(metadata: dict[str, Any], name: str | None = None) -> ModelConfi
             # The loader sets this from the tensors (output.weight absent means tied).
             tie_word_embeddings=False,
             attention_bias=attention_bias,
+            qk_norm=qk_norm,
             name=name or metadata.get("general.name") or "model",
         )
     except (ValueError, TypeError) as e:  # TypeError: float() of an array-valued key
@@ -258,4 +261,5 @@ def gguf_header_config(header: GGUFHeader, name: str | None = None) -> ModelConf
     except (ModelFormatError, UnsupportedModelError) as e:
         raise type(e)(f"{header.path}: {e}") from e
     return replace(config, tie_word_embeddings="output.weight" not in names,
-                   attention_bias=config.attention_bias or "blk.0.attn_q.bias" in names)
+                   attention_bias=config.attention_bias or "blk.0.attn_q.bias" in names,
+                   qk_norm=config.qk_norm or "blk.0.attn_q_norm.weight" in names)

@@ -14,14 +14,19 @@ from typing import Any
 from common.model_config import ModelConfig, RopeScaling
 from common.errors import ModelFormatError, UnsupportedModelError
 
-# model_type -> (ModelConfig.architecture, attention_bias default). SmolLM is model_type llama.
-HF_MODEL_TYPES: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", False),
-    "mistral": ("mistral", False),
-    "qwen2": ("qwen2", True),
+# model_type -> (ModelConfig.architecture, attention_bias default, qk_norm). SmolLM is
+# model_type llama.
+HF_MODEL_TYPES: dict[str, tuple[str, bool, bool]] = {
+    "llama": ("llama", False, False),
+    "mistral": ("mistral", False, False),
+    "qwen2": ("qwen2", True, False),
+    "qwen3": ("qwen3", False, True),
 }
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2"}
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# Model types whose sliding_window applies only when use_sliding_window is true (their configs
+# carry a window even when the model attends fully).
+SLIDING_WINDOW_FLAGGED = {"qwen2", "qwen3"}
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`, or ModelFormatError naming the file."""
@@ -64,7 +69,7 @@ def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelCo
                 f"model_type {model_type!r} / architectures {archs} is not supported "
                 f"(supported: {sorted(HF_ARCHITECTURES)})")
         model_type = known[0]
-    family, default_bias = HF_MODEL_TYPES[model_type]
+    family, default_bias, qk_norm = HF_MODEL_TYPES[model_type]
 
     missing = [k for k in _REQUIRED if k not in config_json]
     if missing:
@@ -105,6 +110,7 @@ def hf_model_config(config_json: dict[str, Any], name: str = "model") -> ModelCo
             max_position=max_position,
             tie_word_embeddings=bool(config_json.get("tie_word_embeddings", False)),
             attention_bias=bool(config_json.get("attention_bias", default_bias)),
+            qk_norm=qk_norm,
             name=name,
         )
     except ValueError as e:
@@ -135,7 +141,7 @@ def _number(config_json: dict[str, Any], key: str, default: float) -> float:
 
 def _sliding_window(config_json: dict[str, Any], model_type: str) -> int | None:
     window = config_json.get("sliding_window")
-    if model_type == "qwen2" and not config_json.get("use_sliding_window", False):
+    if model_type in SLIDING_WINDOW_FLAGGED and not config_json.get("use_sliding_window", False):
         return None
     return window if isinstance(window, int) and window > 0 else None
 

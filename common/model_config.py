@@ -39,7 +39,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a LLaMA-family decoder. Weight names follow Hugging Face's Llama naming."""
 
-    architecture: str  # model family key in engine.models: "llama", "qwen2", "mistral"
+    architecture: str  # model family key in engine.models: "llama", "qwen2", "qwen3", "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +53,7 @@ class ModelConfig:
     max_position: int = 2048  # the model's context length
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm (weights [head_dim]) on q and k before RoPE
     name: str = "model"
 
     def __post_init__(self) -> None:

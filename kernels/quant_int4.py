@@ -11,7 +11,12 @@ GGUF repack, integer to integer (the nibbles are copied, never rounded through f
 
     Q4_0 block: fp16 d, 16 bytes     w = d * (q - 8)   ->  scale = d, zero = 0
     Q4_1 block: fp16 d, fp16 m, 16B  w = d * q + m     ->  scale = d, zero = m + 8 d  (fp32, exact)
+    Q4_K sub-block of 32:            w = s * q - mn    ->  scale = s, zero = 8 s - mn   (s = d * sc,
+                                                            mn = dmin * min: kernels/ggml_dequant.py)
     nibbles: element i < 16 of a block is the low nibble of byte i, element 16 + i the high one.
+    (Q4_K's groups are the same 16 levels of a group of 32, so its q are copied too; only the
+    "q4_1" layout then rounds s and -mn to fp16, a relative 2^-11, far below a requantization's
+    half a step per weight.)
 
 In the "cpu" and "nibbles" layouts only scale and zero are rounded (to bf16); the result equals
 QuantizedTensor.dequantize() up to that rounding. The "q4_1" layout of a Q4_1 GGUF is exact.
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from kernels import native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
+from kernels.ggml_dequant import q4_k_groups
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -58,6 +64,7 @@ GROUP_SIZE = 32
 NATIVE_DENSE_MIN_ROWS = 128
 N_ALIGN_CPU = 16
 _GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+REPACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # int4 takes their integer q as they are
 _HAS_CPU_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
@@ -88,10 +95,15 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
 
 
 def int4_from_gguf(qt: QuantizedTensor) -> Int4Groups:
-    """Q4_0 / Q4_1 raw blocks -> Int4Groups, integer nibbles copied as is (see module docstring)."""
+    """Q4_0 / Q4_1 / Q4_K raw blocks -> Int4Groups, integer nibbles copied as is (see module
+    docstring)."""
+    if qt.ggml_type == "Q4_K":
+        q, scale, minus = q4_k_groups(qt.data)
+        zeros = np.float32(8.0) * scale - minus  # 8 s is exact; one rounding, as for Q4_1
+        return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zeros))
     block_bytes = _GGUF_BLOCK_BYTES.get(qt.ggml_type)
     if block_bytes is None:
-        raise ValueError(f"int4 repack needs Q4_0 or Q4_1 blocks, got {qt.ggml_type}")
+        raise ValueError(f"int4 repack needs {', '.join(REPACKED_GGUF_TYPES)} blocks, got {qt.ggml_type}")
     rows, cols = qt.shape
     if cols % GROUP_SIZE:
         raise ValueError(f"GGUF row length {cols} is not a multiple of {GROUP_SIZE}")
@@ -109,7 +121,7 @@ def int4_from_gguf(qt: QuantizedTensor) -> Int4Groups:
 
 
 def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
-    if isinstance(weight, QuantizedTensor) and weight.ggml_type in _GGUF_BLOCK_BYTES:
+    if isinstance(weight, QuantizedTensor) and weight.ggml_type in REPACKED_GGUF_TYPES:
         return int4_from_gguf(weight)
     return quantize_int4(to_float(weight))
 
@@ -172,9 +184,15 @@ def q4_1_blocks(weight: torch.Tensor | QuantizedTensor) -> np.ndarray:
         m = (d.astype(np.float32) * np.float32(-8.0)).astype(np.float16)  # exact: a power of two
         out = np.concatenate([src[..., 0:2], m.view(np.uint8), src[..., 2:]], axis=-1)
         return out.reshape(rows, -1)
+    if isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K":
+        q, scale, minus = (torch.from_numpy(a) for a in q4_k_groups(weight.data))
+        return _q4_1_from_groups(q, scale.to(torch.float16), (-minus).to(torch.float16))
     q, scales, zeros = to_int4_groups(weight)
-    d = scales.to(torch.float16)
-    m = (zeros - 8.0 * scales).to(torch.float16)
+    return _q4_1_from_groups(q, scales.to(torch.float16), (zeros - 8.0 * scales).to(torch.float16))
+
+
+def _q4_1_from_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> np.ndarray:
+    """q uint8 [N, Kp], fp16 d and m [N, Kp / 32] (w = q * d + m) -> Q4_1 blocks [N, G * 20]."""
     qg = q.reshape(q.shape[0], -1, GROUP_SIZE)
     nibbles = qg[..., :16] | (qg[..., 16:] << 4)  # [N, G, 16]
     out = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)

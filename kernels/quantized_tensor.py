@@ -1,5 +1,6 @@
 """A GGUF block-quantized matrix kept as raw blocks, so quantized kernels can repack it
-without a float round trip (e.g. Q4_1 -> int4 group-wise with zero points)."""
+without a float round trip (e.g. Q4_1 -> int4 group-wise with zero points), and any format can
+dequantize it one matrix at a time (kernels/ggml_dequant.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kernels.ggml_dequant import dequantize_rows
 
 
 @dataclass(frozen=True)
@@ -17,17 +20,13 @@ class QuantizedTensor:
     input dimension), so permuting or slicing rows keeps it valid.
     """
 
-    ggml_type: str  # "Q4_0", "Q4_1", "Q8_0", ...
+    ggml_type: str  # a key of kernels.ggml_dequant.BLOCKS: "Q4_0", "Q4_K", "Q6_K", ...
     data: np.ndarray
     shape: tuple[int, int]  # logical (rows, cols)
 
     def dequantize(self) -> torch.Tensor:
-        from gguf import GGMLQuantizationType, quants
-
-        qtype = GGMLQuantizationType[self.ggml_type]
-        out = quants.dequantize(np.ascontiguousarray(self.data), qtype)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(self.shape)
+        """fp32 [rows, cols], bit-equal to llama.cpp's dequantize_row_* of the same blocks."""
+        return torch.from_numpy(dequantize_rows(self.ggml_type, self.data)).reshape(self.shape)
 
     def take_rows(self, index: np.ndarray) -> "QuantizedTensor":
         return QuantizedTensor(self.ggml_type, self.data[index], (len(index), self.shape[1]))
-

@@ -44,14 +44,17 @@ _HF_CLASSES = {  # arch -> (config class, model class) names in transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
 def build_tiny_hf(arch: str = "llama", vocab_size: int = 320, hidden: int = 64, layers: int = 2,
                   heads: int = 4, kv_heads: int = 2, intermediate: int = 128, tie: bool = False,
                   rope_scaling: dict[str, Any] | None = None, seed: int = 0,
-                  max_position: int = 512, rope_theta: float = 10000.0) -> torch.nn.Module:
-    """A random transformers *ForCausalLM in fp32, eval mode."""
+                  max_position: int = 512, rope_theta: float = 10000.0,
+                  head_dim: int | None = None) -> torch.nn.Module:
+    """A random transformers *ForCausalLM in fp32, eval mode. head_dim defaults to
+    hidden // heads (Qwen3 sets its own, so q_size may differ from hidden)."""
     import transformers
 
     if arch not in _HF_CLASSES:
@@ -61,6 +64,7 @@ def build_tiny_hf(arch: str = "llama", vocab_size: int = 320, hidden: int = 64, 
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
         tie_word_embeddings=tie, max_position_embeddings=max_position, rms_norm_eps=1e-5,
+        head_dim=head_dim or hidden // heads,
         bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN), eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
     )
@@ -82,7 +86,7 @@ def make_tiny_hf_model(dir: str | Path, arch: str = "llama", vocab_size: int = 3
                        intermediate: int = 128, tie: bool = False,
                        rope_scaling: dict[str, Any] | None = None, seed: int = 0,
                        shards: int = 1, with_tokenizer: bool = True,
-                       max_position: int = 512) -> Path:
+                       max_position: int = 512, head_dim: int | None = None) -> Path:
     """Write a random model as a Hugging Face directory and return the directory.
 
     vocab_size must be >= 259 when with_tokenizer (256 byte tokens + 3 special tokens); the
@@ -92,7 +96,7 @@ def make_tiny_hf_model(dir: str | Path, arch: str = "llama", vocab_size: int = 3
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_hf(arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, tie,
-                          rope_scaling, seed, max_position)
+                          rope_scaling, seed, max_position, head_dim=head_dim)
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if shards > 1:
         total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -161,7 +165,9 @@ def _gguf_metadata(writer, arch: str, model: torch.nn.Module, vocab_size: int) -
     writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
     writer.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    writer.add_uint32(f"{arch}.rope.dimension_count", c.hidden_size // c.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", c.head_dim)
+    writer.add_uint32(f"{arch}.attention.value_length", c.head_dim)
+    writer.add_uint32(f"{arch}.rope.dimension_count", c.head_dim)
     tokenizer = train_tiny_tokenizer(vocab_size)
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     writer.add_string("tokenizer.ggml.model", "gpt2")
@@ -184,6 +190,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
@@ -191,18 +198,45 @@ _HF_TO_GGUF_LAYER = {
 }
 
 
+def encode_matrix(w: np.ndarray, ggml_type: str):
+    """(data, raw_dtype) for GGUFWriter.add_tensor: a float matrix stored as `ggml_type`."""
+    from gguf import GGMLQuantizationType, quants
+
+    from reliability.kquant_fixtures import quantize_k
+
+    qtype = GGMLQuantizationType[ggml_type]
+    if qtype == GGMLQuantizationType.F32:
+        return w, None
+    if qtype == GGMLQuantizationType.F16:
+        return w.astype(np.float16), None
+    if ggml_type.endswith("_K"):
+        return quantize_k(w, ggml_type), qtype
+    return quants.quantize(w, qtype), qtype
+
+
 def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama",
                    vocab_size: int = 320, hidden: int = 64, layers: int = 2, heads: int = 4,
                    kv_heads: int = 2, intermediate: int = 128, tie: bool = False, seed: int = 0,
-                   max_position: int = 512) -> TinyGGUF:
+                   max_position: int = 512, types: dict[str, str] | None = None,
+                   store_dequantized: bool = False, head_dim: int | None = None) -> TinyGGUF:
     """Write a random model as llama.cpp would convert it: Q/K permuted for arch "llama",
-    2-D matrices in `ggml_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1), norms and biases in F32
-    as llama.cpp keeps them, lm_head omitted when tied."""
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    2-D matrices in `ggml_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), norms and biases in F32 as llama.cpp keeps them, lm_head omitted when tied.
 
-    qtype = GGMLQuantizationType[ggml_type]
+    types: per-matrix overrides of ggml_type, keyed by GGUF name ("blk.0.attn_v.weight") or
+    by the part after the block index ("attn_v.weight", every layer), the exact name winning;
+    a Q4_K_M-like mix is {"token_embd.weight": "Q6_K", "output.weight": "Q6_K", ...} with
+    ggml_type "Q4_K". K-quants need row lengths (hidden, intermediate) that are multiples
+    of 256.
+
+    store_dequantized: write each matrix as F32 holding exactly what its quantized blocks
+    dequantize to (by gguf.quants, the oracle), so the same seed and types give the F32
+    twin of a quantized file."""
+    from gguf import GGUFWriter, quants
+
+    types = types or {}
     model = build_tiny_hf(arch, vocab_size, hidden, layers, heads, kv_heads, intermediate, tie,
-                          None, seed, max_position)
+                          None, seed, max_position, head_dim=head_dim)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     path = Path(path)
     writer = GGUFWriter(str(path), arch)
@@ -217,19 +251,22 @@ def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama"
             names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{gg}"
     for hf, gg in names.items():
         if hf not in state:
-            continue  # biases exist only for qwen2
+            continue  # biases exist only for qwen2, q/k norms only for qwen3
         w = state[hf].float().numpy()
         if arch == "llama" and gg.split(".", 2)[-1] in ("attn_q.weight", "attn_q.bias"):
             w = llama_cpp_permute(w, heads)
         elif arch == "llama" and gg.split(".", 2)[-1] in ("attn_k.weight", "attn_k.bias"):
             w = llama_cpp_permute(w, kv_heads)
         w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        if w.ndim == 1:
             writer.add_tensor(gg, w)
-        elif qtype == GGMLQuantizationType.F16:
-            writer.add_tensor(gg, w.astype(np.float16))
         else:
-            writer.add_tensor(gg, quants.quantize(w, qtype), raw_dtype=qtype)
+            name = types.get(gg, types.get(gg.split(".", 2)[-1] if gg.startswith("blk.") else gg,
+                                           ggml_type))
+            data, raw_dtype = encode_matrix(w, name)
+            if store_dequantized and raw_dtype is not None:
+                data, raw_dtype = quants.dequantize(data, raw_dtype), None
+            writer.add_tensor(gg, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

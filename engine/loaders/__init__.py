@@ -6,9 +6,9 @@
 
 Weights are keyed by Hugging Face Llama names (see `weight_shapes`). `lm_head.weight` is always
 present; with tied embeddings it is the same object as `model.embed_tokens.weight`. GGUF
-Q4_0/Q4_1/Q8_0 matrices stay raw blocks (`QuantizedTensor`); float tensors keep their stored
-dtype. The torch-needing loaders are imported inside load_model, so importing this package
-loads no torch.
+block-quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay raw blocks
+(`QuantizedTensor`); float tensors keep their stored dtype. The torch-needing loaders are
+imported inside load_model, so importing this package loads no torch.
 """
 
 from __future__ import annotations

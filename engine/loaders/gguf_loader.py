@@ -1,7 +1,12 @@
 """GGUF file -> LoadedModel, tensors memory-mapped.
 
-Block-quantized matrices (Q4_0, Q4_1, Q8_0) stay raw blocks in a QuantizedTensor; F32/F16/BF16
-become torch tensors viewing the mapped file. The mapping is copy-on-write ("c"), so tensors
+Block-quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K, in
+any mix per tensor, as Q4_K_M and Q5_K_M files mix them) stay raw blocks in a QuantizedTensor
+viewing the mapped file; F32/F16/BF16 become torch tensors viewing it. Nothing is dequantized
+here: each role packs a matrix into its weight format when it builds the model, dequantizing
+that one matrix (kernels/ggml_dequant.py) unless its format repacks the blocks directly, so
+at most one matrix is held as floats beside the mapping at a time. Other ggml types (Q2_K,
+Q3_K, IQ*, TQ*, ...) are refused by name. The mapping is copy-on-write ("c"), so tensors
 are writable for torch yet never write back to the model file, and untouched pages stay shared
 with the page cache.
 
@@ -13,8 +18,8 @@ pairs (j, j + head_dim/2), so we undo the permutation per head:
     undo:     w.reshape(n_head, head_dim//2, 2, in).swapaxes(1, 2).reshape(out, in)
 
 Rows are independent in a quantized matrix (blocks run along the input dimension), so the same
-row gather applies to raw blocks. Qwen2 uses NEOX (rotate-half) RoPE in llama.cpp and is stored
-unpermuted.
+row gather applies to raw blocks. Qwen2 and Qwen3 use NEOX (rotate-half) RoPE in llama.cpp and
+are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from common.errors import ModelFormatError, UnsupportedModelError
 from engine.loaders.loaded_model import LoadedModel, check_weights, weight_shapes
 from common.gguf_metadata import GGUFHeader, gguf_header_config, read_gguf_header
+from kernels.ggml_dequant import BLOCKS
 from kernels.quantized_tensor import QuantizedTensor
 
 # GGUF tensor name -> Hugging Face Llama name; "{i}" is the block index.
@@ -43,6 +49,8 @@ GGUF_TO_HF: dict[str, str] = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
@@ -53,7 +61,7 @@ GGUF_TO_HF: dict[str, str] = {
 _HF_TO_GGUF = {v: k for k, v in GGUF_TO_HF.items()}
 
 # general.architecture -> whether llama.cpp permuted Q/K rows for interleaved RoPE.
-QK_PERMUTED: dict[str, bool] = {"llama": True, "qwen2": False}
+QK_PERMUTED: dict[str, bool] = {"llama": True, "qwen2": False, "qwen3": False}
 
 # Which head count each permuted tensor is split by (Q: query heads, K: kv heads).
 _PERMUTED_BY: dict[str, str] = {
@@ -66,7 +74,8 @@ _FLOAT_TYPES = {
     GGMLQuantizationType.F16: np.float16,
     GGMLQuantizationType.BF16: np.int16,  # reinterpreted as torch.bfloat16 below
 }
-BLOCK_QUANTIZED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+BLOCK_QUANTIZED = tuple(GGMLQuantizationType[name] for name in BLOCKS)
+READ_TYPES = ", ".join(t.name for t in (*_FLOAT_TYPES, *BLOCK_QUANTIZED))
 
 
 def hf_name(name: str) -> str | None:
@@ -133,9 +142,8 @@ def _read_tensor(header: GGUFHeader, mapped: np.memmap, name: str, type_id: int,
     except ValueError:
         raise UnsupportedModelError(f"{path}: tensor {name} has unknown ggml type id {type_id}") from None
     if qtype not in _FLOAT_TYPES and qtype not in BLOCK_QUANTIZED:
-        supported = ", ".join(t.name for t in (*_FLOAT_TYPES, *BLOCK_QUANTIZED))
         raise UnsupportedModelError(f"{path}: tensor {name} has ggml type {qtype.name}, which "
-                                    f"tandem does not read (supported: {supported})")
+                                    f"tandem does not read (supported: {READ_TYPES})")
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:
         raise ModelFormatError(f"{path}: tensor {name} row length {shape[-1]} is not a multiple "

@@ -56,6 +56,9 @@ def weight_shapes(config: ModelConfig, present: Iterable[str] | None = None
             shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, c.hidden_size)
             if c.attention_bias:
                 shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)

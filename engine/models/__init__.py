@@ -13,6 +13,7 @@ FAMILIES = {
     "llama": "engine.models.llama:LlamaForCausalLM",
     "mistral": "engine.models.llama:LlamaForCausalLM",
     "qwen2": "engine.models.qwen2:Qwen2ForCausalLM",
+    "qwen3": "engine.models.qwen3:Qwen3ForCausalLM",
 }
 
 

@@ -1,4 +1,7 @@
 """The LLaMA family (Llama 1-3, Mistral, SmolLM): RMSNorm, RoPE, GQA attention, SwiGLU.
+Two options the config switches on, each a weight and one op: q/k/v biases
+(ModelConfig.attention_bias, Qwen2) and per-head RMSNorm of q and k before RoPE
+(ModelConfig.qk_norm, Qwen3).
 
 Plain PyTorch over the ops in kernels/. Weights are packed once at load: q/k/v fused into one
 projection and gate/up into another (one GEMM each instead of three and two). The residual
@@ -42,6 +45,8 @@ class DecoderLayer:
     post_attention_norm: torch.Tensor
     gate_up: PackedLinear
     down: PackedLinear
+    q_norm: torch.Tensor | None = None  # [head_dim], with ModelConfig.qk_norm
+    k_norm: torch.Tensor | None = None
 
 
 # The lm_head reads the whole vocabulary every step; int8 halves bf16's bytes and keeps the
@@ -85,9 +90,16 @@ class LlamaForCausalLM:
     they are short by the coordinator's plan (local_chunk_size).
     """
 
+    # ModelConfig flags a family's weights depend on; a subclass lists its own (Qwen2: biases).
+    required_flags: tuple[str, ...] = ()
+
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
                  lm_head_format: str | None = None, prefill_format: str | None = None,
                  device: torch.device | str = "cpu") -> None:
+        for flag in self.required_flags:
+            if not getattr(config, flag):
+                raise ValueError(f"{type(self).__name__} needs config.{flag} set: its checkpoints "
+                                 "carry those weights")
         self.config = config
         self.device = device = torch.device(device)
         get = self._getter(weights)
@@ -168,6 +180,9 @@ class LlamaForCausalLM:
         qkv_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([to_float(get(p + f"self_attn.{n}_proj.bias")) for n in "qkv"])
+        qk_norms = {}
+        if self.config.qk_norm:
+            qk_norms = {f"{n}_norm": to_float(get(p + f"self_attn.{n}_norm.weight")).to(dev) for n in "qk"}
         return DecoderLayer(
             input_norm=to_float(get(p + "input_layernorm.weight")).to(dev),
             qkv=pack_linear(concat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, fmt,
@@ -177,7 +192,17 @@ class LlamaForCausalLM:
             gate_up=pack_linear(concat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None,
                                 fmt, device=dev),
             down=pack_linear(get(p + "mlp.down_proj.weight"), None, fmt, device=dev),
+            **qk_norms,
         )
+
+    def _norm_qk(self, qkv: torch.Tensor, layer: DecoderLayer) -> torch.Tensor:
+        """qkv [T, q + 2 kv] with each q and k head RMS-normed over head_dim (Qwen3)."""
+        cfg = self.config
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, _ = rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        k, _ = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+        t = qkv.shape[0]
+        return torch.cat([q.reshape(t, cfg.q_size), k.reshape(t, cfg.kv_size), v], dim=-1)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
@@ -191,7 +216,10 @@ class LlamaForCausalLM:
         for i, layer in enumerate(layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            q = rotary_kv_write(linear(x, layer.qkv), batch.positions, self.cos, self.sin, k_cache,
+            qkv = linear(x, layer.qkv)
+            if layer.q_norm is not None:
+                qkv = self._norm_qk(qkv, layer)
+            q = rotary_kv_write(qkv, batch.positions, self.cos, self.sin, k_cache,
                                 v_cache, batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if batch.on_layer_done is not None:
                 batch.on_layer_done(i)

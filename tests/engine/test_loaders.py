@@ -40,7 +40,7 @@ def _transformers_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch,shards,tie", [
     ("llama", 1, False), ("llama", 3, True), ("qwen2", 1, True), ("qwen2", 2, False),
-    ("mistral", 1, False),
+    ("mistral", 1, False), ("qwen3", 1, True), ("qwen3", 2, False),
 ])
 def test_hf_weights_match_transformers(tmp_path, arch, shards, tie):
     model_dir = make_tiny_hf_model(tmp_path / arch, arch=arch, shards=shards, tie=tie, seed=3)
@@ -53,6 +53,7 @@ def test_hf_weights_match_transformers(tmp_path, arch, shards, tie):
     assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
             c.num_heads, c.num_kv_heads, c.head_dim) == (arch, 320, 64, 128, 2, 4, 2, 16)
     assert c.attention_bias == (arch == "qwen2")
+    assert c.qk_norm == (arch == "qwen3")
     assert c.tie_word_embeddings == tie
     assert c.max_position == 512 and c.rms_norm_eps == 1e-5 and c.rope_scaling is None
     assert loaded.format == "hf" and loaded.path == model_dir
@@ -215,7 +216,7 @@ def test_gguf_half_types_keep_dtype(tmp_path, ggml_type):
         assert torch.equal(got, ref.to(got.dtype)), name
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_quantized_stay_blocks_and_unpermute(tmp_path, ggml_type):
     tiny = make_tiny_gguf(tmp_path / "m.gguf", ggml_type, tie=True)
     loaded = load_model(tiny.path)
@@ -242,6 +243,35 @@ def test_gguf_qwen2_is_not_permuted_and_has_biases(tmp_path):
     assert "model.layers.1.self_attn.k_proj.bias" in loaded.weights
     for name, ref in tiny.state_dict.items():
         assert torch.equal(loaded.weights[name], ref), name
+
+
+def test_gguf_qwen3_has_qk_norms_and_its_own_head_dim(tmp_path):
+    tiny = make_tiny_gguf(tmp_path / "q3.gguf", "F32", arch="qwen3", head_dim=32, tie=True)
+    loaded = load_model(tiny.path)
+    c = loaded.config
+    assert (c.architecture, c.qk_norm, c.attention_bias, c.head_dim) == ("qwen3", True, False, 32)
+    assert c.tie_word_embeddings and c.q_size == 128 != c.hidden_size
+    assert set(loaded.weights) == set(tiny.state_dict) | {"lm_head.weight"}
+    for name, ref in tiny.state_dict.items():  # NEOX RoPE: q/k stored unpermuted
+        assert torch.equal(loaded.weights[name], ref), name
+    assert load_config(tiny.path) == c
+
+
+def test_hf_config_qwen3():
+    config = hf_model_config({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                              "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                              "num_hidden_layers": 28, "num_attention_heads": 16,
+                              "num_key_value_heads": 8, "head_dim": 128,
+                              "max_position_embeddings": 40960, "sliding_window": None,
+                              "use_sliding_window": False, "rope_theta": 1000000,
+                              "tie_word_embeddings": True, "attention_bias": False})
+    assert (config.architecture, config.qk_norm, config.attention_bias) == ("qwen3", True, False)
+    assert (config.head_dim, config.q_size, config.max_position) == (128, 2048, 40960)
+    window_off = hf_model_config({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64,
+                                  "intermediate_size": 8, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "sliding_window": 4096,
+                                  "use_sliding_window": False, "max_position_embeddings": 40960})
+    assert window_off.max_position == 40960
 
 
 def test_gguf_metadata_is_plain_python(tmp_path):
@@ -320,10 +350,10 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_quant_type(tmp_path):
-    block_bytes = 176  # one Q5_K super-block: 256 weights
-    path = _write_gguf(tmp_path / "q5k.gguf", "llama", {
-        "token_embd.weight": (np.zeros((8, block_bytes), np.uint8), GGMLQuantizationType.Q5_K)})
-    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight has ggml type Q5_K"):
+    block_bytes = 84  # one Q2_K super-block: 256 weights
+    path = _write_gguf(tmp_path / "q2k.gguf", "llama", {
+        "token_embd.weight": (np.zeros((8, block_bytes), np.uint8), GGMLQuantizationType.Q2_K)})
+    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight has ggml type Q2_K"):
         load_model(path)
 
 

@@ -22,22 +22,29 @@ import transformers  # noqa: E402 - the test oracle (test extra), never a produc
 ATOL = 2e-4
 
 
-def build_pair(arch: str = "llama", rope_scaling: dict | None = None, seed: int = 0, vocab: int = 160):
+def build_pair(arch: str = "llama", rope_scaling: dict | None = None, seed: int = 0, vocab: int = 160,
+               tie: bool = False, head_dim: int = 16):
     """A random HF model and our model sharing its weights."""
     kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                  head_dim=head_dim)
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     hf_cfg = cfg_cls(**kwargs)
     hf_cfg._attn_implementation = "eager"
     hf = model_cls(hf_cfg).eval()
+    with torch.no_grad():  # norms start at exactly 1, which would hide a q/k norm mix-up
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
     config = hf_model_config(hf_cfg.to_dict())
     weights = dict(hf.state_dict())
     ours = model_class(config.architecture)(config, weights, "fp32")
@@ -69,7 +76,7 @@ def shuffled_table(n_blocks: int, num_blocks: int, seed: int) -> list[int]:
     return ids[:n_blocks]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_one_shot_prefill_matches_transformers(arch):
     hf, ours = build_pair(arch)
     ids = torch.randint(0, 160, (37,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -87,6 +94,30 @@ def test_rope_scaling_matches_transformers(rope_scaling):
     hf, ours = build_pair("llama", rope_scaling=rope_scaling)
     ids = list(range(3, 160, 2))[:70]
     (got,) = run_chunks(make_runner(ours), [SequenceChunk(ids, 0, list(range(5)), True)])
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_qwen3_with_head_dim_apart_from_hidden_matches_transformers():
+    """Qwen3 sets head_dim itself (128 with hidden 1024 in Qwen3-0.6B): q_size != hidden."""
+    hf, ours = build_pair("qwen3", head_dim=32)
+    assert ours.config.qk_norm and ours.config.q_size == 128 != ours.config.hidden_size
+    ids = torch.randint(0, 160, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = hf_logits(hf, ids)
+    runner = make_runner(ours)
+    table = shuffled_table(3, 64, 2)
+    (prompt,) = run_chunks(runner, [SequenceChunk(ids[:40], 0, table, True)])
+    decodes = [run_chunks(runner, [SequenceChunk([t], 40 + i, table, True)])[0] for i, t in enumerate(ids[40:])]
+    torch.testing.assert_close(torch.cat([prompt, *decodes]), expected, atol=ATOL, rtol=0)
+
+
+def test_llama32_tied_embeddings_with_llama3_rope_match_transformers():
+    """Llama 3.2 1B/3B: tied embeddings, llama3 rope scaling, GQA."""
+    hf, ours = build_pair("llama", tie=True, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    assert ours.config.tie_word_embeddings
+    ids = list(range(5, 160, 3))[:50]
+    (got,) = run_chunks(make_runner(ours), [SequenceChunk(ids, 0, list(range(4)), True)])
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 

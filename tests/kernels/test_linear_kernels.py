@@ -12,6 +12,7 @@ from kernels import quant_int4, quant_int8, quant_w8a8
 from kernels.linear import (FORMATS, PackedLinear, dequantize_packed, linear, linear_reference, pack_linear,
                             packed_linear_reference)
 from kernels.quantized_tensor import QuantizedTensor
+from reliability.kquant_fixtures import quantize_k
 
 # Relative Frobenius error bounds, generous over what is measured (in the comments) so that
 # they catch a wrong scale, a swapped nibble or a lost bias, not seed noise.
@@ -27,7 +28,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gguf_tensor(w: np.ndarray, ggml_type: str) -> QuantizedTensor:
-    data = quants.quantize(w.astype(np.float32), GGMLQuantizationType[ggml_type])
+    w = w.astype(np.float32)
+    data = (quantize_k(w, ggml_type) if ggml_type.endswith("_K")
+            else quants.quantize(w, GGMLQuantizationType[ggml_type]))
     return QuantizedTensor(ggml_type, data.reshape(w.shape[0], -1), w.shape)
 
 
@@ -81,32 +84,33 @@ def test_bad_arguments_raise_value_error():
     bogus = PackedLinear("nf4", 32, 16, w)
     with pytest.raises(ValueError, match="unknown linear weight format"):
         linear(torch.randn(2, 32), bogus)
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+    with pytest.raises(ValueError, match="int4 repack needs Q4_0, Q4_1, Q4_K"):
         quant_int4.int4_from_gguf(gguf_tensor(np.random.randn(16, 32), "Q8_0"))
 
 
 # ---- int4 and GGUF -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q4_0", "Q4_K"])
 def test_gguf_q4_repack_is_integer_exact(ggml_type):
     rng = np.random.default_rng(7)
-    w = rng.standard_normal((48, 96)).astype(np.float32) * rng.uniform(0.01, 3.0, (48, 1)).astype(np.float32)
+    k = 512 if ggml_type == "Q4_K" else 96
+    w = rng.standard_normal((48, k)).astype(np.float32) * rng.uniform(0.01, 3.0, (48, 1)).astype(np.float32)
     qt = gguf_tensor(w, ggml_type)
     expected = qt.dequantize()
     groups = quant_int4.int4_from_gguf(qt)
     assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
-    idx = torch.arange(96) // quant_int4.GROUP_SIZE
+    idx = torch.arange(k) // quant_int4.GROUP_SIZE
     # In fp32 the (q - 8) * scale + zero convention reproduces the GGUF values (only the rounding
     # of d * q + m versus (q - 8) * d + (m + 8d) can differ, by an ulp).
     recon = (groups.q.float() - 8.0) * groups.scales[:, idx] + groups.zeros[:, idx]
     torch.testing.assert_close(recon, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q4_0", "Q4_K"])
 @pytest.mark.parametrize("layout", ["cpu", "nibbles"])
 def test_gguf_q4_through_int4_kernel(ggml_type, layout):
     rng = np.random.default_rng(3)
-    n, k = 40, 128  # n not a multiple of 16: the CPU layout pads rows
+    n, k = 40, 256  # n not a multiple of 16: the CPU layout pads rows
     w = rng.standard_normal((n, k)).astype(np.float32)
     qt = gguf_tensor(w, ggml_type)
     expected = qt.dequantize()

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kernels import native, quant_int4, quant_int8
+from kernels.ggml_dequant import q4_k_groups
 from kernels.linear import packed_linear_reference
 from kernels.quantized_tensor import QuantizedTensor
+from reliability.kquant_fixtures import quantize_k
 
 
 def host_levels() -> list[str]:
@@ -57,6 +59,22 @@ def test_q4_0_maps_to_q4_1_exactly():
     qt = QuantizedTensor("Q4_0", np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(8, -1), (8, 128))
     packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
     assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
+
+
+def test_q4_k_keeps_its_nibbles_in_the_q4_1_layout():
+    """Q4_K's groups of 32 are repacked, not requantized: the same q, and per group the scale
+    d * sc and offset -dmin * min rounded once to fp16."""
+    w = np.random.default_rng(4).standard_normal((24, 512)).astype(np.float32) * 0.02
+    qt = QuantizedTensor("Q4_K", quantize_k(w, "Q4_K"), w.shape)
+    packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
+    q, scale, minus = q4_k_groups(qt.data)
+    nibbles = packed.weight.reshape(24, -1, 16)  # byte i of a group: q_i | q_{16+i} << 4
+    assert torch.equal(torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(24, -1), torch.from_numpy(q))
+    assert torch.equal(packed.scales, torch.from_numpy(scale).half())
+    assert torch.equal(packed.zeros, torch.from_numpy(-minus).half())
+    exact = qt.dequantize()
+    err = (quant_int4.dequantize(packed) - exact).abs().max()
+    assert err <= 2.0**-10 * exact.abs().max()
 
 
 @pytest.mark.parametrize("level", LEVELS)
