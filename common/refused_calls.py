@@ -2,7 +2,7 @@
 by method and reason, so a rogue or misconfigured peer shows on /metrics, not only in a log.
 
 A worker sends its counts in every heartbeat (WorkerStatus.refused_calls); the coordinator
-exports them with its own as tandem_grpc_refused_calls{process, method, reason}. Counts are
+exports them with its own as tandem_grpc_refused_calls_total{process, method, reason}. Counts are
 monotonic since the process started. Methods are the server's own registered names, so the
 key set stays bounded whatever a caller sends: an unknown method never reaches the check.
 """

@@ -35,7 +35,8 @@ registry). It never imports torch.
     openai_routes.py      OpenAI's handlers (/v1/models, chat completions, completions)
     model_routes.py       /api/pull, /api/copy, /api/create, /api/delete over the model store
     embedding_routes.py   /api/embed, /api/embeddings, /v1/embeddings
-    ops_routes.py         /metrics, /internal/workers
+    token_routes.py       /tokenize, /detokenize (vLLM's)
+    ops_routes.py         /metrics, /health, /version, /internal/workers
     http_stream.py        body limit, streams that notice a client leaving
     http_errors.py        an error in the shape of the API its path belongs to
     request_schemas.py    the request bodies as pydantic models, for the docs and the fuzzer

@@ -16,7 +16,8 @@ MAX_ERROR_CHARS = 1000  # an error message never echoes more of what the client 
 
 
 def is_openai_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    # vLLM's /tokenize and /detokenize answer errors as its OpenAI routes do.
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def error_response(path: str, status: int, message: str, headers: dict[str, str] | None = None,

@@ -5,9 +5,20 @@ Definitions (DESIGN.md): TTFT = arrival -> first content token leaving the coord
 TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between consecutive output tokens;
 queue time = arrival -> admission slot granted.
 
-KV traffic: the bytes each remotely prefilled request moved to its decode worker (only the
-blocks that worker had not cached) and migrations, from the request flow; the workers' own
-transfer counters, relayed from their heartbeats, per worker, role and backend.
+The request series carry vLLM's names, types, `model_name` label and bucket boundaries (vLLM
+v1's vllm/v1/metrics/loggers.py), so vLLM's Grafana dashboard, llm-d's scheduler and the
+production-stack router read tandem as they read vLLM. As in vLLM v1,
+vllm:time_per_output_token_seconds and vllm:inter_token_latency_seconds observe every gap
+between tokens; vllm:request_time_per_output_token_seconds observes each request's TPOT. Prefix
+cache queries and hits count prompt tokens (as vLLM v1): each finished request's prompt, and the
+part of it its decode or prefill worker already held. vllm:num_preemptions_total is not
+exported: the workers do not report preemptions.
+
+tandem's own disaggregation series sit beside them: the KV bytes each remotely prefilled request
+moved to its decode worker (only the blocks that worker had not cached) and migrations, from the
+request flow; per worker, its KV blocks and queue as of its last heartbeat (gauges), and its KV
+transfer counters and refused internal calls, monotonic since it started and relayed from its
+heartbeats (counters, exported by a custom collector: a relayed value is set, never incremented).
 """
 
 from __future__ import annotations
@@ -15,16 +26,26 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from coordinator.registry import ROLES, WorkerRecord
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# vLLM v1's boundaries (vllm/v1/metrics/loggers.py), so its dashboards' quantiles line up.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # 0 (the whole prompt was cached there), then 4 KiB to 4 GiB by factors of 4
 _BYTE_BUCKETS = (0, *(4096 * 4 ** i for i in range(11)))
 
 OUTCOMES = ("stop", "length", "error", "cancelled", "overloaded", "rejected")
+# tandem's outcome -> vLLM's finished_reason, for the requests vLLM counts as finished
+FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
 @dataclass
@@ -91,29 +112,69 @@ class RequestTimings:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("tandem_ttft_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("tandem_tpot_seconds", "Time per output token after the first",
-                              registry=r, buckets=_TOKEN_BUCKETS)
-        self.itl = Histogram("tandem_itl_seconds", "Gap between consecutive output tokens",
-                             registry=r, buckets=_TOKEN_BUCKETS)
-        self.e2e = Histogram("tandem_e2e_seconds", "Request arrival to last byte", registry=r,
-                             buckets=_LATENCY_BUCKETS)
-        self.queue_time = Histogram("tandem_queue_seconds", "Time waiting for admission",
-                                    registry=r, buckets=_LATENCY_BUCKETS)
-        self.queue_depth = Gauge("tandem_queue_depth", "Requests waiting for admission",
-                                 registry=r)
-        self.running = Gauge("tandem_running_requests", "Requests admitted and running",
-                             registry=r)
+        r, m = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, m, registry=r, buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=r).labels(model_name)
+
+        # ---- vLLM's series -------------------------------------------------------------------
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds", _TTFT_BUCKETS)
+        self.tpot_gaps = histogram("vllm:time_per_output_token_seconds",
+                                   "Time per output token in seconds (every gap, as vLLM v1)",
+                                   _TOKEN_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Gap between consecutive output tokens in seconds", _TOKEN_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Each request's time per output token after the first",
+                              _TOKEN_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Request arrival to last byte in seconds", _REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time waiting for admission in seconds", _REQUEST_BUCKETS)
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for admission")
+        self.running = gauge("vllm:num_requests_running", "Requests admitted and running")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
+                              "KV blocks in use over the live workers' pools (1 = 100 percent)")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in prompt tokens found cached")
+        success = Counter("vllm:request_success", "Requests finished, by vLLM's finished_reason",
+                          [*m, "finished_reason"], registry=r)
+        self.success = {reason: success.labels(model_name, reason)
+                        for reason in set(FINISHED_REASONS.values())}
+
+        # ---- tandem's own ----------------------------------------------------------------------
+        self.queue_depth = Gauge("tandem_queue_depth", "Requests waiting for admission "
+                                 "(vllm:num_requests_waiting without labels)", registry=r)
         self.requests = Counter("tandem_requests", "Finished requests by outcome", ["outcome"],
                                 registry=r)
         self.kv_used = Gauge("tandem_worker_kv_blocks_used", "KV blocks in use (last heartbeat)",
                              ["worker"], registry=r)
         self.kv_free = Gauge("tandem_worker_kv_blocks_free", "Free KV blocks (last heartbeat)",
                              ["worker"], registry=r)
+        self.worker_running = Gauge("tandem_worker_requests_running",
+                                    "Requests running on the worker (last heartbeat)",
+                                    ["worker", "role"], registry=r)
+        self.worker_waiting = Gauge("tandem_worker_requests_waiting",
+                                    "Requests queued on the worker (last heartbeat)",
+                                    ["worker", "role"], registry=r)
+        self.worker_queued_tokens = Gauge("tandem_worker_queued_prefill_tokens",
+                                          "Prompt tokens the worker accepted but has not "
+                                          "prefilled yet (last heartbeat)", ["worker", "role"],
+                                          registry=r)
         self.live_workers = Gauge("tandem_live_workers", "Live workers by role", ["role"],
                                   registry=r)
         self.kv_bytes = Histogram("tandem_kv_transfer_bytes_per_request",
@@ -123,37 +184,21 @@ class Metrics:
         self.migrations = Counter("tandem_request_migrations",
                                   "Times a request moved to another worker after one died",
                                   registry=r)
-        # The workers' own KV transfer counters (monotonic since each worker started), as of
-        # their last heartbeat: gauges, because the coordinator only relays them.
-        kv_labels = ["worker", "role", "backend"]
-        self.kv_sent = Gauge("tandem_worker_kv_bytes_sent", "KV bytes the worker sent",
-                             kv_labels, registry=r)
-        self.kv_received = Gauge("tandem_worker_kv_bytes_received",
-                                 "KV bytes the worker received", kv_labels, registry=r)
-        self.kv_transfers = Gauge("tandem_worker_kv_transfers_total",
-                                  "KV transfers the worker finished, by outcome",
-                                  [*kv_labels, "outcome"], registry=r)
-        self.kv_seconds = Gauge("tandem_worker_kv_transfer_seconds_sum",
-                                "Sum of the worker's finished KV transfers' durations",
-                                kv_labels, registry=r)
-        self.kv_skipped = Gauge("tandem_worker_kv_skipped_blocks",
-                                "KV blocks not moved because the receiver had them cached",
-                                kv_labels, registry=r)
-        self.kv_rejected = Gauge("tandem_worker_kv_auth_rejected",
-                                 "KV frames and handshakes the worker refused for want of the "
-                                 "cluster secret", kv_labels, registry=r)
-        # Internal gRPC calls refused for want of a valid cluster proof (common/refused_calls.py):
-        # the coordinator's own (process="coordinator") and each live worker's, as last reported.
-        self.grpc_refused = Gauge("tandem_grpc_refused_calls",
-                                  "Internal gRPC calls refused for want of a valid cluster proof",
-                                  ["process", "method", "reason"], registry=r)
-        self._kv_gauges = (self.kv_sent, self.kv_received, self.kv_transfers, self.kv_seconds,
-                           self.kv_skipped, self.kv_rejected)
+        self._relayed = _RelayedCounters()
+        r.register(self._relayed)
+        self._worker_gauges = (self.kv_used, self.kv_free, self.worker_running,
+                               self.worker_waiting, self.worker_queued_tokens)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
 
     def observe_request(self, timings: RequestTimings, outcome: str) -> None:
         self.requests.labels(outcome).inc()
+        if outcome in FINISHED_REASONS:
+            self.success[FINISHED_REASONS[outcome]].inc()
+        self.prompt_tokens.inc(timings.prompt_tokens)
+        self.generation_tokens.inc(timings.output_tokens)
+        self.prefix_queries.inc(timings.prompt_tokens)
+        self.prefix_hits.inc(timings.cached_tokens)
         self.e2e.observe(timings.e2e)
         if timings.admitted is not None:
             self.queue_time.observe(timings.queue_time)
@@ -163,6 +208,7 @@ class Metrics:
             self.tpot.observe(timings.tpot)
         for gap in timings.itl:
             self.itl.observe(gap)
+            self.tpot_gaps.observe(gap)
 
     def observe_transfer(self, decode_worker: str, kv_bytes: int, remote: bool,
                          migrations: int) -> None:
@@ -180,34 +226,73 @@ class Metrics:
                refused: dict[tuple[str, str], int] | None = None) -> bytes:
         """The exposition text, with the gauges refreshed from the registry first. `refused`:
         the coordinator's own refused internal calls, (method, reason) -> count."""
+        self.waiting.set(queue_depth)
         self.queue_depth.set(queue_depth)
         self.running.set(running)
+        live_workers = [w for w in workers if w.alive]
         live = dict.fromkeys(ROLES, 0)
-        self.kv_used.clear()
-        self.kv_free.clear()
-        for gauge in self._kv_gauges:
+        for gauge in self._worker_gauges:
             gauge.clear()
-        self.grpc_refused.clear()
-        for (method, reason), count in (refused or {}).items():
-            self.grpc_refused.labels("coordinator", method, reason).set(count)
-        for w in workers:
-            if not w.alive:
-                continue
+        blocks = used = 0
+        for w in live_workers:
             live[w.role] += 1
-            if w.load.num_blocks > 0:
-                self.kv_used.labels(w.worker_id).set(w.load.num_blocks - w.load.num_free_blocks)
-                self.kv_free.labels(w.worker_id).set(w.load.num_free_blocks)
-            if w.kv is not None:
-                labels = (w.worker_id, w.role, w.kv.backend or w.kv_backend)
-                self.kv_sent.labels(*labels).set(w.kv.bytes_sent)
-                self.kv_received.labels(*labels).set(w.kv.bytes_received)
-                self.kv_transfers.labels(*labels, "done").set(w.kv.transfers_done)
-                self.kv_transfers.labels(*labels, "failed").set(w.kv.transfers_failed)
-                self.kv_seconds.labels(*labels).set(w.kv.transfer_seconds)
-                self.kv_skipped.labels(*labels).set(w.kv.skipped_blocks)
-                self.kv_rejected.labels(*labels).set(w.kv.auth_rejected)
-            for (method, reason), count in w.refused.items():
-                self.grpc_refused.labels(w.worker_id, method, reason).set(count)
+            load = w.load
+            self.worker_running.labels(w.worker_id, w.role).set(load.num_running)
+            self.worker_waiting.labels(w.worker_id, w.role).set(load.num_waiting)
+            self.worker_queued_tokens.labels(w.worker_id, w.role).set(load.queued_prefill_tokens)
+            if load.num_blocks > 0:
+                self.kv_used.labels(w.worker_id).set(load.num_blocks - load.num_free_blocks)
+                self.kv_free.labels(w.worker_id).set(load.num_free_blocks)
+                blocks += load.num_blocks
+                used += load.num_blocks - load.num_free_blocks
+        self.kv_usage.set(used / blocks if blocks else 0.0)
         for role, count in live.items():
             self.live_workers.labels(role).set(count)
+        self._relayed.workers, self._relayed.refused = live_workers, dict(refused or {})
         return generate_latest(self.registry)
+
+
+class _RelayedCounters:
+    """Counters the coordinator relays rather than counts: the live workers' KV transfer
+    counters and refused internal calls, and the coordinator's own refused calls, as of the
+    last `Metrics.render`. A worker that restarts starts from zero, which Prometheus reads as a
+    counter reset."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerRecord] = []
+        self.refused: dict[tuple[str, str], int] = {}  # the coordinator's own
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        kv_labels = ["worker", "role", "backend"]
+
+        def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=labels)
+
+        sent = family("tandem_worker_kv_sent_bytes", "KV bytes the worker sent", kv_labels)
+        received = family("tandem_worker_kv_received_bytes", "KV bytes the worker received",
+                          kv_labels)
+        transfers = family("tandem_worker_kv_transfers", "KV transfers the worker finished, "
+                           "by outcome", [*kv_labels, "outcome"])
+        seconds = family("tandem_worker_kv_transfer_seconds",
+                         "Seconds the worker's finished KV transfers took, summed", kv_labels)
+        skipped = family("tandem_worker_kv_skipped_blocks",
+                         "KV blocks not moved because the receiver had them cached", kv_labels)
+        rejected = family("tandem_worker_kv_auth_rejected", "KV frames and handshakes the "
+                          "worker refused for want of the cluster secret", kv_labels)
+        calls = family("tandem_grpc_refused_calls", "Internal gRPC calls refused for want of a "
+                       "valid cluster proof", ["process", "method", "reason"])
+        for (method, reason), count in self.refused.items():
+            calls.add_metric(["coordinator", method, reason], count)
+        for w in self.workers:
+            if w.kv is not None:
+                labels = [w.worker_id, w.role, w.kv.backend or w.kv_backend]
+                sent.add_metric(labels, w.kv.bytes_sent)
+                received.add_metric(labels, w.kv.bytes_received)
+                transfers.add_metric([*labels, "done"], w.kv.transfers_done)
+                transfers.add_metric([*labels, "failed"], w.kv.transfers_failed)
+                seconds.add_metric(labels, w.kv.transfer_seconds)
+                skipped.add_metric(labels, w.kv.skipped_blocks)
+                rejected.add_metric(labels, w.kv.auth_rejected)
+            for (method, reason), count in w.refused.items():
+                calls.add_metric([w.worker_id, method, reason], count)
+        yield from (sent, received, transfers, seconds, skipped, rejected, calls)

@@ -207,8 +207,10 @@ _KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_form
                     *_UNIMPLEMENTED})
 
 
-def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
-    model, stream, usage = _common(body)
+def parse_messages(body: dict[str, Any], max_messages: int
+                   ) -> tuple[list[dict], list[dict] | None]:
+    """A chat body's `messages` (OpenAI's content parts and roles -> the template's) and
+    `tools`, checked; /v1/chat/completions and vLLM's /tokenize."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list")
@@ -217,9 +219,15 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError("tools must be a list of objects")
+    check_tool_list(tools)
+    return messages, tools
+
+
+def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
+    model, stream, usage = _common(body)
+    messages, tools = parse_messages(body, max_messages)
     # Tool calls (coordinator/tool_calls.py): a forced tool_choice is a grammar; "none"
     # renders no tools, so the model cannot call one.
-    check_tool_list(tools)
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     params = replace(_params(body), logprobs=_chat_logprobs(body))
     if choice.forced:

@@ -1,5 +1,5 @@
-"""The server's own routes, for operators and launchers: /metrics (Prometheus) and
-/internal/workers (the table is coordinator/routes.py)."""
+"""The server's own routes, for operators, probes and launchers: /metrics (Prometheus),
+/health and /version (vLLM's), /internal/workers (the table is coordinator/routes.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from coordinator.http_errors import error_response
+from coordinator.ollama_routes import tandem_version
+from coordinator.registry import DECODE_ROLES
 from coordinator.service import Coordinator
 
 
@@ -21,6 +23,25 @@ class OpsRoutes:
     async def metrics(self) -> Response:
         return Response(self.coordinator.render_metrics(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def health(self) -> JSONResponse:
+        """200 while the model can be served end to end: a decode or colocated worker is live
+        (it prefills too, so no prefill worker is needed); a 503 saying why otherwise, for
+        load balancers and readiness probes. A model that keep_alive unloaded is healthy: the
+        next request reloads it."""
+        c = self.coordinator
+        live = c.registry.live_counts()
+        body = {"model": c.model.name, "live_workers": live}
+        if any(live[role] for role in DECODE_ROLES):
+            return JSONResponse({"status": "ok", **body})
+        reason = (f"no live decode or colocated worker serves {c.model.name}"
+                  + (f" ({live['prefill']} prefill worker(s) live, which cannot decode)"
+                     if live["prefill"] else ""))
+        return JSONResponse({"status": "unavailable", "reason": reason, **body},
+                            status_code=503)
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": tandem_version()})
 
     # Worker addresses, KV endpoints and the model fingerprint a worker registers with: for the
     # launchers on this host (deploy/local.py, deploy/launch.py, deploy/ray_launcher.py and the

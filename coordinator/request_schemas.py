@@ -247,6 +247,30 @@ class OpenAIEmbeddingRequest(_Body):
     user: str | None = None
 
 
+# ---- vLLM's tokenizer endpoints (coordinator/token_routes.py) -----------------------------------
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: exactly one of `prompt` and `messages`."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    messages: list[OpenAIMessage] = Field(default_factory=list, min_length=1)
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True  # BOS by the model's rule
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize."""
+
+    model: str = Field(min_length=1)
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 # (method, path) -> the model of its JSON body
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/api/chat"): ChatRequest,
@@ -261,4 +285,6 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/chat/completions"): ChatCompletionRequest,
     ("post", "/v1/completions"): CompletionRequest,
     ("post", "/v1/embeddings"): OpenAIEmbeddingRequest,
+    ("post", "/tokenize"): TokenizeRequest,
+    ("post", "/detokenize"): DetokenizeRequest,
 }

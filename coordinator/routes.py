@@ -15,6 +15,7 @@ from coordinator.ollama_routes import OllamaRoutes
 from coordinator.openai_routes import OpenAIRoutes
 from coordinator.ops_routes import OpsRoutes
 from coordinator.service import Coordinator
+from coordinator.token_routes import TokenRoutes
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,14 @@ def generate_routes(c: Coordinator) -> list[Route]:
     ops, ollama = OpsRoutes(c), OllamaRoutes(c)
     models, embeddings = ModelRoutes(c), EmbeddingRoutes(c)
     openai = OpenAIRoutes(c, ollama)  # chat completions goes through Ollama's chat
+    tokens = TokenRoutes(c)
     return [
         Route("GET",    "/",                      ollama.root),
         Route("HEAD",   "/",                      ollama.root),
         Route("GET",    "/metrics",               ops.metrics),
         Route("GET",    "/internal/workers",      ops.workers),
+        Route("GET",    "/health",                ops.health),
+        Route("GET",    "/version",               ops.version),
 
         # Ollama (HEAD on version and tags, as Ollama)
         Route("GET",    "/api/version",           ollama.api_version),
@@ -49,6 +53,8 @@ def generate_routes(c: Coordinator) -> list[Route]:
         Route("GET",    "/v1/models/{name:path}", openai.one_model),
         Route("POST",   "/v1/chat/completions",   openai.chat_completions),
         Route("POST",   "/v1/completions",        openai.completions),
+        Route("POST",   "/tokenize",              tokens.tokenize),    # vLLM's
+        Route("POST",   "/detokenize",            tokens.detokenize),  # vLLM's
 
         # Model management over the model store
         Route("POST",   "/api/pull",              models.pull),

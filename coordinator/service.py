@@ -50,7 +50,7 @@ class Coordinator:
         # keep_alive: loads the model on the workers before a request, drops it after expiry.
         self.residency = Residency(self.registry, config.keep_alive_s, config.prefill_timeout_s)
         self._residency_task: asyncio.Task | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(model.name)
         # Set by listening() once the transports bound (coordinator/server.py).
         self.registry_port: int | None = None  # the Registry gRPC service, for workers
         self.grpc_port: int | None = None  # the client-facing gRPC API

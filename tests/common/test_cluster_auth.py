@@ -144,14 +144,14 @@ def test_refused_calls_are_counted_and_exported_with_the_workers_reports():
             assert (await stub.Register(_info("w"), timeout=5)).accepted
             assert (await stub.Heartbeat(pb.HeartbeatRequest(worker_id="w", status=worker_report),
                                          timeout=5)).known
-        return Metrics().render(registry.all(), 0, 0, auth.refused.snapshot()).decode()
+        return Metrics("tiny").render(registry.all(), 0, 0, auth.refused.snapshot()).decode()
 
     text = asyncio.run(_with_registry(auth, body))
     register = "/tandem.worker.Registry/Register"
     assert auth.refused.snapshot() == {(register, "no_proof"): 1, (register, "wrong_secret"): 2}
-    assert (f'tandem_grpc_refused_calls{{method="{register}",process="coordinator",'
+    assert (f'tandem_grpc_refused_calls_total{{method="{register}",process="coordinator",'
             'reason="wrong_secret"} 2.0') in text
-    assert ('tandem_grpc_refused_calls{method="/tandem.worker.DecodeWorker/Generate",'
+    assert ('tandem_grpc_refused_calls_total{method="/tandem.worker.DecodeWorker/Generate",'
             'process="w",reason="stale"} 3.0') in text
 
 
@@ -441,7 +441,7 @@ def test_a_cluster_with_a_secret_serves_and_refuses_what_lacks_it(tmp_path, monk
         rogue.close()
         ctx.term()
         assert _kv_rejected(cluster) > 0
-        refused = 'tandem_grpc_refused_calls{method="/tandem.worker.PrefillWorker/Status",' \
+        refused = 'tandem_grpc_refused_calls_total{method="/tandem.worker.PrefillWorker/Status",' \
                   'process="prefill-0",reason="no_proof"}'
         deadline = time.monotonic() + 20  # the prefill worker's count comes with a heartbeat
         while True:
@@ -450,8 +450,8 @@ def test_a_cluster_with_a_secret_serves_and_refuses_what_lacks_it(tmp_path, monk
             if refused in text or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert 'tandem_worker_kv_auth_rejected{' in text and refused in text
-        assert ('tandem_grpc_refused_calls{method="/tandem.worker.Registry/Register",'
+        assert 'tandem_worker_kv_auth_rejected_total{' in text and refused in text
+        assert ('tandem_grpc_refused_calls_total{method="/tandem.worker.Registry/Register",'
                 'process="coordinator",reason="wrong_secret"}') in text
         again = cluster.chat([{"role": "user", "content": "And about lakes?"}],
                              options={"num_predict": 2, "temperature": 0})

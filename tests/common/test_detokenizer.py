@@ -45,11 +45,11 @@ def test_split_multibyte_character_is_held_back(smollm):
 
 
 @pytest.mark.model
-def test_flush_releases_an_incomplete_character(smollm):
-    ids = smollm.encode("😀", add_special_tokens=False)[:-1]  # cut mid-character
+def test_flush_drops_an_incomplete_character(smollm):
+    ids = smollm.encode("a😀", add_special_tokens=False)[:-1]  # cut mid-character
     pieces = _stream(smollm, ids)
-    assert pieces[:-1] == [""] * len(ids)
-    assert pieces[-1] == smollm.decode(ids) and pieces[-1].endswith("\ufffd")
+    assert smollm.decode(ids).endswith("\ufffd")
+    assert "".join(pieces) == "a"
 
 
 @pytest.mark.model
@@ -97,6 +97,52 @@ def test_spacing_across_tokens_sentencepiece():
     assert "".join(pieces) == "Hello world! 模" == tok.decode(ids, skip_special_tokens=True)
     # 模 is three byte-fallback tokens: nothing until the last one.
     assert pieces[-4:] == ["", "", "模", ""]
+
+
+def _byte_level_tokenizer() -> Tokenizer:
+    """GPT-2 byte-level BPE with no merges: one token per byte (id == byte), then <|endoftext|>."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    names = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    return Tokenizer.from_gguf_metadata(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": [names[b] for b in range(256)] + ["<|endoftext|>"],
+            "tokenizer.ggml.token_type": [1] * 256 + [3],
+            "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.eos_token_id": 256,
+        }
+    )
+
+
+@pytest.mark.parametrize("char", ["é", "模", "😀", "\u0800", "\ud7ff", "\U00100000"])
+def test_cut_character_is_dropped_not_replaced_byte_level(char):
+    tok = _byte_level_tokenizer()
+    ids = tok.encode("a" + char, add_special_tokens=False)
+    assert ids == [0x61, *char.encode()]
+    for cut in range(2, len(ids)):  # after "a" and one or more of the character's bytes
+        assert tok.decode(ids[:cut]).endswith("\ufffd")
+        assert "".join(_stream(tok, ids[:cut])) == "a", (char, cut)
+    assert "".join(_stream(tok, ids)) == "a" + char
+
+
+def test_cut_character_is_dropped_sentencepiece_byte_fallback():
+    tok = _sentencepiece_tokenizer()
+    ids = tok.encode("Hello 模", add_special_tokens=False)
+    for cut in (1, 2):  # 模 is three byte tokens; the decoder writes one U+FFFD per byte held
+        pieces = _stream(tok, ids[: len(ids) - 3 + cut])
+        assert "".join(pieces) == "Hello "
+
+
+@pytest.mark.parametrize("ids, text", [
+    ([0x61, 0xFF], "a\ufffd"),          # never valid in UTF-8
+    ([0x61, 0x80], "a\ufffd"),          # a continuation byte with no lead
+    ([0x61, 0xFF, 0x62], "a\ufffdb"),   # invalid in the middle
+    ([0x61, 0xE6, 0x62], "a\ufffdb"),   # a lead byte cut short by another character
+    ([0x61, 0xE6, 0x62, 0xE6], "a\ufffdb"),  # ... and a cut character at the end
+])
+def test_invalid_bytes_still_replaced(ids, text):
+    assert "".join(_stream(_byte_level_tokenizer(), ids)) == text
 
 
 # ---- stop strings --------------------------------------------------------------------------------------

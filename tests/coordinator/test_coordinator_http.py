@@ -428,10 +428,13 @@ def test_root_and_metrics(model, tokens):
 
     get, head, metrics, workers = run(scenario())
     assert get.status_code == head.status_code == 200 and get.text == "Ollama is running"
-    assert "tandem_ttft_seconds_count 1.0" in metrics
-    assert f"tandem_itl_seconds_count {float(len(tokens) - 1)}" in metrics
-    for series in ("tandem_tpot_seconds_count 1.0", "tandem_e2e_seconds_count 1.0",
-                   "tandem_queue_seconds_count 1.0", 'tandem_live_workers{role="prefill"} 1.0',
+    tiny = '{model_name="tiny"}'
+    assert f"vllm:time_to_first_token_seconds_count{tiny} 1.0" in metrics
+    assert f"vllm:inter_token_latency_seconds_count{tiny} {float(len(tokens) - 1)}" in metrics
+    for series in (f"vllm:request_time_per_output_token_seconds_count{tiny} 1.0",
+                   f"vllm:e2e_request_latency_seconds_count{tiny} 1.0",
+                   f"vllm:request_queue_time_seconds_count{tiny} 1.0",
+                   'tandem_live_workers{role="prefill"} 1.0',
                    'tandem_live_workers{role="decode"} 1.0', "tandem_queue_depth 0.0",
                    'tandem_worker_kv_blocks_free{worker="d1"} 100.0'):
         assert series in metrics, series

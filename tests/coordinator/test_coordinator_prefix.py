@@ -99,13 +99,13 @@ def test_metrics_show_kv_bytes_per_request_and_the_workers_counters(model, token
     assert got["tandem_request_migrations_total", ()] == 0
     p1 = (("backend", "zmq"), ("role", "prefill"), ("worker", "p1"))
     d1 = (("backend", "zmq"), ("role", "decode"), ("worker", "d1"))
-    assert got["tandem_worker_kv_bytes_sent", p1] == 12288
+    assert got["tandem_worker_kv_sent_bytes_total", p1] == 12288
     assert got["tandem_worker_kv_transfers_total", (p1[0], ("outcome", "done"), *p1[1:])] == 1
     assert got["tandem_worker_kv_transfers_total", (p1[0], ("outcome", "failed"), *p1[1:])] == 2
-    assert got["tandem_worker_kv_transfer_seconds_sum", p1] == 0.25
-    assert got["tandem_worker_kv_skipped_blocks", p1] == 5
-    assert got["tandem_worker_kv_bytes_received", d1] == 12288
-    assert got["tandem_worker_kv_bytes_sent", d1] == 0
+    assert got["tandem_worker_kv_transfer_seconds_total", p1] == 0.25
+    assert got["tandem_worker_kv_skipped_blocks_total", p1] == 5
+    assert got["tandem_worker_kv_received_bytes_total", d1] == 12288
+    assert got["tandem_worker_kv_sent_bytes_total", d1] == 0
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -80,6 +80,7 @@ class Script:
     hang: bool = False  # decode: after the first event, stream nothing until cancelled
     pause_after: int | None = None  # decode: after this many streamed tokens, stream nothing more
     kv_bytes_received: int = 0  # decode: reported on the first event (Tokens.kv_bytes_received)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefill result / first event)
     # Parallel to `tokens`: each token's logprob entry, sent only when the request asked for
     # logprobs (SamplingOptions.logprobs set); [0] travels in the PrefillResult.
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -245,6 +246,7 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                     token_ids=[token], finished=last,
                     finish_reason=script.finish_reason if last else "",
                     kv_bytes_received=script.kv_bytes_received if i == 0 else 0,
+                    num_cached_tokens=script.num_cached_tokens if i == 0 else 0,
                     logprobs=script.logprobs_for(request, i + skip),
                     prompt_logprobs=(script.prompt_logprobs_for(request)
                                      if i == 0 and not request.remote_prefill else [])))
@@ -295,6 +297,7 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
         first = self.w.script.tokens[0]
         kv_channel(request.transfer_id).put_nowait((first, ""))
         return pb.PrefillResult(first_token=first, prefill_seconds=0.01,
+                                num_cached_tokens=self.w.script.num_cached_tokens,
                                 logprobs=self.w.script.logprobs_for(request, 0),
                                 prompt_logprobs=self.w.script.prompt_logprobs_for(request))
 
