@@ -53,7 +53,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         preflight(topology)
         print(f"{args.topology}: every host is reachable, has the model and free ports")
         return 0
-    return launch(topology, state_dir)
+    return launch(topology, state_dir, lock_dir=default_home() / "run")
 
 
 def main(argv: list[str] | None = None) -> int:

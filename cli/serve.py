@@ -87,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TandemError(str(exc)) from None
     topology = dataclasses.replace(topology, model_path=resolve_or_pull(args.model))
-    return serve(topology, start_timeout_s=args.start_timeout, out=_log)
+    return serve(topology, start_timeout_s=args.start_timeout, out=_log,
+                 lock_dir=default_home() / "run", more_ports=(args.grpc_port,))
 
 
 def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:

@@ -5,7 +5,8 @@ Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key
 environment variable, never a flag, since ps shows every process's command line);
 TANDEM_API_KEYS_FILE (named keys, `NAME KEY` per line: each name a tenant with its own prefix
 cache, coordinator/tenants.py); OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
-TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py).
+TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py);
+TANDEM_LIFELINE_FD (set by a launcher on this host: common/lifeline.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
 from common.cluster_auth import add_auth_args, auth_from_args
 from common.errors import TandemError
+from common.lifeline import watch_launcher
 
 DEFAULTS = CoordinatorConfig()
 
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
         from coordinator.model import load_served_model
         from coordinator.server import serve

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
+import logging
 import sys
 from dataclasses import replace
 
@@ -13,6 +13,7 @@ import torch
 from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
 from common.errors import TandemError
+from common.shm_segments import reclaim_orphans, segment_name
 from engine.llm_engine import sized_cache
 from common.model_identity import model_fingerprint
 from worker.node_server import (
@@ -29,6 +30,8 @@ from worker.node_server import (
 from common.rpc import worker_pb2_grpc as pb_grpc
 from kvtransfer.auth import kv_auth_from
 from worker.config import WorkerConfig
+
+log = logging.getLogger("tandem.decode")
 
 
 def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
@@ -53,7 +56,12 @@ async def main_async(config: WorkerConfig) -> None:
     sized = replace(config.engine, cache=sized_cache(config.engine.cache, model))
     num_blocks = sized.cache.num_blocks
     layout = kv_layout(model, sized.cache.block_size, sized.cache.kv_dtype, fingerprint)
-    shm_name = f"tandem-kv-{worker_id}-{os.getpid()}" if config.kv_backend == "shm" else None
+    shm_name = None
+    if config.kv_backend == "shm":
+        shm_name = segment_name(worker_id)
+        reclaimed = reclaim_orphans()  # pools of workers that died without closing them
+        if reclaimed:
+            log.info("reclaimed shared-memory segments of gone processes: %s", ", ".join(reclaimed))
     device = config.engine.device  # resolved by WorkerConfig.from_args
     if device == "cpu":
         cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)

@@ -32,8 +32,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.processes import start_time
 from deploy.hosts import host_command, python_of, role_command
 from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.ports import claim_ports
 from deploy.topology import ClusterTopology, Host, Role, TopologyError
 
 PROBE_TIMEOUT_S = 60.0
@@ -187,24 +189,33 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
 # ---- run and stop -------------------------------------------------------------------------------
 
 def launch(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = print,
-           check: bool = True, grace_s: float = 10.0) -> int:
-    """Start, serve until stopped, stop. 0 on a requested stop, 1 if a process failed."""
+           check: bool = True, grace_s: float = 10.0, lock_dir: Path | None = None) -> int:
+    """Start, serve until stopped, stop. 0 on a requested stop, 1 if a process failed. The
+    ports of roles on this host are claimed first (deploy/ports.py, locks in `lock_dir`)."""
     state_path = state_dir / STATE_FILE
     if _launcher_alive(_read_state(state_path)):
         raise TopologyError(f"{t.source} is already launched (state in {state_path}); stop it "
                             f"with `tandem launch --down {t.source}`")
-    if check:
-        preflight(t)
+    local = [port for role in (t.coordinator, *t.workers) if role.host.kind == "local"
+             for _, port in role.ports()]
+    with claim_ports(lock_dir, local, None):  # the preflight test-binds each address
+        if check:
+            preflight(t)
+        return _launch(t, state_dir, out, grace_s)
+
+
+def _launch(t: ClusterTopology, state_dir: Path, out: Callable[[str], None], grace_s: float) -> int:
+    state_path = state_dir / STATE_FILE
     run_id = f"{os.getpid()}-{int(time.time())}"
     specs, ready = plan_launch(t, state_dir, run_id)
     cluster = LocalCluster(specs, ready, start_timeout_s=t.start_timeout_s, grace_s=grace_s)
 
     def record() -> None:
         processes = [{"name": c.spec.name, "pid": c.process.pid,
-                      "start": _start_time(c.process.pid), "signal_argv": c.spec.signal_argv}
+                      "start": start_time(c.process.pid), "signal_argv": c.spec.signal_argv}
                      for c in cluster.children]
         state = {"topology": str(t.source), "launcher_pid": os.getpid(),
-                 "launcher_start": _start_time(os.getpid()), "processes": processes}
+                 "launcher_start": start_time(os.getpid()), "processes": processes}
         state_path.write_text(json.dumps(state, indent=1))
 
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -271,7 +282,7 @@ def _signal_recorded(p: dict, sig: int, grace_s: float) -> None:
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=grace_s)
         except (OSError, subprocess.TimeoutExpired):
             pass  # the host is out of reach; nothing more can be done from here
-    elif p["start"] is not None and _start_time(p["pid"]) == p["start"]:
+    elif p["start"] is not None and start_time(p["pid"]) == p["start"]:
         try:
             os.kill(p["pid"], sig)
         except ProcessLookupError:
@@ -285,23 +296,13 @@ def _read_state(path: Path) -> dict | None:
         return None
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), which tells a reused PID apart;
-    None once it has exited (a zombie has exited too)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 def _launcher_alive(state: dict | None) -> bool:
-    return state is not None and _start_time(state["launcher_pid"]) == state["launcher_start"]
+    return state is not None and start_time(state["launcher_pid"]) == state["launcher_start"]
 
 
-def _wait_gone(pid: int, start: str | None, timeout_s: float) -> bool:
+def _wait_gone(pid: int, start: int | None, timeout_s: float) -> bool:
     deadline = time.monotonic() + max(0.0, timeout_s)
-    while start is not None and _start_time(pid) == start:
+    while start is not None and start_time(pid) == start:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)

@@ -12,9 +12,17 @@ If a process exits during start-up, the others are stopped and LaunchError names
 tail of its log. While serving, a worker that exits is logged with its log's tail and started
 again after a backoff (1, 2, 4, ... 30 s; it re-registers by itself) while the rest serve on;
 one that keeps dying right after each start is given up on, and then everything stops, as it
-does when the coordinator exits. Only Ctrl-C or SIGTERM stops a healthy cluster. Stopping sends SIGTERM to the workers, then the coordinator, waits up to
-`grace_s` for each, then SIGKILLs what is left. Children run in their own sessions, so the
-terminal's Ctrl-C reaches only this launcher, which forwards it in that order.
+does when the coordinator exits. Only Ctrl-C, SIGTERM or SIGHUP (the terminal closed) stops a
+healthy cluster; a second one kills every process at once. Stopping sends SIGTERM to the
+workers, then the coordinator, within one `grace_s` for all, then SIGKILLs what is left, logs
+how each ended and removes the shared-memory KV segments of its workers, whatever killed them.
+Children run in their own sessions, so the terminal's signals reach only this launcher, which
+forwards them in that order.
+
+Children die with the launcher: each watches a lifeline pipe (common/lifeline.py) and stops
+itself when the launcher is gone, SIGKILL and OOM kills included; a child that is not a tandem
+process (the ssh client of a remote role) gets a parent-death signal instead. `serve` claims
+the coordinator's ports first (deploy/ports.py): a second cluster on them fails at start.
 
 Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
 
@@ -54,6 +62,9 @@ from pathlib import Path
 from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig
 from engine.device import DEFAULT_DEVICE, check_device_spec
 from common.errors import TandemError
+from common.lifeline import Lifeline, death_signal
+from common.shm_segments import reclaim_orphans
+from deploy.ports import claim_ports
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
 from worker.runtime import worker_env
 
@@ -274,6 +285,8 @@ class LocalCluster:
         self.env = {**(worker_env() if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.children: list[_Child] = []
         self.stop_requested = threading.Event()
+        self.lifeline = Lifeline()  # the children's tie to this process
+        self.pids: list[int] = []  # every process started, restarts included
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -305,9 +318,16 @@ class LocalCluster:
         return child.process
 
     def _popen(self, spec: ProcessSpec, log) -> subprocess.Popen:
-        return subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**self.env, **dict(spec.env)},
-                                start_new_session=True)
+        # A tandem process watches the lifeline; an ssh client cannot, so it gets the death
+        # signal, which is tied to the forking thread: only from the main thread.
+        preexec = (death_signal() if spec.signal_argv
+                   and threading.current_thread() is threading.main_thread() else None)
+        process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**self.env, **self.lifeline.child_env(), **dict(spec.env)},
+                                   pass_fds=self.lifeline.pass_fds, preexec_fn=preexec)
+        self.pids.append(process.pid)
+        return process
 
     def wait_ready(self) -> None:
         """Wait until the coordinator reports the expected workers; on failure or interrupt,
@@ -397,21 +417,42 @@ class LocalCluster:
         return None
 
     def stop(self) -> None:
-        """Workers first (so none re-registers with a vanishing coordinator), coordinator last."""
-        for group in (self.children[1:], self.children[:1]):
-            for child in group:
-                if child.process.poll() is None:
-                    self._signal(child, signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
-            for child in group:
+        """Workers first (so none re-registers with a vanishing coordinator), coordinator last,
+        all within one grace period; then SIGKILL. Logs how each ended; removes the workers'
+        shared-memory segments that are left."""
+        deadline = time.monotonic() + self.grace_s
+        ended = []
+        # The coordinator gets a second at least, even after slow workers.
+        for floor_s, group in ((0.0, self.children[1:]), (1.0, self.children[:1])):
+            running = [c for c in group if c.process.poll() is None]
+            for child in running:
+                self._signal(child, signal.SIGTERM)
+            for child in running:
                 try:
-                    child.process.wait(max(0.0, deadline - time.monotonic()))
+                    child.process.wait(max(floor_s, deadline - time.monotonic()))
+                    how = f"exit {child.process.returncode}"
                 except subprocess.TimeoutExpired:
                     self._signal(child, signal.SIGKILL)
                     _signal(child.process, signal.SIGKILL)
-                    child.process.wait(self.grace_s)
+                    how = f"SIGKILL after {self.grace_s:g} s"
+                    try:
+                        child.process.wait(self.grace_s)
+                    except subprocess.TimeoutExpired:
+                        how += ", still not gone"
+                ended.append(f"{child.spec.name} (pid {child.process.pid}, {how})")
         for child in self.children:
             child.log.close()
+        removed = reclaim_orphans(owners=self.pids)
+        if ended or removed:
+            self.out(f"stopped {', '.join(ended) or 'nothing (every process had exited)'}"
+                     + (f"; removed shared memory {', '.join(removed)}" if removed else ""))
+
+    def kill_now(self) -> None:
+        """SIGKILL every process at once (a second Ctrl-C); stop() then reaps them."""
+        for child in self.children:
+            if child.process.poll() is None:
+                self._signal(child, signal.SIGKILL)
+                _signal(child.process, signal.SIGKILL)
 
     def _signal(self, child: _Child, sig: int) -> None:
         if not child.spec.signal_argv:
@@ -435,8 +476,16 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
 
 
 def serve(topology: Topology, *, start_timeout_s: float = 300.0,
-          out: Callable[[str], None] = print) -> int:
-    """Run a topology until Ctrl-C or SIGTERM; 0 on a requested stop, 1 if a process failed."""
+          out: Callable[[str], None] = print, lock_dir: Path | None = None,
+          more_ports: tuple[int, ...] = ()) -> int:
+    """Run a topology until Ctrl-C, SIGTERM or SIGHUP; 0 on a requested stop, 1 if a process
+    failed. First claims the HTTP port and `more_ports` (the coordinator's other listening
+    ports on its host; locks in `lock_dir`): PortInUse if one is held, nothing started."""
+    with claim_ports(lock_dir, (topology.port, *more_ports), topology.host):
+        return _serve(topology, start_timeout_s, out)
+
+
+def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None]) -> int:
     specs, ready = plan(topology)
     # OpenMP reads its thread count when torch starts, before a worker's own --threads.
     cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s,
@@ -455,13 +504,24 @@ def serve(topology: Topology, *, start_timeout_s: float = 300.0,
 def run_until_stopped(cluster: LocalCluster, on_ready: Callable[[], None],
                       out: Callable[[str], None] = print,
                       on_spawn: Callable[[], None] | None = None) -> int:
-    """Start `cluster`, call on_ready, serve until SIGINT/SIGTERM (0) or until a process exits
-    (1); 130 when interrupted during start-up. Every process is stopped on the way out.
-    on_spawn runs once every process has been started, before waiting for readiness."""
+    """Start `cluster`, call on_ready, serve until SIGINT/SIGTERM/SIGHUP (0) or until a process
+    exits (1); 130 when interrupted during start-up. Every process is stopped on the way out;
+    a second signal kills them at once. on_spawn runs once every process has been started,
+    before waiting for readiness."""
     cluster.out = out
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(sig: int, _frame) -> None:
+        name = signal.Signals(sig).name
+        if cluster.stop_requested.is_set():
+            out(f"{name} again: killing every process now")
+            cluster.kill_now()
+        else:
+            out(f"{name}: stopping every process (send it again to kill them at once)")
+            cluster.stop_requested.set()
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for sig in previous:
-        signal.signal(sig, lambda *_: cluster.stop_requested.set())
+        signal.signal(sig, on_signal)
     try:
         with cluster:
             try:

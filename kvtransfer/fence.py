@@ -13,20 +13,7 @@ from __future__ import annotations
 
 import os
 
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat, or None if there is no such (live) process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    state, start = fields[0], fields[19]  # fields 3 and 22
-    if state in (b"Z", b"X", b"x"):
-        return None
-    return int(start)
+from common.processes import start_time as process_start_time  # noqa: F401 - this module's API
 
 
 def own_identity() -> tuple[int, int]:

@@ -132,7 +132,7 @@ class KVCacheBuffer:
         if shm is None:
             return
         self.tensor = torch.empty(0, dtype=self.layout.torch_dtype)  # drop our view first
-        shm.unlink()
+        unlink_segment(shm)
         try:
             shm.close()
         except BufferError:
@@ -145,6 +145,17 @@ class KVCacheBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def unlink_segment(shm: shared_memory.SharedMemory) -> None:
+    """Unlink a segment we created; its name may be gone already (common/lifeline.py unlinks a
+    worker's segments when its launcher dies, before the worker's own orderly stop)."""
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # as unlink() would have
 
 
 def allocate_cache(

@@ -65,7 +65,7 @@ import torch
 
 from .auth import KVAuth
 from .base import KVTransferError
-from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor
+from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor, unlink_segment
 from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
 from .receive_table import ReceiveTable
 from .transfer import OutgoingTransfer
@@ -136,7 +136,7 @@ class ShmReceiver(ZmqReceiver):
 
     def _release_owner_table(self) -> None:
         self._owners = torch.empty(0, dtype=torch.int64)
-        self._owner_shm.unlink()
+        unlink_segment(self._owner_shm)
         try:
             self._owner_shm.close()
         except BufferError:

@@ -40,6 +40,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # the gRPC server's bind address
     advertise_host: str | None = None  # how the coordinator and peers reach us (else host)
     coordinator: str | None = None  # HOST:PORT of the registry; None runs alone
+    coordinator_retry_s: float = 300.0  # unreachable this long: exit (0 = retry forever)
     worker_id: str | None = None  # None: role plus a random suffix
     kv_backend: str = DEFAULT_KV_BACKEND  # one of KV_BACKENDS
     kv_port: int = 0  # decode: the KV receiver's port (0 = any)
@@ -60,6 +61,8 @@ class WorkerConfig:
         if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError(f"ports must be in 0..65535, got port={self.port}, "
                              f"kv_port={self.kv_port}")
+        if not self.coordinator_retry_s >= 0:
+            raise ValueError(f"coordinator_retry_s must be >= 0, got {self.coordinator_retry_s}")
         if not self.kv_deadline_s > 0:
             raise ValueError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -86,7 +89,8 @@ class WorkerConfig:
             device=device, cuda_graphs=not args.no_cuda_graphs)
         return cls(model=args.model, port=args.port, role=args.role, engine=engine,
                    host=args.host, advertise_host=args.advertise_host,
-                   coordinator=args.coordinator, worker_id=args.worker_id,
+                   coordinator=args.coordinator, coordinator_retry_s=args.coordinator_retry,
+                   worker_id=args.worker_id,
                    kv_backend=args.kv_backend, kv_port=args.kv_port,
                    kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
                    threads=args.threads, log_level=args.log_level, cluster_auth=auth)

@@ -84,6 +84,10 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
     p.add_argument("--port", type=int, required=True, help="port of the gRPC server")
     p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
+    p.add_argument("--coordinator-retry", type=float, default=w.coordinator_retry_s,
+                   help="seconds to keep retrying an unreachable coordinator (at start or after "
+                        "losing it, so a restarted one finds us) before exiting; 0 = forever "
+                        f"(default {w.coordinator_retry_s:g})")
     add_kv_backend_flag(p)
     p.add_argument("--kv-port", type=int, default=w.kv_port,
                    help="decode: port of the KV receiver (0 = any)")

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from worker.runtime import configure_process
 from common.grpc_guard import guarded
+from common.lifeline import watch_launcher
 
 log = logging.getLogger("tandem.node")
 
@@ -143,15 +145,17 @@ _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                                  status: Callable[[], pb.WorkerStatus], stop: asyncio.Event,
-                                 auth: ClusterAuth = ClusterAuth()) -> None:
+                                 auth: ClusterAuth = ClusterAuth(), retry_s: float = 0.0) -> None:
     """Registers (retrying while the coordinator is not up yet), then heartbeats; registers
     again whenever the coordinator has forgotten us. A refusal (e.g. a model mismatch, or no
     cluster secret) is fatal: the worker exits rather than serve a cluster it does not belong
-    to."""
+    to. So is a coordinator unreachable for `retry_s` on end (0 = retry forever): a worker on
+    another host whose cluster is gone stops rather than hold its memory and ports for good."""
     async with auth.aio_channel(coordinator) as channel:
         stub = pb_grpc.RegistryStub(channel)
         interval = 1.0
         registered = False
+        unreachable_since: float | None = None
         while not stop.is_set():
             try:
                 if not registered:
@@ -175,6 +179,7 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                     reply = await stub.Heartbeat(pb.HeartbeatRequest(worker_id=identity.worker_id,
                                                                      status=status()), timeout=5)
                     registered = reply.known
+                unreachable_since = None
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSALS:
                     hint = ("this worker has a cluster secret: is it the coordinator's?" if auth.secret
@@ -186,6 +191,15 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                 log.warning("coordinator %s unreachable: %s (%s)", coordinator, exc.code().name,
                             exc.details())
                 registered = False
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if retry_s and now - unreachable_since >= retry_s:
+                    log.error("coordinator %s unreachable for %.0f s: giving up and exiting "
+                              "(--coordinator-retry %g)", coordinator, now - unreachable_since,
+                              retry_s)
+                    raise NodeFailure(f"coordinator {coordinator} unreachable for "
+                                      f"{now - unreachable_since:.0f} s (--coordinator-retry "
+                                      f"{retry_s:g})") from None
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except asyncio.TimeoutError:
@@ -238,7 +252,7 @@ async def run_node(config: WorkerConfig, service_name: str,
     tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
     if config.coordinator:
         tasks.append(asyncio.create_task(register_and_heartbeat(config.coordinator, identity, status, stop,
-                                                                 auth)))
+                                                                 auth, config.coordinator_retry_s)))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     failures = [t.exception() for t in done if t is not waiter and t.exception() is not None]
@@ -264,6 +278,7 @@ def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | N
 
     args = worker_arg_parser(prog, roles).parse_args(argv)
     setup_logging(args.log_level)
+    watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
         config = WorkerConfig.from_args(args)
     except ValueError as exc:

@@ -287,7 +287,7 @@ def test_cli_prints_the_error_without_a_traceback(tmp_path):
 # ---- stopping ---------------------------------------------------------------------------------
 
 def test_down_stops_recorded_processes_when_the_launcher_is_gone(tmp_path):
-    from deploy.launch import _start_time
+    from common.processes import start_time
 
     t = parse(BASE)
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
@@ -296,7 +296,7 @@ def test_down_stops_recorded_processes_when_the_launcher_is_gone(tmp_path):
     gone.wait(30)
     try:
         state = {"topology": "t", "launcher_pid": gone.pid, "launcher_start": "1",
-                 "processes": [{"name": n, "pid": p.pid, "start": _start_time(p.pid),
+                 "processes": [{"name": n, "pid": p.pid, "start": start_time(p.pid),
                                 "signal_argv": []}
                                for n, p in zip(("coordinator", "prefill-0", "decode-0"), sleepers)]}
         (tmp_path / "launch.json").write_text(json.dumps(state))

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import signal
 
+from common.lifeline import watch_launcher
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
 from common.tokenizer import Tokenizer
@@ -16,6 +17,7 @@ from tests.helpers.coordinator_fakes import FakeWorker, Script
 
 
 async def main() -> None:
+    watch_launcher()
     p = argparse.ArgumentParser()
     for flag in ("--model", "--host", "--port", "--coordinator", "--kv-backend", "--worker-id",
                  "--max-batched-tokens", "--kv-dtype", "--device"):
