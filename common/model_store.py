@@ -259,10 +259,11 @@ class ModelStore:
     def create(self, name: str, source: str | Path) -> Path:
         """Register a .gguf file or Hugging Face directory under `name`, where it lies.
 
-        `source` must be an absolute path (a server's working directory is not its client's);
-        its metadata must read as a model this engine runs."""
+        `source` must be an absolute path (a server's working directory is not its client's;
+        `~user` is not expanded: the server's users are not its client's); its metadata must
+        read as a model this engine runs."""
         check_name(name)
-        path = Path(source).expanduser()
+        path = Path(source)
         if not path.is_absolute():
             raise ModelFormatError(f"{source}: a model to create from must be given by its "
                                    "absolute path")

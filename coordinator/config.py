@@ -5,10 +5,16 @@ Only `coordinator/__main__.py` builds it from flags; nothing deeper reads the en
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from coordinator.api_tls import ApiTLS
 from common.cluster_auth import ClusterAuth
+
+# The longest keep_alive: a year. Longer ones are refused (a 400 naming keep_alive) rather
+# than stored: an expiry tens of thousands of years away is no date /api/ps can write, for
+# anyone. Forever is a negative keep_alive (math.inf here).
+MAX_KEEP_ALIVE_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,9 @@ class CoordinatorConfig:
                                  "(CIDR such as 10.0.0.0/8, or an address)") from None
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations!r}")
-        if not self.keep_alive_s >= 0:
-            raise ValueError(f"keep_alive_s must be >= 0 (math.inf = forever), got {self.keep_alive_s!r}")
+        if not (0 <= self.keep_alive_s <= MAX_KEEP_ALIVE_S or self.keep_alive_s == math.inf):
+            raise ValueError(f"keep_alive_s must be in 0..{MAX_KEEP_ALIVE_S:.0f} (a year), or math.inf = "
+                             f"forever, got {self.keep_alive_s!r}")
         if not self.load_timeout_s >= 0:
             raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         for name in ("queue_timeout_s", "heartbeat_interval_s",

@@ -6,15 +6,23 @@ coordinator (uvicorn + gRPC) with fake workers.
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
 from common.grpc_server import bind, new_server
+from common.model_store import ModelStore
+from coordinator.config import MAX_KEEP_ALIVE_S, CoordinatorConfig
 from coordinator.grpc_api import start_client_api
+from coordinator.model_routes import UNSERVABLE_SOURCE
 from coordinator.registry import start_registry_server
+from coordinator.residency import KeepAliveError, parse_keep_alive
 from tests.helpers.coordinator_fakes import (
-    DEADLINE_S, coordinator_harness, load_model, make_tiny_model_dir, run,
+    DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run,
 )
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +57,62 @@ def test_a_second_grpc_server_on_a_taken_port_fails_naming_the_port(model):
         assert f"127.0.0.1:{port}" in message and "in use" in message
     assert still.status_code == 200
 
+
+
+# ---- values one request names ------------------------------------------------------------------
+
+def test_a_keep_alive_out_of_range_is_a_400_and_ps_keeps_answering(model):
+    tokens = model.tokenizer.encode("Hi!", add_special_tokens=False)
+
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            await h.add_worker("c1", "colocated", Script(tokens=tokens))
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                chat = {"model": "tiny", "messages": MESSAGES, "stream": False}
+                refused = [await c.post(path, json={**body, "keep_alive": value})
+                           for value in (1e12, "99999999999999999999h", "9000h", "1e400")
+                           for path, body in (("/api/chat", chat),
+                                              ("/api/generate", {"model": "tiny",
+                                                                 "prompt": "Hi", "stream": False}))]
+                forever = await c.post("/api/chat", json={**chat, "keep_alive": -1})
+                year = await c.post("/api/chat", json={**chat, "keep_alive": "8760h"})
+                ps = await c.get("/api/ps")
+            return refused, forever, year, ps
+
+    refused, forever, year, ps = run(scenario())
+    for r in refused:
+        assert r.status_code == 400 and "keep_alive" in r.json()["error"], r.text
+    assert forever.status_code == 200 and year.status_code == 200
+    assert ps.status_code == 200 and [m["name"] for m in ps.json()["models"]] == ["tiny"]
+
+
+def test_keep_alive_bounds():
+    assert parse_keep_alive(-1) == math.inf and parse_keep_alive("-99999999999999h") == math.inf
+    assert parse_keep_alive("8760h") == MAX_KEEP_ALIVE_S
+    for value in (1e12, "99999999999999999999h", MAX_KEEP_ALIVE_S + 1):
+        with pytest.raises(KeepAliveError, match="out of range"):
+            parse_keep_alive(value)
+    with pytest.raises(ValueError, match="keep_alive_s"):
+        CoordinatorConfig(keep_alive_s=1e12)
+
+
+def test_create_from_a_path_says_the_same_for_every_path_it_cannot_serve(model, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("private")
+    locked = tmp_path / "locked.gguf"
+    locked.write_bytes(b"GGUF")
+    locked.chmod(0)
+    sources = [str(notes), str(locked), str(tmp_path), str(tmp_path / "missing.gguf"),
+               "/nowhere/at/all.gguf", "~root/model.gguf", "~/model.gguf", "./model.gguf"]
+
+    async def scenario():
+        async with coordinator_harness(model, ModelStore(tmp_path / "home")) as h:
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                return [await c.post("/api/create", json={"model": "mine", "from": source,
+                                                          "stream": False})
+                        for source in sources]
+
+    answers = run(scenario())
+    assert {r.status_code for r in answers} == {400}
+    assert {r.json()["error"] for r in answers} == {UNSERVABLE_SOURCE}
+    assert all(str(tmp_path) not in r.text for r in answers)
