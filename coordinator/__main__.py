@@ -4,6 +4,8 @@ The process entry: flags and the environment (read here only) -> config -> serve
 Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
 environment variable, never a flag, since ps shows every process's command line);
 OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
+TANDEM_ALLOWED_HOSTS (Host names served besides localhost, IPs, --host, OLLAMA_HOST's and the
+machine's own, comma-separated, like --allowed-hosts);
 TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py).
 """
 
@@ -12,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+from urllib.parse import urlsplit
 
 from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
@@ -37,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of the client gRPC API (tandem.v1.Tandem, health, reflection)")
     p.add_argument("--grpc-port", type=int, default=DEFAULTS.grpc_port,
                    help="port of the client gRPC API (0 = any free port, logged)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                   help="Host header names the HTTP API answers to besides localhost, IP "
+                        "addresses, --host, $OLLAMA_HOST's and this machine's name "
+                        "(comma-separated, repeatable, added to $TANDEM_ALLOWED_HOSTS; "
+                        "*.example.com for subdomains; * for any Host); others get a 403")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                    help="largest HTTP request body (413 above)")
     p.add_argument("--internal-api-from", action="append", default=[], metavar="CIDR",
@@ -74,6 +83,16 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip().strip("\"'")
 
 
+def _allowed_hosts(flags: list[str]) -> tuple[str, ...]:
+    """--allowed-hosts and TANDEM_ALLOWED_HOSTS, then the names this host goes by: OLLAMA_HOST's
+    (`host`, `host:port`, `http://host:port`) and the machine's own, as Ollama allows it."""
+    listed = [n.strip() for value in (*flags, _env("TANDEM_ALLOWED_HOSTS")) for n in value.split(",")]
+    ollama_host = _env("OLLAMA_HOST")
+    own = [urlsplit(ollama_host if "://" in ollama_host else f"//{ollama_host}").hostname or "",
+           socket.gethostname()]
+    return tuple(dict.fromkeys(n for n in (*listed, *own) if n))
+
+
 def _default_keep_alive() -> float:
     """OLLAMA_KEEP_ALIVE ("5m", "1h", seconds, negative = forever), else Ollama's 5 minutes."""
     from coordinator.residency import parse_keep_alive  # noqa: PLC0415
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster_auth=auth_from_args(args),
             api_tls=api_tls_from(args.api_tls_cert, args.api_tls_key),
             api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
+            allowed_hosts=_allowed_hosts(args.allowed_hosts),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
         store = ModelStore(default_home())
@@ -123,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         "client APIs %s; browser origins allowed besides Ollama's defaults: %s",
         "require the API key (TANDEM_API_KEY)" if config.api_key else "are open (no API key)",
         ", ".join(config.allowed_origins) or "none")
+    logging.getLogger("coordinator").info(
+        "HTTP Host names served besides localhost and IP addresses: %s",
+        ", ".join((config.host, *config.allowed_hosts)))
     logging.getLogger("coordinator").info(
         "client APIs: %s", f"TLS ({config.api_tls.cert})" if config.api_tls else "plaintext")
     logging.getLogger("coordinator").info("internal plane: %s", config.cluster_auth.describe())

@@ -6,6 +6,7 @@ Only `coordinator/__main__.py` builds it from flags; nothing deeper reads the en
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from coordinator.api_tls import ApiTLS
@@ -72,6 +73,11 @@ class CoordinatorConfig:
     # Browser origins allowed besides Ollama's defaults (localhost, app://, ...): OLLAMA_ORIGINS'
     # entries, each an origin where `*` matches any text; "*" alone allows every origin.
     allowed_origins: tuple[str, ...] = ()
+    # Names the HTTP API answers to in a request's Host header besides `host`, localhost and IP
+    # addresses (coordinator/access.py: DNS rebinding): --allowed-hosts / TANDEM_ALLOWED_HOSTS,
+    # OLLAMA_HOST's name and the machine's. "*.example.com" matches its subdomains; "*" alone
+    # allows every Host (a bind of 0.0.0.0 behind a proxy that checks names itself).
+    allowed_hosts: tuple[str, ...] = ()
     # The internal plane's credentials (common/cluster_auth.py): with a secret the Registry
     # refuses workers that cannot prove it and calls to workers carry our proof; with TLS
     # files the Registry and every channel to a worker are mutual TLS. Default: neither.
@@ -86,6 +92,10 @@ class CoordinatorConfig:
             if not origin or any(c.isspace() for c in origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin "
                                  "(such as https://example.com or chrome-extension://*)")
+        for name in self.allowed_hosts:
+            if not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"allowed_hosts: {name!r} is not a host name (such as "
+                                 "tandem.example.com, *.example.com, or * for any)")
         for name in ("prefill_threshold", "registry_port", "grpc_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

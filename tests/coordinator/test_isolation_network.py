@@ -116,3 +116,61 @@ def test_create_from_a_path_says_the_same_for_every_path_it_cannot_serve(model, 
     assert {r.status_code for r in answers} == {400}
     assert {r.json()["error"] for r in answers} == {UNSERVABLE_SOURCE}
     assert all(str(tmp_path) not in r.text for r in answers)
+
+
+# ---- DNS rebinding: the Host and the Origin ----------------------------------------------------
+
+def test_a_host_that_is_not_the_servers_is_refused_in_each_apis_shape(model):
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            port = h.coordinator.config.port
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                def get(path, host, **headers):
+                    return c.get(path, headers={"Host": host, **headers})
+                return {
+                    "attacker": await get("/api/tags", "attacker.example"),
+                    "attacker_port": await get("/api/version", f"attacker.example:{port}"),
+                    "attacker_v1": await get("/v1/models", f"attacker.example:{port}"),
+                    "attacker_root": await get("/", f"attacker.example:{port}"),
+                    # a rebinding page is same-origin in the browser: Origin equals Host
+                    "rebound": await get("/api/tags", f"attacker.example:{port}",
+                                         Origin=f"http://attacker.example:{port}"),
+                    "origin_is_host": await get("/api/tags", f"127.0.0.1:{port}",
+                                                Origin=f"http://evil.example:{port}"),
+                    "ip": await get("/api/version", f"127.0.0.1:{port}"),
+                    "localhost": await get("/api/version", f"localhost:{port}"),
+                    "ipv6": await get("/api/version", f"[::1]:{port}"),
+                    "sub_localhost": await get("/api/version", f"app.localhost:{port}"),
+                    "browser_local": await get("/api/tags", f"localhost:{port}",
+                                               Origin=f"http://localhost:{port}"),
+                }
+
+    r = run(scenario())
+    for name in ("attacker", "attacker_port", "attacker_v1", "attacker_root", "rebound"):
+        assert r[name].status_code == 403, (name, r[name].text)
+        assert "attacker.example" in r[name].text and "--allowed-hosts" in r[name].text
+    assert set(r["attacker"].json()) == {"error"}  # Ollama's shape
+    assert r["attacker_v1"].json()["error"]["message"]  # OpenAI's nested shape
+    assert r["origin_is_host"].status_code == 403 and "OLLAMA_ORIGINS" in r["origin_is_host"].text
+    for name in ("ip", "localhost", "ipv6", "sub_localhost", "browser_local"):
+        assert r[name].status_code == 200, (name, r[name].text)
+
+
+def test_allowed_hosts_names_and_wildcards(model):
+    async def scenario():
+        async with coordinator_harness(model, allowed_hosts=("tandem.example", "*.lab.example")
+                                       ) as h:
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                hosts = ("tandem.example", "TANDEM.example.:80", "gpu1.lab.example",
+                         "lab.example", "attacker.example")
+                plain = [(await c.get("/api/version", headers={"Host": h_})).status_code
+                         for h_ in hosts]
+        async with coordinator_harness(model, allowed_hosts=("*",)) as h:
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                star = (await c.get("/api/version", headers={"Host": "any.example"})).status_code
+        return plain, star
+
+    plain, star = run(scenario())
+    assert plain == [200, 200, 200, 403, 403] and star == 200
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        CoordinatorConfig(allowed_hosts=("bad host",))
