@@ -62,6 +62,14 @@ class CoordinatorConfig:
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
     max_messages: int = 1024  # messages in one chat request
     max_streams: int = 512  # requests open at once, queued or running, on every API (429 above)
+    # HTTP connections (coordinator/connection_limits.py): a socket that holds a descriptor
+    # without a request is closed; one past a count is a 503 and closed at once.
+    header_timeout_s: float = 10.0  # a request head must arrive whole within this once awaited
+    body_timeout_s: float = 30.0  # longest silence while a request body is being read
+    idle_timeout_s: float = 5.0  # keep-alive connection idle between requests (uvicorn's 5 s)
+    max_connections: int = 4096  # open HTTP connections in all
+    # from one client address; >= max_streams, so that one host can fill the server
+    max_connections_per_client: int = 1024
     # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint) is served to
     # clients on this host only, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
     internal_api_from: tuple[str, ...] = ()
@@ -102,7 +110,8 @@ class CoordinatorConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         for name in ("chunk_size", "local_chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
-                     "max_body_bytes", "max_messages", "max_streams"):
+                     "max_body_bytes", "max_messages", "max_streams", "max_connections",
+                     "max_connections_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_queue < 0:
@@ -124,7 +133,8 @@ class CoordinatorConfig:
             raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         for name in ("queue_timeout_s", "heartbeat_interval_s",
                      "prefill_timeout_s", "control_timeout_s", "token_timeout_s",
-                     "request_timeout_s"):
+                     "request_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

@@ -1,11 +1,16 @@
-"""One client never stalls or exposes another at the network level (issue 26): a gRPC port is
-never shared silently with a second process; and what one request names (a keep_alive, a path
-to create from) cannot break the answers of others or probe the host. Against the real
+"""One client never stalls or exposes another at the network level (issue 26): sockets that
+send nothing, half a header or half a body are closed, one client address cannot hold every
+connection, a page on another domain cannot reach the API by rebinding its name to this host,
+a gRPC port is never shared silently with a second process, and what one request names (a
+keep_alive, a path to create from) cannot break the answers of others or probe the host. Against the real
 coordinator (uvicorn + gRPC) with fake workers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import math
 
 import httpx
@@ -174,3 +179,121 @@ def test_allowed_hosts_names_and_wildcards(model):
     assert plain == [200, 200, 200, 403, 403] and star == 200
     with pytest.raises(ValueError, match="allowed_hosts"):
         CoordinatorConfig(allowed_hosts=("bad host",))
+
+
+# ---- connections that hold a socket without a request ------------------------------------------
+
+SHORT = dict(header_timeout_s=0.5, body_timeout_s=0.5, idle_timeout_s=0.5)
+CLOSED_WITHIN_S = 10.0  # against a hang only: the timeouts above are 0.5 s
+
+
+async def _connect(port: int, source: str = "127.0.0.1"):
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+
+async def _read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (else a timeout)."""
+    async def drain() -> bytes:
+        data = b""
+        while chunk := await reader.read(65536):
+            data += chunk
+        return data
+    return await asyncio.wait_for(drain(), CLOSED_WITHIN_S)
+
+
+def _head(method: str, path: str, port: int, body_length: int | None = None) -> bytes:
+    length = f"Content-Type: application/json\r\nContent-Length: {body_length}\r\n" if (
+        body_length is not None) else ""
+    return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{length}\r\n".encode()
+
+
+def test_idle_and_half_open_sockets_are_closed_after_their_timeout(model, caplog):
+    tokens = model.tokenizer.encode("Hello world!", add_special_tokens=False)
+
+    async def scenario():
+        async with coordinator_harness(model, **SHORT) as h:
+            # tokens every 0.3 s: the stream outlasts every timeout and must not be cut
+            await h.add_worker("c1", "colocated", Script(tokens=tokens, token_delay_s=0.3))
+            port = h.coordinator.config.port
+            sends = {
+                "nothing": b"",
+                "half_a_header": b"GET /api/version HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: ",
+                "half_a_body": _head("POST", "/api/chat", port, 1000) + b'{"model": "tiny", ',
+                "idle_after_a_request": _head("GET", "/api/version", port),
+            }
+            streams = {}
+            for name, data in sends.items():
+                streams[name] = await _connect(port)
+                streams[name][1].write(data)
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                chat = await c.post("/api/chat", json={"model": "tiny", "messages": MESSAGES,
+                                                       "stream": False})
+            received = {name: await _read_until_closed(reader)
+                        for name, (reader, _) in streams.items()}
+            for _, writer in streams.values():
+                writer.close()
+            return received, chat
+
+    with caplog.at_level(logging.INFO):
+        received, chat = run(scenario())
+    # closed by the server (EOF), having answered nothing to what never became a request
+    assert received["nothing"] == b"" and received["half_a_header"] == b""
+    assert b"200 OK" not in received["half_a_body"]
+    assert received["idle_after_a_request"].startswith(b"HTTP/1.1 200 OK")
+    assert chat.status_code == 200 and chat.json()["message"]["content"] == "Hello world!"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_client_address_past_its_cap_is_refused_while_others_are_served(model):
+    async def scenario():
+        async with coordinator_harness(model, max_connections_per_client=3) as h:
+            port = h.coordinator.config.port
+            idle = [await _connect(port) for _ in range(3)]
+            flood = [await _connect(port) for _ in range(20)]
+            refused = []
+            for reader, writer in flood:
+                writer.write(_head("GET", "/api/version", port))
+                refused.append(await _read_until_closed(reader))
+            other = await _connect(port, "127.0.0.2")  # another client address
+            other[1].write(_head("GET", "/api/version", port))
+            served = await asyncio.wait_for(other[0].readuntil(b"}"), CLOSED_WITHIN_S)
+            for _, writer in (*idle, *flood, other):
+                writer.close()
+            # the idle ones gone, the address is served again (once the server saw them close)
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                deadline = asyncio.get_running_loop().time() + CLOSED_WITHIN_S
+                while (again := await c.get("/api/version")).status_code == 503:
+                    assert asyncio.get_running_loop().time() < deadline, again.text
+                    await asyncio.sleep(0.05)
+            return refused, served, again
+
+    refused, served, again = run(scenario())
+    for answer in refused:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
+        assert "max_connections_per_client" in json.loads(body)["error"]
+    assert served.startswith(b"HTTP/1.1 200 OK") and b'"version"' in served
+    assert again.status_code == 200
+
+
+def test_past_max_connections_every_address_is_refused(model):
+    async def scenario():
+        async with coordinator_harness(model, max_connections=4) as h:
+            port = h.coordinator.config.port
+            held = [await _connect(port, f"127.0.0.{i}") for i in range(1, 5)]
+            reader, writer = await _connect(port, "127.0.0.9")
+            writer.write(_head("GET", "/api/version", port))
+            refused = await _read_until_closed(reader)
+            for _, w in (*held, (reader, writer)):
+                w.close()
+            return refused
+
+    refused = run(scenario())
+    assert refused.startswith(b"HTTP/1.1 503") and b"max_connections" in refused
+
+
+def test_connection_limits_must_be_positive():
+    for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "max_connections",
+                 "max_connections_per_client"):
+        with pytest.raises(ValueError, match=name):
+            CoordinatorConfig(**{name: 0})
