@@ -49,8 +49,8 @@ class _Refusals:
         self.unlogged += 1
         now = time.monotonic()
         if now - self.logged_at >= 1.0:
-            log.warning("refused %d HTTP connection(s) in the last %s: %s", self.unlogged,
-                        "second" if self.logged_at > float("-inf") else "instant", why)
+            log.warning("refused %d HTTP connection(s) with a 503 since the last such line: %s",
+                        self.unlogged, why)
             self.unlogged, self.logged_at = 0, now
 
 
