@@ -24,6 +24,18 @@ from common.cluster_auth import add_auth_args, auth_from_args
 from common.errors import TandemError
 
 DEFAULTS = CoordinatorConfig()
+# The HTTP connection limits (coordinator/connection_limits.py): flag, config field, help.
+CONNECTION_FLAGS = (
+    ("--header-timeout", "header_timeout_s",
+     "seconds a connection has to send a whole request head before it is closed"),
+    ("--body-timeout", "body_timeout_s",
+     "longest silence in seconds while a request body is read before the connection closes"),
+    ("--idle-timeout", "idle_timeout_s",
+     "seconds a keep-alive connection may stay idle between requests"),
+    ("--max-connections", "max_connections", "most open HTTP connections; more are a 503"),
+    ("--max-connections-per-client", "max_connections_per_client",
+     "most open HTTP connections from one client address; more are a 503"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,22 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most messages in one chat request")
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
                    help="most requests open at once, queued or running (429 above)")
-    p.add_argument("--header-timeout", type=float, default=DEFAULTS.header_timeout_s,
-                   help="seconds a connection has to send a whole request head before it is "
-                        f"closed (default {DEFAULTS.header_timeout_s:g})")
-    p.add_argument("--body-timeout", type=float, default=DEFAULTS.body_timeout_s,
-                   help="longest silence while a request body is read before the connection "
-                        f"is closed (default {DEFAULTS.body_timeout_s:g})")
-    p.add_argument("--idle-timeout", type=float, default=DEFAULTS.idle_timeout_s,
-                   help="seconds a keep-alive connection may stay idle between requests "
-                        f"(default {DEFAULTS.idle_timeout_s:g})")
-    p.add_argument("--max-connections", type=int, default=DEFAULTS.max_connections,
-                   help="most open HTTP connections; more are a 503 and closed "
-                        f"(default {DEFAULTS.max_connections})")
-    p.add_argument("--max-connections-per-client", type=int,
-                   default=DEFAULTS.max_connections_per_client,
-                   help="most open HTTP connections from one client address; more are a 503 "
-                        f"and closed (default {DEFAULTS.max_connections_per_client})")
+    for flag, name, help_ in CONNECTION_FLAGS:
+        default = getattr(DEFAULTS, name)
+        p.add_argument(flag, type=type(default), default=default, dest=name,
+                       metavar="S" if isinstance(default, float) else "N",
+                       help=f"{help_} (default {default:g})")
     p.add_argument("--prefill-threshold", type=int, default=DEFAULTS.prefill_threshold,
                    help="prompts of at most this many tokens may prefill on the decode worker")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
@@ -131,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             registry_port=args.registry_port, grpc_host=args.grpc_host,
             grpc_port=args.grpc_port, max_body_bytes=args.max_body_bytes,
             max_messages=args.max_messages, max_streams=args.max_streams,
-            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
-            max_connections_per_client=args.max_connections_per_client,
+            **{name: getattr(args, name) for _, name, _ in CONNECTION_FLAGS},
             prefill_threshold=args.prefill_threshold,
             chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
