@@ -154,8 +154,8 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
         # The served model may not be in the store at all (served from a path, named by
         # --model-name): copy its path.
         path = await asyncio.to_thread(models.copy, str(served.path), name)
-    else:
-        path = await asyncio.to_thread(models.copy, source, name)
+    else:  # a name: never looked up as a path (that would tell what files the host has)
+        path = await asyncio.to_thread(models.copy, source, name, False)
     if served.answers_to(source) or _same(path, served.path):
         coordinator.add_model_name(normalize_name(name))
 

@@ -297,3 +297,25 @@ def test_connection_limits_must_be_positive():
                  "max_connections_per_client"):
         with pytest.raises(ValueError, match=name):
             CoordinatorConfig(**{name: 0})
+
+
+def test_a_model_name_is_never_looked_up_as_a_path_of_the_server(model, tmp_path, monkeypatch):
+    (tmp_path / "present.gguf").write_bytes(b"not a model")
+    monkeypatch.chdir(tmp_path)  # the server's working directory holds present.gguf
+
+    async def scenario():
+        async with coordinator_harness(model, ModelStore(tmp_path / "home")) as h:
+            async with httpx.AsyncClient(base_url=h.url, timeout=DEADLINE_S) as c:
+                answers = {}
+                for source in ("present.gguf", "missing.gguf"):
+                    answers[source] = (
+                        await c.post("/api/create", json={"model": "mine", "from": source,
+                                                          "stream": False}),
+                        await c.post("/api/copy", json={"source": source,
+                                                        "destination": "mine"}))
+                return answers
+
+    answers = run(scenario())
+    for present, missing in zip(answers["present.gguf"], answers["missing.gguf"]):
+        assert present.status_code == missing.status_code == 404
+        assert present.json()["error"].replace("present", "missing") == missing.json()["error"]
