@@ -19,6 +19,7 @@ import it.
     model_store.py     names -> model files ($TANDEM_HOME); model_pull.py fetches them
     cluster_auth.py    the internal plane's credentials and call proofs (refused_calls.py counts refusals)
     grpc_guard.py      malformed protobuf -> INVALID_ARGUMENT on every gRPC server
+    grpc_server.py     every gRPC server: no SO_REUSEPORT, a bind error naming the port
     rpc/               generated stubs of proto/worker.proto and proto/tandem.proto
     wire.py            typed values <-> worker.proto messages shared by both sides
 """

@@ -219,9 +219,10 @@ class ModelStore:
 
     # ---- names ----------------------------------------------------------------------------------
 
-    def resolve(self, name_or_path: str) -> Path:
+    def resolve(self, name_or_path: str, paths: bool = True) -> Path:
         """A known name -> its pulled file; a made name -> its file or directory; an existing
-        .gguf file or HF directory -> itself; a GGUF dropped into home/models -> by its stem."""
+        .gguf file or HF directory -> itself (unless `paths` is False: a client's name must
+        not probe the server's files); a GGUF dropped into home/models -> by its stem."""
         key = normalize_name(name_or_path)
         entry = self._by_name.get(key)
         if entry is not None:
@@ -237,7 +238,7 @@ class ModelStore:
                                          "longer exists; delete the name (/api/delete)")
             return made.path
         path = Path(name_or_path).expanduser()
-        if path.exists():
+        if paths and path.exists():
             _model_format(path)
             return path
         dropped = self.models_dir / f"{key}.gguf"
@@ -259,10 +260,11 @@ class ModelStore:
     def create(self, name: str, source: str | Path) -> Path:
         """Register a .gguf file or Hugging Face directory under `name`, where it lies.
 
-        `source` must be an absolute path (a server's working directory is not its client's);
-        its metadata must read as a model this engine runs."""
+        `source` must be an absolute path (a server's working directory is not its client's;
+        `~user` is not expanded: the server's users are not its client's); its metadata must
+        read as a model this engine runs."""
         check_name(name)
-        path = Path(source).expanduser()
+        path = Path(source)
         if not path.is_absolute():
             raise ModelFormatError(f"{source}: a model to create from must be given by its "
                                    "absolute path")
@@ -274,11 +276,12 @@ class ModelStore:
         load_config(path)
         return self._add_name(name, path)
 
-    def copy(self, source: str, destination: str) -> Path:
-        """Give the model `source` (a name or a path) a second name; returns the new name's path."""
+    def copy(self, source: str, destination: str, paths: bool = True) -> Path:
+        """Give the model `source` (a name, or a path unless `paths` is False) a second name;
+        returns the new name's path."""
         if normalize_name(source) == normalize_name(destination):
             raise ModelNameError(f"cannot copy {source!r} onto itself")
-        return self._add_name(destination, self.resolve(source))
+        return self._add_name(destination, self.resolve(source, paths))
 
     def delete(self, name: str) -> None:
         """Remove a name. A known model loses its file and its downloaded wheel; a copy its own

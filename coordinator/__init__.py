@@ -22,7 +22,7 @@ registry). It never imports torch.
     model_info.py         what tags/show/ps/ListModels say about the model
     tool_calls.py         tool-capable templates, call formats, the call parser
     structured_output.py  the APIs' format / response_format -> the workers' GrammarSpec
-    access.py             the API key and the browser origins allowed (CORS)
+    access.py             the API key, the Host names served and the browser origins (CORS)
     api_tls.py            TLS of the HTTP and gRPC client APIs
 
     HTTP:
@@ -37,6 +37,7 @@ registry). It never imports torch.
     embedding_routes.py   /api/embed, /api/embeddings, /v1/embeddings
     token_routes.py       /tokenize, /detokenize (vLLM's)
     ops_routes.py         /metrics, /health, /version, /internal/workers
+    connection_limits.py  header/body/idle timeouts, connection caps (uvicorn's h11 protocol)
     http_stream.py        body limit, streams that notice a client leaving
     http_errors.py        an error in the shape of the API its path belongs to
     request_schemas.py    the request bodies as pydantic models, for the docs and the fuzzer

@@ -5,6 +5,8 @@ Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key
 environment variable, never a flag, since ps shows every process's command line);
 TANDEM_API_KEYS_FILE (named keys, `NAME KEY` per line: each name a tenant with its own prefix
 cache, coordinator/tenants.py); OLLAMA_ORIGINS (browser origins allowed besides Ollama's defaults, comma-separated);
+TANDEM_ALLOWED_HOSTS (Host names served besides localhost, IPs, --host, OLLAMA_HOST's and the
+machine's own, comma-separated, like --allowed-hosts);
 TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py);
 TANDEM_LIFELINE_FD (set by a launcher on this host: common/lifeline.py).
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+from urllib.parse import urlsplit
 
 from coordinator.tenants import read_keys_file
 from coordinator.api_tls import add_api_tls_args, api_tls_from
@@ -24,6 +28,18 @@ from common.errors import TandemError
 from common.lifeline import watch_launcher
 
 DEFAULTS = CoordinatorConfig()
+# The HTTP connection limits (coordinator/connection_limits.py): flag, config field, help.
+CONNECTION_FLAGS = (
+    ("--header-timeout", "header_timeout_s",
+     "seconds a connection has to send a whole request head before it is closed"),
+    ("--body-timeout", "body_timeout_s",
+     "longest silence in seconds while a request body is read before the connection closes"),
+    ("--idle-timeout", "idle_timeout_s",
+     "seconds a keep-alive connection may stay idle between requests"),
+    ("--max-connections", "max_connections", "most open HTTP connections; more are a 503"),
+    ("--max-connections-per-client", "max_connections_per_client",
+     "most open HTTP connections from one client address; more are a 503"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of the client gRPC API (tandem.v1.Tandem, health, reflection)")
     p.add_argument("--grpc-port", type=int, default=DEFAULTS.grpc_port,
                    help="port of the client gRPC API (0 = any free port, logged)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                   help="Host header names the HTTP API answers to besides localhost, IP "
+                        "addresses, --host, $OLLAMA_HOST's and this machine's name "
+                        "(comma-separated, repeatable, added to $TANDEM_ALLOWED_HOSTS; "
+                        "*.example.com for subdomains; * for any Host); others get a 403")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                    help="largest HTTP request body (413 above)")
     p.add_argument("--internal-api-from", action="append", default=[], metavar="CIDR",
@@ -50,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most messages in one chat request")
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,
                    help="most requests open at once, queued or running (429 above)")
+    for flag, name, help_ in CONNECTION_FLAGS:
+        default = getattr(DEFAULTS, name)
+        p.add_argument(flag, type=type(default), default=default, dest=name,
+                       metavar="S" if isinstance(default, float) else "N",
+                       help=f"{help_} (default {default:g})")
     p.add_argument("--prefill-threshold", type=int, default=DEFAULTS.prefill_threshold,
                    help="prompts of at most this many tokens may prefill on the decode worker")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
@@ -78,6 +104,16 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip().strip("\"'")
 
 
+def _allowed_hosts(flags: list[str]) -> tuple[str, ...]:
+    """--allowed-hosts and TANDEM_ALLOWED_HOSTS, then the names this host goes by: OLLAMA_HOST's
+    (`host`, `host:port`, `http://host:port`) and the machine's own, as Ollama allows it."""
+    listed = [n.strip() for value in (*flags, _env("TANDEM_ALLOWED_HOSTS")) for n in value.split(",")]
+    ollama_host = _env("OLLAMA_HOST")
+    own = [urlsplit(ollama_host if "://" in ollama_host else f"//{ollama_host}").hostname or "",
+           socket.gethostname()]
+    return tuple(dict.fromkeys(n for n in (*listed, *own) if n))
+
+
 def _default_keep_alive() -> float:
     """OLLAMA_KEEP_ALIVE ("5m", "1h", seconds, negative = forever), else Ollama's 5 minutes."""
     from coordinator.residency import parse_keep_alive  # noqa: PLC0415
@@ -101,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             registry_port=args.registry_port, grpc_host=args.grpc_host,
             grpc_port=args.grpc_port, max_body_bytes=args.max_body_bytes,
             max_messages=args.max_messages, max_streams=args.max_streams,
+            **{name: getattr(args, name) for _, name, _ in CONNECTION_FLAGS},
             prefill_threshold=args.prefill_threshold,
             chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
             max_running_per_worker=args.max_running_per_worker,
@@ -115,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
             tenant_keys=tuple(read_keys_file(keys_file).items()) if (
                 keys_file := os.environ.get("TANDEM_API_KEYS_FILE", "").strip()) else (),
+            allowed_hosts=_allowed_hosts(args.allowed_hosts),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
         store = ModelStore(default_home())
@@ -131,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"require an API key ({len(config.api_keys().tenants)} tenant(s), each with its own "
          "prefix cache)") if config.api_keys() else "are open (no API key)",
         ", ".join(config.allowed_origins) or "none")
+    logging.getLogger("coordinator").info(
+        "HTTP Host names served besides localhost and IP addresses: %s",
+        ", ".join((config.host, *config.allowed_hosts)))
     logging.getLogger("coordinator").info(
         "client APIs: %s", f"TLS ({config.api_tls.cert})" if config.api_tls else "plaintext")
     logging.getLogger("coordinator").info("internal plane: %s", config.cluster_auth.describe())

@@ -1,9 +1,11 @@
-"""Who may call the client APIs: one API key, and the browser origins allowed (CORS).
+"""Who may call the client APIs: one API key, the names the server answers to (Host), and the
+browser origins allowed (CORS).
 
 HTTP, as two ASGI middlewares around the FastAPI app (`install_http_access`):
 
     request ─> CORSMiddleware ─> AccessGuard ─> routes
-               │                 ├─ an Origin not allowed (and not this server's own): 403
+               │                 ├─ a Host that is not one of this server's names: 403
+               │                 ├─ an Origin not allowed: 403
                │                 └─ no or a wrong `Authorization: Bearer KEY`: 401
                └─ a preflight (OPTIONS + Access-Control-Request-Method) is answered here,
                   without the key (browsers never send credentials on one); every answer to an
@@ -16,8 +18,17 @@ wildcards): OLLAMA_ORIGINS' comma-separated entries, then http(s)://localhost, 1
 vscode-file://*. In an entry `*` matches any text; "*" alone allows every origin. As in Ollama,
 a request whose Origin is not allowed is refused (403), not merely left without CORS headers: a
 page of another site could otherwise make this server run a CORS-"simple" POST (text/plain
-body) whose answer it cannot read. Requests without an Origin (curl, the SDKs) pass, and so do
-requests whose Origin is this server itself (scheme://Host), as gin-contrib/cors lets them.
+body) whose answer it cannot read. Requests without an Origin (curl, the SDKs) pass. An Origin
+is never compared with the Host: under DNS rebinding both name the attacker's domain.
+
+Host (DNS rebinding, the class of Ollama's CVE-2024-28224): a page of attacker.example whose
+name the attacker makes resolve to 127.0.0.1 is same-origin with this server in the browser's
+eyes, so neither CORS nor the Origin check stops it; only its Host header, `attacker.example`,
+tells it apart. A request is served when its Host (port aside) is absent, an IP address (no DNS
+answer can forge one), `localhost` or a `*.localhost` name (always loopback, RFC 6761), or one
+of `Hosts`' names: the bind host, OLLAMA_HOST's, the machine's own, and --allowed-hosts /
+TANDEM_ALLOWED_HOSTS (`*.example.com` matches its subdomains; `*` alone allows every Host:
+for a server behind a proxy that checks names itself). Any other Host is a 403.
 
 The key is compared in constant time: hmac.compare_digest over SHA-256 digests, so that neither
 its bytes nor its length show in the timing. Open without it: `/` (GET and HEAD: the health
@@ -30,6 +41,7 @@ runs (ApiKeyInterceptor).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 
@@ -49,7 +61,9 @@ OLLAMA_DEFAULT_ORIGINS = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
       for scheme in ("http", "https") for port in ("", ":*")),
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
-OPEN_PATHS = frozenset({"/", "/internal/workers"})  # served without the key
+# Served without the key: Ollama's liveness page, the launchers' worker list (same-host only),
+# and /health for load balancers and Kubernetes probes (it says only whether a worker serves).
+OPEN_PATHS = frozenset({"/", "/internal/workers", "/health"})
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 VERSION_HEADER = "X-Tandem-Version"
 # gin-contrib/cors' defaults, as Ollama serves them.
@@ -72,19 +86,46 @@ class Origins:
         return self.any or self._compiled.fullmatch(origin) is not None
 
 
-def _same_origin(origin: str, headers: Headers) -> bool:
-    host = headers.get("host")
-    return host is not None and origin.lower() in (f"http://{host}".lower(),
-                                                   f"https://{host}".lower())
+class Hosts:
+    """The names a request's Host header may carry (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        names = {n.lower().rstrip(".") for n in names}
+        self.any = "*" in names
+        self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".example.com"
+        self.names = {n for n in names if not n.startswith("*")}
+
+    def allows(self, host: str | None) -> bool:
+        if self.any or not host:
+            return True
+        name = host_name(host)
+        if name == "localhost" or name.endswith(".localhost") or name in self.names:
+            return True
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return name.endswith(self.suffixes) if self.suffixes else False
+
+
+def host_name(host: str) -> str:
+    """A Host header's name without its port, lower case, with no trailing dot:
+    `[::1]:11434` -> `::1`, `LocalHost.:80` -> `localhost`."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
 
 
 class AccessGuard:
     """Pure ASGI (no BaseHTTPMiddleware: streams pass through untouched). Also stamps every
     answer with tandem's own version, since /api/version reports the Ollama version matched."""
 
-    def __init__(self, app: ASGIApp, *, key: ApiKeys | None, origins: Origins,
+    def __init__(self, app: ASGIApp, *, key: ApiKeys | None, hosts: Hosts, origins: Origins,
                  version: str) -> None:
-        self.app, self.key, self.origins = app, key, origins
+        self.app, self.key, self.hosts, self.origins = app, key, hosts, origins
         self.version = version
 
     def _admit_tenant(self, scope: Scope, headers: Headers) -> bool:
@@ -107,9 +148,13 @@ class AccessGuard:
 
         headers = Headers(scope=scope)
         path = scope["path"]
-        origin = headers.get("origin")
-        if origin is not None and not self.origins.allows(origin) and not _same_origin(
-                origin, headers):
+        origin, host = headers.get("origin"), headers.get("host")
+        if not self.hosts.allows(host):
+            refusal = error_response(path, 403, f"host {shown(host_name(host))} is not one of "
+                                                "this server's names: the server's "
+                                                "--allowed-hosts (TANDEM_ALLOWED_HOSTS) must "
+                                                "list it")
+        elif origin is not None and not self.origins.allows(origin):
             refusal = error_response(path, 403, f"origin {shown(origin)} is not allowed: the "
                                                 "server's OLLAMA_ORIGINS must list it")
         elif (self.key is not None and path not in OPEN_PATHS
@@ -142,11 +187,11 @@ def grpc_salt(keys: ApiKeys | None, context: grpc.aio.ServicerContext) -> bytes:
     return cache_salt(keys.tenant(metadata.get("authorization")) or "")
 
 
-def install_http_access(app: FastAPI, keys: ApiKeys | None, extra_origins: Sequence[str],
-                        version: str) -> None:
+def install_http_access(app: FastAPI, keys: ApiKeys | None, host_names: Sequence[str],
+                        extra_origins: Sequence[str], version: str) -> None:
     origins = Origins(extra_origins)
     # Starlette runs the middleware added last outermost: CORS answers preflights first.
-    app.add_middleware(AccessGuard, key=keys, origins=origins,
+    app.add_middleware(AccessGuard, key=keys, hosts=Hosts(host_names), origins=origins,
                        version=version)
     app.add_middleware(CORSMiddleware, allow_origins=("*",) if origins.any else (),
                        allow_origin_regex=None if origins.any else origins.regex,

@@ -5,11 +5,18 @@ Only `coordinator/__main__.py` builds it from flags; nothing deeper reads the en
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from coordinator.tenants import DEFAULT_TENANT, ApiKeys
 from coordinator.api_tls import ApiTLS
 from common.cluster_auth import ClusterAuth
+
+# The longest keep_alive: a year. Longer ones are refused (a 400 naming keep_alive) rather
+# than stored: an expiry tens of thousands of years away is no date /api/ps can write, for
+# anyone. Forever is a negative keep_alive (math.inf here).
+MAX_KEEP_ALIVE_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,14 @@ class CoordinatorConfig:
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
     max_messages: int = 1024  # messages in one chat request
     max_streams: int = 512  # requests open at once, queued or running, on every API (429 above)
+    # HTTP connections (coordinator/connection_limits.py): a socket that holds a descriptor
+    # without a request is closed; one past a count is a 503 and closed at once.
+    header_timeout_s: float = 10.0  # a request head must arrive whole within this once awaited
+    body_timeout_s: float = 30.0  # longest silence while a request body is being read
+    idle_timeout_s: float = 5.0  # keep-alive connection idle between requests (uvicorn's 5 s)
+    max_connections: int = 4096  # open HTTP connections in all
+    # from one client address; >= max_streams, so that one host can fill the server
+    max_connections_per_client: int = 1024
     # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint) is served to
     # clients on this host only, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
     internal_api_from: tuple[str, ...] = ()
@@ -71,6 +86,11 @@ class CoordinatorConfig:
     # Browser origins allowed besides Ollama's defaults (localhost, app://, ...): OLLAMA_ORIGINS'
     # entries, each an origin where `*` matches any text; "*" alone allows every origin.
     allowed_origins: tuple[str, ...] = ()
+    # Names the HTTP API answers to in a request's Host header besides `host`, localhost and IP
+    # addresses (coordinator/access.py: DNS rebinding): --allowed-hosts / TANDEM_ALLOWED_HOSTS,
+    # OLLAMA_HOST's name and the machine's. "*.example.com" matches its subdomains; "*" alone
+    # allows every Host (a bind of 0.0.0.0 behind a proxy that checks names itself).
+    allowed_hosts: tuple[str, ...] = ()
     # The internal plane's credentials (common/cluster_auth.py): with a secret the Registry
     # refuses workers that cannot prove it and calls to workers carry our proof; with TLS
     # files the Registry and every channel to a worker are mutual TLS. Default: neither.
@@ -87,13 +107,18 @@ class CoordinatorConfig:
             if not origin or any(c.isspace() for c in origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin "
                                  "(such as https://example.com or chrome-extension://*)")
+        for name in self.allowed_hosts:
+            if not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"allowed_hosts: {name!r} is not a host name (such as "
+                                 "tandem.example.com, *.example.com, or * for any)")
         for name in ("prefill_threshold", "registry_port", "grpc_port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         for name in ("chunk_size", "local_chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
-                     "max_body_bytes", "max_messages", "max_streams"):
+                     "max_body_bytes", "max_messages", "max_streams", "max_connections",
+                     "max_connections_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_queue < 0:
@@ -108,13 +133,15 @@ class CoordinatorConfig:
                                  "(CIDR such as 10.0.0.0/8, or an address)") from None
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations!r}")
-        if not self.keep_alive_s >= 0:
-            raise ValueError(f"keep_alive_s must be >= 0 (math.inf = forever), got {self.keep_alive_s!r}")
+        if not (0 <= self.keep_alive_s <= MAX_KEEP_ALIVE_S or self.keep_alive_s == math.inf):
+            raise ValueError(f"keep_alive_s must be in 0..{MAX_KEEP_ALIVE_S:.0f} (a year), or math.inf = "
+                             f"forever, got {self.keep_alive_s!r}")
         if not self.load_timeout_s >= 0:
             raise ValueError(f"load_timeout_s must be >= 0, got {self.load_timeout_s!r}")
         for name in ("queue_timeout_s", "heartbeat_interval_s",
                      "prefill_timeout_s", "control_timeout_s", "token_timeout_s",
-                     "request_timeout_s"):
+                     "request_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

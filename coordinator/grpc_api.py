@@ -32,7 +32,7 @@ from common.rpc import tandem_pb2_grpc as pb_grpc
 from coordinator.service import Coordinator
 from common.errors import ModelNotFoundError, TandemError
 from common.sampling_params import SamplingParams
-from common.grpc_guard import guarded
+from common.grpc_server import bind, new_server
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +180,15 @@ async def start_client_api(coordinator: Coordinator, host: str, port: int
     every call but health's must carry it (coordinator/access.py); with API TLS files, over
     TLS only (coordinator/api_tls.py)."""
     keys = coordinator.config.api_keys()
-    server = grpc.aio.server(interceptors=guarded([ApiKeyInterceptor(keys)] if keys else None))
+    server = new_server(interceptors=[ApiKeyInterceptor(keys)] if keys else None)
     pb_grpc.add_TandemServicer_to_server(TandemServicer(coordinator), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(coordinator), server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     tls = coordinator.config.api_tls
-    bound = (server.add_secure_port(f"{host}:{port}", tls.grpc_credentials()) if tls
-             else server.add_insecure_port(f"{host}:{port}"))
-    if bound == 0:
-        raise OSError(f"cannot serve the gRPC client API on {host}:{port} (port in use?)")
+    add_port = ((lambda address: server.add_secure_port(address, tls.grpc_credentials()))
+                if tls else server.add_insecure_port)
+    bound = bind(add_port, f"{host}:{port}", "the gRPC client API")
     await server.start()
     return server, bound

@@ -4,8 +4,8 @@ embeddings, /metrics, /internal/workers).
 
 Errors before any output are a status with {"error": ...} (OpenAI's nested shape under /v1/);
 errors after a stream started are its last line (the handlers'). Unknown routes and wrong
-methods answer in the same shapes (http_errors.py); the API key and browser origins are
-checked before any route runs (access.py).
+methods answer in the same shapes (http_errors.py); the Host, the API key and browser origins
+are checked before any route runs (access.py).
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
                   redoc_url=None, openapi_url="/openapi.json")
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
-    install_http_access(app, limits.api_keys(), limits.allowed_origins, tandem_version())
+    install_http_access(app, limits.api_keys(), (limits.host, *limits.allowed_hosts),
+                        limits.allowed_origins, tandem_version())
     # Rows of one path and handler (GET and HEAD) are one route, so a 405 names every method.
     for (path, handler), rows in groupby(generate_routes(coordinator),
                                          key=lambda r: (r.path, r.handler)):

@@ -7,7 +7,8 @@
     POST   /api/copy    {source, destination}     200, empty body
     POST   /api/create  {model, from, stream?}    `from`: an absolute path on this host to a
                                                   .gguf file or a Hugging Face directory
-                                                  (registered where it lies), or a model name
+                                                  (registered where it lies), or a model name;
+                                                  a path that cannot be served is one 400 (below)
     DELETE /api/delete  {model}                   200, empty body
 
 Refused with a 400 naming the field, never dropped: create's `files` and `adapters` (blobs
@@ -21,6 +22,10 @@ pulled or created model is served by `tandem serve --model NAME`; a copy of the 
 answers under its new name at once; a name whose files the workers hold (the served model's
 name, or a name that would delete its file) is not deleted: 409. Store work (pip, hashing, hard
 links, reading a GGUF header) runs on threads, never on the event loop.
+
+`from` names a path on the server's host, so what create answers must not tell a client what
+lies there: every path that cannot be registered (missing, unreadable, not absolute, `~user`,
+not a model) gets the same 400 (UNSERVABLE_SOURCE); the reason goes to the server's log only.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ from coordinator.model import shown
 from coordinator.ollama_request import RequestError, stream_flag
 from coordinator.ollama_response import error_body, ndjson
 from coordinator.service import Coordinator
-from common.errors import ModelNotFoundError, TandemError
-from common.model_store import ModelStore, PullProgress, PullStatus, normalize_name
+from common.errors import ModelNameError, ModelNotFoundError, TandemError
+from common.model_store import ModelStore, PullProgress, PullStatus, check_name, normalize_name
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,9 @@ UNSUPPORTED_CREATE = {
                 "serving (--prefill-quant, --decode-quant)",
 }
 UNSUPPORTED_OVERRIDES = ("template", "system", "parameters", "messages", "license")
+UNSERVABLE_SOURCE = ("cannot create a model from that path: `from` must be the absolute path "
+                     "of a .gguf file or a Hugging Face directory that the server can read and "
+                     "serve (the server's log says why it could not)")
 
 
 class PullCancelled(Exception):
@@ -141,15 +149,26 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
     if served.answers_to(name):
         raise _in_use(name)
     if source.startswith(("/", "~", ".")):
-        path = await asyncio.to_thread(models.create, name, source)
+        path = await _create_from_path(models, name, source)
     elif served.answers_to(source):
         # The served model may not be in the store at all (served from a path, named by
         # --model-name): copy its path.
         path = await asyncio.to_thread(models.copy, str(served.path), name)
-    else:
-        path = await asyncio.to_thread(models.copy, source, name)
+    else:  # a name: never looked up as a path (that would tell what files the host has)
+        path = await asyncio.to_thread(models.copy, source, name, False)
     if served.answers_to(source) or _same(path, served.path):
         coordinator.add_model_name(normalize_name(name))
+
+
+async def _create_from_path(models: ModelStore, name: str, source: str) -> Path:
+    check_name(name)
+    try:
+        return await asyncio.to_thread(models.create, name, source)
+    except ModelNameError:
+        raise  # about the name, the client's own; raised only once the path checked out
+    except (TandemError, OSError, ValueError) as exc:
+        log.info("/api/create of %r from %s refused: %s", shown(name), shown(source), exc)
+        raise RequestError(UNSERVABLE_SOURCE) from None
 
 
 def _in_use(name: str) -> RequestError:

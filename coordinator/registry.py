@@ -47,7 +47,7 @@ from coordinator.convert import (
 from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
-from common.grpc_guard import guarded
+from common.grpc_server import bind, new_server
 
 log = logging.getLogger(__name__)
 
@@ -362,10 +362,9 @@ async def start_registry_server(registry: WorkerRegistry, host: str, port: int
     With a cluster secret, Register and Heartbeat without the worker's proof of it end
     UNAUTHENTICATED (the worker exits); with TLS files, only mutual TLS connects."""
     auth = registry.config.cluster_auth
-    server = grpc.aio.server(interceptors=guarded(auth.server_interceptors()))
+    server = new_server(interceptors=auth.server_interceptors())
     pb_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
-    bound = auth.add_port(server, f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen for workers on {host}:{port} (port in use?)")
+    bound = bind(lambda address: auth.add_port(server, address), f"{host}:{port}",
+                 "the Registry (where workers register)")
     await server.start()
     return server, bound

@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 
 import grpc
 
+from coordinator.config import MAX_KEEP_ALIVE_S
 from coordinator.registry import DECODE_ROLES, WorkerRecord, WorkerRegistry
 from coordinator.request_flow import NoWorkers
 from common.rpc import worker_pb2 as pb
@@ -43,7 +44,8 @@ class KeepAliveError(ValueError):
 
 def parse_keep_alive(value) -> float | None:
     """keep_alive as seconds: a number is seconds, a string a Go duration ("5m", "1h30m",
-    "300ms", "0"); negative = forever (math.inf); None when not given."""
+    "300ms", "0"); negative = forever (math.inf); None when not given. KeepAliveError (a 400
+    naming keep_alive) for anything else and for more than MAX_KEEP_ALIVE_S."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -67,6 +69,9 @@ def parse_keep_alive(value) -> float | None:
         raise KeepAliveError(f"keep_alive must be a duration or a number, got {type(value).__name__}")
     if math.isnan(seconds):
         raise KeepAliveError(f"keep_alive must be a duration or a number, got {value!r}")
+    if seconds > MAX_KEEP_ALIVE_S:
+        raise KeepAliveError(f"keep_alive {str(value)[:40]!r} is out of range: at most 8760h "
+                             "(a year); a negative keep_alive keeps the model loaded forever")
     return math.inf if seconds < 0 else seconds
 
 

@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from coordinator.config import CoordinatorConfig
+from coordinator.connection_limits import protocol_for
 from coordinator.grpc_api import start_client_api
 from coordinator.http_api import create_app
 from coordinator.model import ServedModel
@@ -84,6 +85,8 @@ def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
     tls = config.api_tls.uvicorn_options() if config.api_tls else {}
     return uvicorn.Server(uvicorn.Config(
         build_app(coordinator), host=config.host, port=config.port, loop=loop,
+        # timeouts and connection counts (coordinator/connection_limits.py)
+        http=protocol_for(config), timeout_keep_alive=config.idle_timeout_s,
         lifespan="on", log_level="info", access_log=False,
         timeout_graceful_shutdown=graceful_timeout_s, **tls))
 

@@ -37,7 +37,7 @@ import grpc
 import torch
 
 # Torch- and tandem-free: the one gRPC guard every tandem server installs.
-from common.grpc_guard import guarded
+from common.grpc_server import bind, new_server
 
 from .auth import HANDSHAKE_PROOF_HEADER, KVAuth
 from .base import KVTransferError
@@ -153,18 +153,18 @@ class GrpcReceiver(TableReceiver):
         self._endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
 
     async def _start(self, endpoint: str) -> int:
-        self._server = grpc.aio.server(options=_CHANNEL_OPTIONS, interceptors=guarded())
+        self._server = new_server(options=_CHANNEL_OPTIONS)
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        add_port = self._server.add_insecure_port
+        if self.auth is not None and self.auth.tls:
+            credentials = grpc.ssl_server_credentials(
+                [(self.auth.tls_key, self.auth.tls_cert)], root_certificates=self.auth.tls_ca,
+                require_client_auth=True)
+            add_port = lambda address: self._server.add_secure_port(address, credentials)  # noqa: E731
         try:
-            if self.auth is not None and self.auth.tls:
-                credentials = grpc.ssl_server_credentials(
-                    [(self.auth.tls_key, self.auth.tls_cert)], root_certificates=self.auth.tls_ca,
-                    require_client_auth=True)
-                port = self._server.add_secure_port(endpoint, credentials)
-            else:
-                port = self._server.add_insecure_port(endpoint)
-        except RuntimeError as e:
-            raise KVTransferError(f"cannot bind {endpoint}: {e}") from e
+            port = bind(add_port, endpoint, "the gRPC KV receiver")
+        except OSError as e:
+            raise KVTransferError(str(e)) from e
         await self._server.start()
         return port
 

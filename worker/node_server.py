@@ -28,7 +28,7 @@ from engine.llm_engine import LLMEngine
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from worker.runtime import configure_process
-from common.grpc_guard import guarded
+from common.grpc_server import bind, new_server
 from common.lifeline import watch_launcher
 
 log = logging.getLogger("tandem.node")
@@ -234,11 +234,12 @@ async def run_node(config: WorkerConfig, service_name: str,
                    on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
     auth = config.cluster_auth or ClusterAuth()
     # With a secret, only the coordinator's calls (they carry its proof) are served.
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=guarded(auth.server_interceptors()))
+    server = new_server(options=GRPC_OPTIONS, interceptors=auth.server_interceptors())
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = auth.add_port(server, f"{config.host}:{config.port}")
+    port = bind(lambda address: auth.add_port(server, address), f"{config.host}:{config.port}",
+                f"the {identity.role} node")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -183,7 +183,7 @@ def test_half_a_body_then_disconnect_is_one_info_line_without_traceback(model, c
             port = int(h.url.rsplit(":", 1)[1])
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                writer.write(b"POST /api/chat HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                              b"application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
                 await writer.drain()
                 await asyncio.sleep(0.05)
