@@ -171,3 +171,16 @@ def test_metrics_speak_vllms_names_and_types(model):
     assert value("tandem_worker_kv_transfers_total", worker="p1", outcome="done") == 3
     assert value("tandem_worker_requests_waiting", worker="d1", role="decode") == 0
     assert value("tandem_live_workers", role="decode") == 1
+
+
+def test_health_answers_probes_without_the_api_key_while_the_api_needs_it(model):
+    async def scenario():
+        async with coordinator_harness(model, api_key="sk-probe-test") as h, \
+                httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            await h.add_worker("d1", "decode", Script())
+            return (await client.get(f"{h.url}/health"),
+                    await client.get(f"{h.url}/version"))
+
+    health, version = run(scenario())
+    assert health.status_code == 200
+    assert version.status_code == 401
