@@ -48,6 +48,19 @@ def run(fn):
     return asyncio.run(main())
 
 
+def record_plans(engine: LLMEngine) -> list:
+    """Every SchedulerOutput the engine's scheduler hands out from now on, in order."""
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    engine.scheduler.schedule = recording_schedule
+    return plans
+
+
 def check_pool(engine: LLMEngine) -> None:
     bm = engine.block_manager
     bm.check_invariants()
@@ -149,22 +162,14 @@ def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
     engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0), "gen", max_tokens=40)
     ids = [(5 * i + 1) % 250 for i in range(50)]
     engine.submit(engine.make_embedding_request(ids, request_id="emb"))
-    preempted = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        preempted.extend(out.preempted)
-        return out
-
-    engine.scheduler.schedule = recording_schedule
+    plans = record_plans(engine)
     vector = None
     for _ in range(200):
         outs = engine.step()
         vector = vector or next((o.embedding for o in outs if o.request_id == "emb"), None)
         if not engine.has_unfinished():
             break
-    assert vector is not None and "emb" in preempted
+    assert vector is not None and any("emb" in plan.preempted for plan in plans)
     torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
                                reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
     engine.block_manager.reset_prefix_cache()
@@ -211,15 +216,7 @@ def test_the_coordinator_s_chunk_plan_caps_each_pass_of_an_input(model_dir, refe
     engine = LLMEngine.from_path(model_dir, EngineConfig(
         role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
         scheduler=SchedulerConfig(max_num_batched_tokens=512)), load_tokenizer=False)
-    sizes = []
-    real_schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = real_schedule()
-        sizes.extend(c.num_tokens for c in out.chunks)
-        return out
-
-    engine.scheduler.schedule = recording_schedule
+    plans = record_plans(engine)
     ids = [(11 * i + 5) % 250 for i in range(70)]
 
     async def body(loop):
@@ -231,7 +228,7 @@ def test_the_coordinator_s_chunk_plan_caps_each_pass_of_an_input(model_dir, refe
             worker.stop()
 
     [vector] = run(body)
-    assert sizes == [16, 16, 16, 16, 6]
+    assert [c.num_tokens for plan in plans for c in plan.chunks] == [16, 16, 16, 16, 6]
     torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
                                reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
     check_pool(engine)
