@@ -44,6 +44,7 @@ MIN_SECRET_BYTES = 16
 PROOF_HEADER = "x-tandem-proof"
 PROOF_WINDOW_S = 300.0
 OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes (k8s, launchers) need no proof
+REGISTER_METHOD = "/tandem.worker.Registry/Register"
 # What the Registry's reply proves: not a method name, so it cannot open a call.
 REGISTER_REPLY = "tandem.worker.Registry/Register#reply"
 ENV_SECRET = "TANDEM_CLUSTER_SECRET"
