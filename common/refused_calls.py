@@ -15,6 +15,7 @@ import threading
 # check()'s message prefix -> the reason label (common/cluster_auth.py ClusterAuth.check).
 REASONS = (("no cluster proof", "no_proof"), ("malformed", "malformed"),
            ("wrong cluster proof", "wrong_secret"), ("stale", "stale"),
+           ("cluster proof of another request", "other_request"), ("replayed", "replayed"),
            ("worker id", "id_in_use"))  # coordinator/registry.py: a live worker's id claimed
 
 

@@ -53,7 +53,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import (
     KVCounters, WorkerLoad, kv_from_status, load_from_status, refused_from_status,
 )
-from common.cluster_auth import PROOF_HEADER, REGISTER_METHOD, REGISTER_REPLY
+from common.cluster_auth import PROOF_HEADER, REGISTER_METHOD, REGISTER_REPLY, request_bytes
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.grpc_guard import guarded
@@ -402,7 +402,8 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     async def Register(self, request: pb.WorkerInfo, context) -> pb.RegisterResponse:
         auth = self._registry.config.cluster_auth
         if auth.secret:  # the worker checks that we hold the secret too (common/cluster_auth.py)
-            context.set_trailing_metadata(((PROOF_HEADER, auth.proof(REGISTER_REPLY)),))
+            proof = auth.proof(REGISTER_REPLY, body=request_bytes(request))
+            context.set_trailing_metadata(((PROOF_HEADER, proof),))
         return await self._registry.claim(request, _peer_identity(context))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
