@@ -190,7 +190,7 @@ class WorkerRegistry:
         holder = None if reason else self._holder(info, identity)
         if holder is not None:
             reason = (f"worker id {info.worker_id!r} is in use by the live worker at "
-                      f"{holder.address}, which answers; give this worker another --worker-id")
+                      f"{holder.address}; give this worker another --worker-id")
             self.config.cluster_auth.refused.add(REGISTER_METHOD, reason)
         if reason:
             log.warning("refused worker %r at %s: %s", info.worker_id, info.address, reason)

@@ -43,7 +43,7 @@ def trusted_dir(root: Path) -> Path:
     except OSError as e:
         return _private_dir(f"{root} cannot be created ({e.strerror})")
     if not stat.S_ISDIR(st.st_mode):
-        return _private_dir(f"{root} is not a directory")
+        return _private_dir(f"{root} is not a directory (a symlink is not followed)")
     if st.st_uid != os.getuid():
         return _private_dir(f"{root} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
