@@ -8,16 +8,27 @@ coordinator and every worker, and what each gRPC channel and server of the plane
              presents ours and checks the server's. Without them the plane is plaintext, which
              is meant for loopback or a trusted network.
 
-With a secret, every internal gRPC call carries `x-tandem-proof: TS.NONCE.MAC`, where
-MAC = HMAC-SHA256(k, "METHOD|TS|NONCE") and k is derived from the secret. An HMAC rather than the
-secret itself: without TLS a sniffer sees proofs, and a proof only opens the one method it
-names for PROOF_WINDOW_S (clocks of the hosts may disagree by up to that much), never the
-secret. Servers refuse a call without a valid proof UNAUTHENTICATED and count it by method and
+With a secret, every internal gRPC call carries `x-tandem-proof: TS.NONCE.HEAD.BODY`, where
+
+    HEAD = HMAC-SHA256(k, "METHOD|TS|NONCE")
+    BODY = HMAC-SHA256(k, "METHOD|TS|NONCE|" + hex SHA-256 of the request message)
+
+k is derived from the secret and the request message is serialized deterministically (every
+internal call has a unary request: worker.proto). An HMAC rather than the secret itself:
+without TLS a sniffer sees proofs, and a proof opens only the one method it names, with the one
+request it was made for, once, within PROOF_WINDOW_S of TS (the hosts' clocks may disagree by
+up to that much), never the secret. Servers remember the nonces they admitted until their
+proofs go stale (common/nonce_log.py), so a captured proof replayed as it was is refused
+("replayed"), and replayed with another body too ("other_request"; HEAD tells that apart from
+a wrong secret). A call with a streaming request would be bound to method, time and nonce only
+(none exists in the internal plane). Proofs of older tandem versions (TS.NONCE.MAC, no body)
+are refused as malformed: every process of a cluster runs this same version.
+Servers refuse a call without a valid proof UNAUTHENTICATED and count it by method and
 reason (ClusterAuth.refused, common/refused_calls.py; the health service stays open, for probes); the Registry thus refuses a worker without the secret, and a worker refuses
 a caller that is not the coordinator. The Registry's answer to Register carries a proof of its
-own (for REGISTER_REPLY, in the trailing metadata), so a worker also refuses to serve a
-coordinator without the secret (a misconfigured or rogue one). The KV plane's keys derive
-from the same secret (kvtransfer/auth.py).
+own (for REGISTER_REPLY and the worker's WorkerInfo, in the trailing metadata), so a worker
+also refuses to serve a coordinator without the secret (a misconfigured or rogue one). The KV
+plane's keys derive from the same secret (kvtransfer/auth.py).
 
 Default (no secret, no TLS): everything is as before, plaintext and open.
 """
@@ -36,6 +47,8 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_guard import screened
+from common.nonce_log import NonceLog
 from common.refused_calls import RefusedCalls
 
 log = logging.getLogger(__name__)
@@ -44,6 +57,7 @@ MIN_SECRET_BYTES = 16
 PROOF_HEADER = "x-tandem-proof"
 PROOF_WINDOW_S = 300.0
 OPEN_PREFIX = "/grpc.health.v1.Health/"  # probes (k8s, launchers) need no proof
+REGISTER_METHOD = "/tandem.worker.Registry/Register"
 # What the Registry's reply proves: not a method name, so it cannot open a call.
 REGISTER_REPLY = "tandem.worker.Registry/Register#reply"
 ENV_SECRET = "TANDEM_CLUSTER_SECRET"
@@ -100,6 +114,9 @@ class ClusterAuth:
     tls: TLSFiles | None = None
     # Calls this process's servers refused, by method and reason (for /metrics and heartbeats).
     refused: RefusedCalls = field(default_factory=RefusedCalls, repr=False, compare=False)
+    # Nonces of the proofs this process admitted, until they go stale (no replay).
+    nonces: NonceLog = field(default_factory=lambda: NonceLog(PROOF_WINDOW_S), repr=False,
+                             compare=False)
     # The proofs' HMAC key, derived from the secret (b"" without one).
     _proof_key: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -141,27 +158,48 @@ class ClusterAuth:
 
     # ---- proofs -----------------------------------------------------------------------------
 
-    def proof(self, method: str, now: float | None = None) -> str:
+    def proof(self, method: str, now: float | None = None, *, body: bytes = b"") -> str:
+        """A proof that opens `method` once, for the request serialized as `body`."""
         ts = str(int(time.time() if now is None else now))
         nonce = secrets.token_hex(8)
-        mac = hmac.new(self._proof_key, f"{method}|{ts}|{nonce}".encode(), hashlib.sha256).hexdigest()
-        return f"{ts}.{nonce}.{mac}"
+        head, full = self._macs(method, ts, nonce, body)
+        return f"{ts}.{nonce}.{head}.{full}"
 
-    def check(self, method: str, proof: str | None, now: float | None = None) -> str:
-        """Why `proof` does not open `method` ("" when it does)."""
+    def check(self, method: str, proof: str | None, now: float | None = None, *,
+              body: bytes = b"") -> str:
+        """Why `proof` does not open `method` with `body` ("" when it does); nonces aside."""
         if not proof:
             return "no cluster proof: the caller has no cluster secret"
         try:
-            ts, nonce, mac = proof.split(".")
+            ts, nonce, head, full = proof.split(".")
             age = abs((time.time() if now is None else now) - int(ts))
         except ValueError:
             return "malformed cluster proof"
-        want = hmac.new(self._proof_key, f"{method}|{ts}|{nonce}".encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, mac):
+        want_head, want_full = self._macs(method, ts, nonce, body)
+        if not hmac.compare_digest(want_head, head):
             return "wrong cluster proof: the caller's cluster secret is a different one"
         if age > PROOF_WINDOW_S:
             return f"stale cluster proof ({age:.0f} s old; are the hosts' clocks apart?)"
+        if not hmac.compare_digest(want_full, full):
+            return "cluster proof of another request (replayed with a new body, or altered)"
         return ""
+
+    def admit(self, method: str, proof: str | None, now: float | None = None, *,
+              body: bytes = b"") -> str:
+        """`check`, and the proof's first use: its nonce is remembered, a second use refused."""
+        now = time.time() if now is None else now
+        reason = self.check(method, proof, now, body=body)
+        if not reason:
+            ts, nonce = proof.split(".")[:2]
+            if not self.nonces.first_use(nonce, int(ts), now):
+                reason = "replayed cluster proof: its nonce opened a call already"
+        return reason
+
+    def _macs(self, method: str, ts: str, nonce: str, body: bytes) -> tuple[str, str]:
+        head = f"{method}|{ts}|{nonce}"
+        full = f"{head}|{hashlib.sha256(body).hexdigest()}"
+        return tuple(hmac.new(self._proof_key, m.encode(), hashlib.sha256).hexdigest()
+                     for m in (head, full))
 
     # ---- gRPC servers and channels ----------------------------------------------------------
 
@@ -201,8 +239,16 @@ def auth_from_args(args) -> ClusterAuth:
                                     args.tls_ca, args.tls_server_name)
 
 
+def request_bytes(request) -> bytes:
+    """What a proof's BODY covers: the request message, serialized deterministically (both
+    ends run this version, so both serialize a message alike)."""
+    return request.SerializeToString(deterministic=True)
+
+
 class ProofInterceptor(grpc.aio.ServerInterceptor):
-    """Ends every call without a valid proof UNAUTHENTICATED, except the health service's."""
+    """Ends every call without a valid, unused proof for its request UNAUTHENTICATED, except
+    the health service's. The proof covers the request, so it is checked once the request has
+    been read, before the method sees it."""
 
     def __init__(self, auth: ClusterAuth) -> None:
         self.auth = auth
@@ -211,13 +257,24 @@ class ProofInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_PREFIX):
             return handler
-        metadata = dict(details.invocation_metadata or ())
-        reason = self.auth.check(details.method, metadata.get(PROOF_HEADER))
-        if not reason:
-            return handler
-        log.warning("refused %s: %s", details.method, reason)
-        self.auth.refused.add(details.method, reason)
-        return refusal_handler(handler, reason)
+        proof = dict(details.invocation_metadata or ()).get(PROOF_HEADER)
+        if handler.request_streaming:  # method, time and nonce only (none in the plane)
+            reason = self._admit(details.method, proof, b"")
+            return refusal_handler(handler, reason) if reason else handler
+
+        async def screen(request, context: grpc.aio.ServicerContext) -> None:
+            reason = self._admit(details.method, proof, request_bytes(request))
+            if reason:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        return screened(handler, screen)
+
+    def _admit(self, method: str, proof: str | None, body: bytes) -> str:
+        reason = self.auth.admit(method, proof, body=body)
+        if reason:
+            log.warning("refused %s: %s", method, reason)
+            self.auth.refused.add(method, reason)
+        return reason
 
 
 def refusal_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -236,9 +293,11 @@ def refusal_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMet
     raise TypeError(f"unknown kind of gRPC handler: {handler!r}")
 
 
-def _with_proof(auth: ClusterAuth, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def _with_proof(auth: ClusterAuth, details: grpc.aio.ClientCallDetails,
+                request) -> grpc.aio.ClientCallDetails:
     method = details.method.decode() if isinstance(details.method, bytes) else details.method
-    metadata = [*(details.metadata or ()), (PROOF_HEADER, auth.proof(method))]
+    proof = auth.proof(method, body=request_bytes(request))
+    metadata = [*(details.metadata or ()), (PROOF_HEADER, proof)]
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                       details.credentials, details.wait_for_ready)
 
@@ -248,7 +307,7 @@ class _ProofUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
         self.auth = auth
 
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_proof(self.auth, details), request)
+        return await continuation(_with_proof(self.auth, details, request), request)
 
 
 class _ProofUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
@@ -256,7 +315,7 @@ class _ProofUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         self.auth = auth
 
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_proof(self.auth, details), request)
+        return await continuation(_with_proof(self.auth, details, request), request)
 
 
 def proof_client_interceptors(auth: ClusterAuth) -> list:

@@ -14,7 +14,7 @@ the gRPC KV receiver). Torch-free and tandem-free: only grpc and protobuf.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -53,26 +53,42 @@ async def _checked(requests: AsyncIterator[Any], context) -> AsyncIterator[Any]:
         yield request
 
 
-def _unary_in(behavior: Callable, streaming_out: bool) -> Callable:
+async def _reject_malformed(request: Any, context) -> None:
+    if isinstance(request, _Malformed):
+        await _refuse(context, request)
+
+
+def _unary_in(behavior: Callable, streaming_out: bool,
+              screen: Callable[[Any, Any], Awaitable[None]]) -> Callable:
     if not streaming_out:
         async def unary(request: Any, context) -> Any:
-            if isinstance(request, _Malformed):
-                await _refuse(context, request)
+            await screen(request, context)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         return unary
 
     async def stream(request: Any, context) -> AsyncIterator[Any]:
-        if isinstance(request, _Malformed):
-            await _refuse(context, request)
+        await screen(request, context)
         result = behavior(request, context)
         if inspect.isasyncgen(result):
             async for response in result:
                 yield response
         else:  # a coroutine that writes with context.write()
             await result
-
     return stream
+
+
+def screened(handler: grpc.RpcMethodHandler, screen: Callable[[Any, Any], Awaitable[None]],
+             request_deserializer: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+    """`handler` (of a unary request) with `screen(request, context)` awaited before the
+    method runs; the screen ends the call by aborting (common/cluster_auth.py's proofs).
+    `request_deserializer` replaces the handler's own when given."""
+    out = handler.response_streaming
+    make = grpc.unary_stream_rpc_method_handler if out else grpc.unary_unary_rpc_method_handler
+    behavior = handler.unary_stream if out else handler.unary_unary
+    return make(_unary_in(behavior, out, screen),
+                request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 def _stream_in(behavior: Callable, streaming_out: bool) -> Callable:
@@ -104,13 +120,9 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
                     else grpc.stream_unary_rpc_method_handler)
             behavior = handler.stream_stream if out else handler.stream_unary
             wrapped = _stream_in(behavior, out)
-        else:
-            make = (grpc.unary_stream_rpc_method_handler if out
-                    else grpc.unary_unary_rpc_method_handler)
-            behavior = handler.unary_stream if out else handler.unary_unary
-            wrapped = _unary_in(behavior, out)
-        return make(wrapped, request_deserializer=_lenient(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+            return make(wrapped, request_deserializer=_lenient(handler.request_deserializer),
+                        response_serializer=handler.response_serializer)
+        return screened(handler, _reject_malformed, _lenient(handler.request_deserializer))
 
 
 def guarded(interceptors: list | tuple | None = None) -> list:

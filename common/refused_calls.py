@@ -1,4 +1,5 @@
-"""Counts of the internal gRPC calls a process refused (common/cluster_auth.py's interceptor),
+"""Counts of the internal gRPC calls a process refused (common/cluster_auth.py's interceptor;
+the Registry's refusals of a live worker's id, coordinator/registry.py),
 by method and reason, so a rogue or misconfigured peer shows on /metrics, not only in a log.
 
 A worker sends its counts in every heartbeat (WorkerStatus.refused_calls); the coordinator
@@ -13,7 +14,9 @@ import threading
 
 # check()'s message prefix -> the reason label (common/cluster_auth.py ClusterAuth.check).
 REASONS = (("no cluster proof", "no_proof"), ("malformed", "malformed"),
-           ("wrong cluster proof", "wrong_secret"), ("stale", "stale"))
+           ("wrong cluster proof", "wrong_secret"), ("stale", "stale"),
+           ("cluster proof of another request", "other_request"), ("replayed", "replayed"),
+           ("worker id", "id_in_use"))  # coordinator/registry.py: a live worker's id claimed
 
 
 def reason_label(message: str) -> str:

@@ -18,7 +18,16 @@ interval; time between two ticks beyond one heartbeat interval is the coordinato
 does not count as any worker's silence (`responsive_now`).
 
 A dead worker's Heartbeat answers known=false, so a worker that was only cut off for a while
-registers again and is revived with a fresh channel. Records of dead workers are kept so that
+registers again and is revived with a fresh channel.
+
+A worker id is bound to what its live record registered with: the address and, under mutual
+TLS, the certificate identity the Registry saw (with a secret, only holders of it get this
+far at all). A registration of a live id that matches both is the same worker registering
+again and is accepted; one from elsewhere is a claim on a name in use. The Registry then asks
+the holder for its Status (the silent-worker probe, same deadline): the claim is refused while
+the holder answers (logged, and counted with the refused calls as reason id_in_use), and
+accepted once it does not (the holder is declared dead first). Without this a second process
+started by hand as `decode-0` would take over the first one's traffic. Records of dead workers are kept so that
 /internal/workers can show them.
 
 Each status (Register's, every Heartbeat's) replaces the worker's load, the hashes of the blocks
@@ -44,7 +53,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.convert import (
     KVCounters, WorkerLoad, kv_from_status, load_from_status, refused_from_status,
 )
-from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY
+from common.cluster_auth import PROOF_HEADER, REGISTER_METHOD, REGISTER_REPLY, request_bytes
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.grpc_server import bind, new_server
@@ -89,6 +98,9 @@ class WorkerRecord:
     # Internal calls it refused, (method, reason) -> count, as last reported.
     refused: dict[tuple[str, str], int] = field(default_factory=dict)
     resident: bool = True  # it holds the model's weights, as last reported (keep_alive)
+    # Its TLS certificate identity as the Registry saw it ("" without TLS): with the address,
+    # what its id is bound to.
+    identity: str = ""
     prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
     decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
 
@@ -160,8 +172,26 @@ class WorkerRegistry:
 
     # ---- called by the Registry servicer ------------------------------------------------------
 
-    def register(self, info: pb.WorkerInfo) -> pb.RegisterResponse:
+    async def claim(self, info: pb.WorkerInfo, identity: str = "") -> pb.RegisterResponse:
+        """`register`, after asking a live holder of the id from elsewhere whether it is still
+        there: a holder that does not answer its Status probe is declared dead and the
+        newcomer registers; one that answers keeps its id (`register` refuses the claim)."""
+        holder = self._holder(info, identity)
+        if holder is not None and await self._ask_status(holder) is None:
+            if self._workers.get(holder.worker_id) is holder and holder.alive:
+                self._kill(holder, f"did not answer a Status probe when a worker at "
+                                   f"{info.address} registered with its id")
+        return self.register(info, identity)
+
+    def register(self, info: pb.WorkerInfo, identity: str = "") -> pb.RegisterResponse:
+        """Accept or refuse a registration as it stands: a live id held from elsewhere is
+        refused here (`claim` probes the holder first)."""
         reason = self._refusal(info)
+        holder = None if reason else self._holder(info, identity)
+        if holder is not None:
+            reason = (f"worker id {info.worker_id!r} is in use by the live worker at "
+                      f"{holder.address}; give this worker another --worker-id")
+            self.config.cluster_auth.refused.add(REGISTER_METHOD, reason)
         if reason:
             log.warning("refused worker %r at %s: %s", info.worker_id, info.address, reason)
             return pb.RegisterResponse(accepted=False, reason=reason)
@@ -180,7 +210,7 @@ class WorkerRegistry:
             load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
             registrations=old.registrations + 1 if old else 1, kv=kv_from_status(info.status),
             refused=refused_from_status(info.status),
-            resident=not info.status.unloaded,
+            resident=not info.status.unloaded, identity=identity,
         )
         if info.role == "prefill":
             record.prefill_stub = pb_grpc.PrefillWorkerStub(channel)
@@ -205,6 +235,16 @@ class WorkerRegistry:
             record.resident = not request.status.unloaded
         self._notify()
         return pb.HeartbeatResponse(known=True)
+
+    def _holder(self, info: pb.WorkerInfo, identity: str) -> WorkerRecord | None:
+        """The live record `info`'s id belongs to, if it is another worker's: registered from
+        another address or (under TLS) with another certificate identity."""
+        record = self._workers.get(info.worker_id)
+        if record is None or not self._check_alive(record):
+            return None
+        if record.address == info.address and record.identity == identity:
+            return None  # the same worker registering again (e.g. after a wrong death verdict)
+        return record
 
     def _refusal(self, info: pb.WorkerInfo) -> str:
         if not info.worker_id:
@@ -260,18 +300,25 @@ class WorkerRegistry:
                 self._probing.add(record.worker_id)
                 asyncio.get_running_loop().create_task(self._probe(record))
 
-    async def _probe(self, record: WorkerRecord) -> None:
+    async def _ask_status(self, record: WorkerRecord) -> pb.WorkerStatus | None:
+        """The worker's Status, or None when it does not answer within the probe deadline."""
         stub = record.prefill_stub or record.decode_stub
         try:
-            status = await stub.Status(pb.StatusRequest(),
-                                       timeout=min(self.config.control_timeout_s,
-                                                   self.config.heartbeat_deadline_s / 2))
+            return await stub.Status(pb.StatusRequest(),
+                                     timeout=min(self.config.control_timeout_s,
+                                                 self.config.heartbeat_deadline_s / 2))
         except grpc.aio.AioRpcError as exc:
-            log.info("worker %s is silent and its Status probe failed: %s", record.worker_id,
-                     exc.code().name)
-            return
+            log.info("worker %s at %s did not answer a Status probe: %s", record.worker_id,
+                     record.address, exc.code().name)
+            return None
+
+    async def _probe(self, record: WorkerRecord) -> None:
+        try:
+            status = await self._ask_status(record)
         finally:
             self._probing.discard(record.worker_id)
+        if status is None:
+            return
         if self._workers.get(record.worker_id) is record and record.alive:
             record.last_heartbeat = self.responsive_now()
             record.load = load_from_status(status)
@@ -342,6 +389,12 @@ def _close_later(channel: grpc.aio.Channel) -> None:
     asyncio.get_running_loop().create_task(channel.close(grace=5.0))
 
 
+def _peer_identity(context) -> str:
+    """The caller's certificate identity (its SANs or CN, as gRPC reports them); "" without TLS."""
+    identities = context.peer_identities() or ()
+    return ",".join(i.decode(errors="replace") for i in identities)
+
+
 class RegistryServicer(pb_grpc.RegistryServicer):
     def __init__(self, registry: WorkerRegistry) -> None:
         self._registry = registry
@@ -349,8 +402,9 @@ class RegistryServicer(pb_grpc.RegistryServicer):
     async def Register(self, request: pb.WorkerInfo, context) -> pb.RegisterResponse:
         auth = self._registry.config.cluster_auth
         if auth.secret:  # the worker checks that we hold the secret too (common/cluster_auth.py)
-            context.set_trailing_metadata(((PROOF_HEADER, auth.proof(REGISTER_REPLY)),))
-        return self._registry.register(request)
+            proof = auth.proof(REGISTER_REPLY, body=request_bytes(request))
+            context.set_trailing_metadata(((PROOF_HEADER, proof),))
+        return await self._registry.claim(request, _peer_identity(context))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         return self._registry.heartbeat(request)

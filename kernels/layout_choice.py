@@ -46,7 +46,7 @@ def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str],
         # One measurement per host: processes starting together (a prefill and a decode worker)
         # wait on the lock and read the first one's choice, so they never run different kernels.
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # native_cache.py
             lock = open(path.with_suffix(".lock"), "w")
         except OSError as e:  # an unwritable cache: measure for this process alone
             log.warning("layout cache %s unusable (%s); measuring for this process only", path, e)

@@ -16,10 +16,13 @@ The level follows `torch.backends.cpu.get_cpu_capability()`, which honours
 ATEN_CPU_CAPABILITY=default|avx2|avx512, so one host runs (and tests) every level up to its own.
 
 Cache: $TANDEM_HOME/native (default ~/.cache/tandem/native), one shared library per hash of
-(sources, flags, compiler version). Several processes may build at once: each writes its own
-temporary file and renames it into place, so a reader never sees half a library.
-A machine without a C++ compiler gets `NativeUnavailable` with the reason; callers then fall
-back to the aten kernels (kernels/quant_int4.py, quant_int8.py).
+(sources, flags, compiler version), loaded only from a directory that only we can write and only
+if its manifest's hash of its bytes still holds (kernels/native_cache.py). Several processes may
+build at once: each writes its own temporary file and renames it into place, so a reader never
+sees half a library.
+A machine without a C++ compiler, or whose loader refuses the library (noexec, SELinux), gets
+`NativeUnavailable` with the reason, logged once by `available()`; callers then fall back to
+the aten kernels (kernels/quant_int4.py, quant_int8.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels import native_cache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "rms_norm.cpp", "rotary_kv_write.cpp")
@@ -85,6 +90,7 @@ def _compiler() -> str:
 
 
 def _build(level: str) -> Path:
+    """The library for `level`: from the cache when its manifest vouches for it, else built."""
     cxx = _compiler()
     flags = COMMON_FLAGS + LEVEL_FLAGS[level] if platform.machine().lower() in ("x86_64", "amd64") \
         else COMMON_FLAGS
@@ -93,10 +99,10 @@ def _build(level: str) -> Path:
     for name in (*SOURCES, "simd.h"):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join([cxx, *flags, version]).encode())
-    out = cache_root() / f"tandem_{level}_{digest.hexdigest()[:16]}.so"
-    if out.exists():
+    key = digest.hexdigest()
+    out = native_cache.trusted_dir(cache_root()) / f"tandem_{level}_{key[:16]}.so"
+    if native_cache.verified(out, key):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, *flags, "-I", str(CSRC), *(str(CSRC / s) for s in SOURCES), "-o", tmp]
@@ -104,20 +110,25 @@ def _build(level: str) -> Path:
     if proc.returncode != 0:
         os.unlink(tmp)
         raise NativeUnavailable(f"building the native kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    os.replace(tmp, out)
+    native_cache.install(Path(tmp), out, key)
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def library(level: str | None = None) -> ctypes.CDLL:
-    """The loaded kernels for `level` (default: this process's dispatch level)."""
+    """The loaded kernels for `level` (default: this process's dispatch level). A library the
+    loader refuses (a noexec mount, SELinux, a missing symbol) is NativeUnavailable too."""
     level = level or dispatch_level()
     if level not in LEVEL_FLAGS:
         raise ValueError(f"unknown native level {level!r}; expected one of {LEVELS}")
-    lib = ctypes.CDLL(str(_build(level)))
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    path = _build(level)
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"loading {path} failed: {e}") from None
     return lib
 
 

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY, ClusterAuth
+from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY, ClusterAuth, request_bytes
 from engine.config import KV_DTYPE_TORCH_NAMES, EngineConfig
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
@@ -168,7 +168,7 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                     call = stub.Register(info, timeout=5)
                     reply = await call
                     if auth.secret:
-                        await _check_coordinator(auth, coordinator, call)
+                        await _check_coordinator(auth, coordinator, call, info)
                     if not reply.accepted:
                         log.error("coordinator refused registration: %s", reply.reason)
                         raise NodeFailure(f"registration refused: {reply.reason}")
@@ -206,11 +206,13 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                 pass
 
 
-async def _check_coordinator(auth: ClusterAuth, coordinator: str, call) -> None:
-    """The Registry proves the secret in its reply's trailing metadata: a worker must not
-    serve (and hand its KV endpoint to) a coordinator outside the cluster."""
+async def _check_coordinator(auth: ClusterAuth, coordinator: str, call,
+                             info: pb.WorkerInfo) -> None:
+    """The Registry proves the secret in its reply's trailing metadata, for this very
+    registration (`info`) and once: a worker must not serve (and hand its KV endpoint to) a
+    coordinator outside the cluster, nor take a replayed reply for an answer."""
     metadata = dict(await call.trailing_metadata() or ())
-    reason = auth.check(REGISTER_REPLY, metadata.get(PROOF_HEADER))
+    reason = auth.admit(REGISTER_REPLY, metadata.get(PROOF_HEADER), body=request_bytes(info))
     if reason:
         raise NodeFailure(f"the coordinator at {coordinator} did not prove the cluster secret: "
                           f"{reason.replace('the caller', 'it')}")

@@ -20,7 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import kvtransfer as kt
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import WorkerRegistry, start_registry_server
-from common.cluster_auth import ClusterAuth, TLSFiles
+from common.cluster_auth import (
+    PROOF_HEADER, PROOF_WINDOW_S, REGISTER_METHOD, ClusterAuth, TLSFiles, proof_client_interceptors,
+    request_bytes,
+)
 from worker.node_server import NodeFailure, NodeIdentity, register_and_heartbeat
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
@@ -97,6 +100,71 @@ async def _with_registry(auth: ClusterAuth, body):
     finally:
         await server.stop(0)
         await registry.close()
+
+
+def test_a_proof_opens_one_request_once():
+    auth = ClusterAuth(SECRET)
+    now = 1_000_000.0
+    body = request_bytes(_info("w"))
+    proof = auth.proof(REGISTER_METHOD, now, body=body)
+    assert auth.check(REGISTER_METHOD, proof, now, body=body) == ""
+    assert "another request" in auth.check(REGISTER_METHOD, proof, now,
+                                           body=request_bytes(_info("rogue")))
+    assert auth.admit(REGISTER_METHOD, proof, now + 1, body=body) == ""
+    assert "replayed" in auth.admit(REGISTER_METHOD, proof, now + 2, body=body)
+    assert "malformed" in auth.check(REGISTER_METHOD, proof.rsplit(".", 1)[0], now)  # older format
+
+
+def test_remembered_nonces_expire_with_their_proofs():
+    auth = ClusterAuth(SECRET)
+    now = 1_000_000.0
+    for i in range(100):
+        assert auth.admit("/m", auth.proof("/m", now + i), now + i) == ""
+    assert len(auth.nonces) == 100
+    later = now + 99 + PROOF_WINDOW_S + 1  # every proof above is stale by now
+    assert auth.admit("/m", auth.proof("/m", later), later) == ""
+    assert len(auth.nonces) == 1
+
+
+class _Capture(grpc.aio.UnaryUnaryClientInterceptor):
+    """Sits behind the proof interceptor and records the proofs it sent (a sniffer's view)."""
+
+    def __init__(self) -> None:
+        self.proofs: list[str] = []
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        self.proofs.append(dict(details.metadata)[PROOF_HEADER])
+        return await continuation(details, request)
+
+
+def test_a_replayed_register_proof_is_refused_and_counted_whatever_the_body():
+    auth = ClusterAuth(SECRET)
+    sniffer = _Capture()
+
+    async def body(registry, address):
+        async with grpc.aio.insecure_channel(
+                address, interceptors=[*proof_client_interceptors(auth), sniffer]) as channel:
+            assert (await pb_grpc.RegistryStub(channel).Register(_info("w"), timeout=5)).accepted
+        outcomes = {}
+        async with grpc.aio.insecure_channel(address) as channel:  # the replayer's, no secret
+            stub = pb_grpc.RegistryStub(channel)
+            for name, info in (("same body", _info("w")), ("other body", _info("rogue"))):
+                try:
+                    await stub.Register(info, timeout=5,
+                                        metadata=((PROOF_HEADER, sniffer.proofs[0]),))
+                    outcomes[name] = "accepted"
+                except grpc.aio.AioRpcError as exc:
+                    outcomes[name] = (exc.code(), exc.details())
+        return outcomes, {r.worker_id for r in registry.all()}
+
+    outcomes, known = asyncio.run(_with_registry(auth, body))
+    assert outcomes["same body"][0] is grpc.StatusCode.UNAUTHENTICATED
+    assert "replayed" in outcomes["same body"][1]
+    assert outcomes["other body"][0] is grpc.StatusCode.UNAUTHENTICATED
+    assert "another request" in outcomes["other body"][1]
+    assert known == {"w"}
+    assert auth.refused.snapshot() == {(REGISTER_METHOD, "replayed"): 1,
+                                       (REGISTER_METHOD, "other_request"): 1}
 
 
 def test_the_registry_refuses_a_worker_without_the_secret_and_the_worker_gives_up():

@@ -137,3 +137,48 @@ def test_heartbeat_updates_load_and_unknown_worker_is_told_to_register():
         await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_a_live_worker_s_id_from_another_address_is_refused_while_it_answers(model, tokens):
+    """A second process started as d1 while d1 lives: refused (logged, counted, on /metrics)
+    while d1 answers its Status probe; accepted once d1 stops answering."""
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            first = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            second = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            registry = h.coordinator.registry
+            refused = second.register_response
+            held_by = registry.get("d1").address
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                metrics = (await client.get(f"{h.url}/metrics")).text
+            first.heartbeating = first.status_answers = False  # gone (hung)
+            accepted = await second.register()
+            return first, second, refused, held_by, metrics, accepted, registry.get("d1")
+
+    first, second, refused, held_by, metrics, accepted, record = run(scenario())
+    assert not refused.accepted and "in use" in refused.reason and first.address in refused.reason
+    assert held_by == first.address
+    assert ('tandem_grpc_refused_calls{method="/tandem.worker.Registry/Register",'
+            'process="coordinator",reason="id_in_use"} 1.0') in metrics
+    assert accepted.accepted and record.address == second.address and record.alive
+
+
+def test_a_worker_id_is_bound_to_its_address_and_certificate_identity():
+    async def scenario():
+        registry = WorkerRegistry(CoordinatorConfig(), "fp")
+        info = pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:1",
+                             model_fingerprint="fp")
+        first = registry.register(info, identity="worker-a")
+        again = registry.register(info, identity="worker-a")  # the same worker, again
+        other_cert = registry.register(info, identity="worker-b")
+        moved = pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:2",
+                              model_fingerprint="fp")
+        other_address = registry.register(moved, identity="worker-a")
+        counts = registry.config.cluster_auth.refused.snapshot()
+        await registry.close()
+        return first, again, other_cert, other_address, counts
+
+    first, again, other_cert, other_address, counts = asyncio.run(scenario())
+    assert first.accepted and again.accepted
+    assert not other_cert.accepted and not other_address.accepted
+    assert counts == {("/tandem.worker.Registry/Register", "id_in_use"): 2}
