@@ -43,6 +43,8 @@ class ChatRequest:
     # Ollama's `truncate` (default true): a conversation longer than the context drops its
     # oldest non-system messages until it fits (coordinator/prompts.py fit_chat); false: a 400.
     truncate: bool = True
+    # Ollama's `think` (coordinator/thinking.py): None, a bool, or "low" | "medium" | "high".
+    think: bool | str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,9 +153,8 @@ def check_messages(messages: Any, max_messages: int) -> list[dict]:
 
 
 def _unsupported(body: dict[str, Any], model: str) -> None:
-    """Request features the served models cannot honour: refused, never silently dropped."""
-    if body.get("think") not in (None, False):
-        raise RequestError(f'"{model}" does not support thinking')
+    """Request features the served models cannot honour: refused, never silently dropped.
+    (`think` is the template's to honour: coordinator/thinking.py.)"""
     if body.get("images"):
         raise RequestError("images are not supported: the served model has no vision input")
 
@@ -198,7 +199,16 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
         raise RequestError(f"truncate must be true or false, got {json.dumps(truncate)[:60]}")
     return ChatRequest(model=model, messages=messages,
                        stream=stream_flag(body), params=params, tools=tools or None,
-                       unload=keep_alive == 0, keep_alive=keep_alive, truncate=truncate)
+                       unload=keep_alive == 0, keep_alive=keep_alive, truncate=truncate,
+                       think=_think(body))
+
+
+def _think(body: dict[str, Any]) -> bool | str | None:
+    think = body.get("think")
+    if not (think is None or isinstance(think, bool) or think in ("low", "medium", "high")):
+        raise RequestError(f"think must be true, false or one of low, medium, high, got "
+                           f"{json.dumps(think)[:60]}")
+    return think
 
 
 def _optional_str(body: dict[str, Any], name: str) -> str | None:
@@ -213,6 +223,9 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     prompt = _optional_str(body, "prompt") or ""
     system = _optional_str(body, "system")
     _unsupported(body, model)
+    if _think(body) not in (None, False):
+        raise RequestError("think is served on /api/chat only (message.thinking); "
+                           "/api/generate does not split thinking yet")
     if _optional_str(body, "suffix"):
         raise RequestError(f'"{model}" does not support insert')
     if _optional_str(body, "template"):

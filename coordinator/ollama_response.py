@@ -60,8 +60,11 @@ def serving_figures(g: Generation) -> dict[str, Any]:
     }
 
 
-def _message(content: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _message(content: str, tool_calls: list[dict[str, Any]] | None,
+             thinking: str = "") -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:  # coordinator/thinking.py: the answer's <think> block, when `think` asked
+        message["thinking"] = thinking
     if tool_calls:  # coordinator/tool_calls.py's ollama_tool_calls
         message["tool_calls"] = tool_calls
     return message
@@ -74,16 +77,17 @@ def _logprobs(g: Generation | None) -> dict[str, Any]:
 
 def chat_chunk(model: str, content: str,
                tool_calls: list[dict[str, Any]] | None = None,
-               g: Generation | None = None) -> dict[str, Any]:
+               g: Generation | None = None, thinking: str = "") -> dict[str, Any]:
     return {"model": model, "created_at": created_at(),
-            "message": _message(content, tool_calls), "done": False, **_logprobs(g)}
+            "message": _message(content, tool_calls, thinking), "done": False, **_logprobs(g)}
 
 
 def chat_final(model: str, g: Generation, content: str = "",
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None,
+               thinking: str = "") -> dict[str, Any]:
     g.timings.finish()
     return {"model": model, "created_at": created_at(),
-            "message": _message(content, tool_calls), "done": True,
+            "message": _message(content, tool_calls, thinking), "done": True,
             "done_reason": _with_done_reason(g.done_reason), **_logprobs(g), **figures(g.timings),
             "tandem": serving_figures(g)}
 

@@ -29,8 +29,9 @@ from coordinator.ollama_response import (
 from coordinator.prompts import chat_prompt_ids, fit_chat, generate_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
+from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking, template_args
 from coordinator.tool_calls import (
-    ToolCallParser, call_format, ollama_tool_calls, require_tool_support, split_calls,
+    ToolCallParser, call_format, ollama_tool_calls, require_tool_support,
 )
 from common.sampling_params import SamplingParams
 
@@ -84,22 +85,23 @@ class OllamaRoutes:
     async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
                          params: SamplingParams, timings: RequestTimings,
                          keep_alive: float | None = None, cache_salt: bytes = b"",
-                         truncate: bool = False) -> Generation:
+                         truncate: bool = False, think: bool | str | None = None) -> Generation:
         """A chat admitted: the model checked, tools checked against the template (a 400 as
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
-        /api/chat default) instead of refusing it."""
+        /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
         model = self.model
         self.coordinator.model.require(name)
         require_tool_support(tools, model.tokenizer.chat_template, name)
+        args = template_args(think, model.tokenizer.chat_template, name)
         context = params.context_limit(model.context_len)
         if truncate:
-            fitted = await off_loop(fit_chat, model, messages, tools, context)
+            fitted = await off_loop(fit_chat, model, messages, tools, context, args)
             prompt_ids = fitted.prompt_ids
             timings.truncated_messages = fitted.dropped_messages
             timings.truncated_tokens = fitted.dropped_tokens
         else:
-            prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context)
+            prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context, args)
         return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
 
     async def chat(self, request: Request) -> Response:
@@ -113,19 +115,25 @@ class OllamaRoutes:
             return JSONResponse(chat_load(name, req.unload))
         generation = await self.start_chat(req.model, req.messages, req.tools, req.params,
                                            timings, req.keep_alive, request_salt(request),
-                                           truncate=req.truncate)
+                                           truncate=req.truncate, think=req.think)
         # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
         template = self.model.tokenizer.chat_template
         calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
+        # With think, the <think> block is message.thinking (coordinator/thinking.py).
+        thinking = (ThinkSplitter(started=opens_thinking(self.model.tokenizer, generation))
+                    if req.think else None)
         if req.stream:
-            return WatchedStream(_stream_chat(name, generation, calls), generation.close)
+            return WatchedStream(_stream_chat(name, generation, calls, thinking),
+                                 generation.close)
         content = await collect(request, generation)
         if content is None:
             return Response(status_code=499)
+        thought, content = thinking.split(content) if thinking is not None else ("", content)
         found = []
         if calls is not None:
             content, found = calls.split(content)
-        return JSONResponse(chat_final(name, generation, content, ollama_tool_calls(found)))
+        return JSONResponse(chat_final(name, generation, content, ollama_tool_calls(found),
+                                       thought))
 
     async def generate(self, request: Request) -> Response:
         timings, model = RequestTimings(), self.model
@@ -151,8 +159,8 @@ class OllamaRoutes:
         return JSONResponse(generate_final(model.name, generation, text, context()))
 
 
-async def _stream_chat(name: str, generation: Generation,
-                       calls: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+async def _stream_chat(name: str, generation: Generation, calls: ToolCallParser | None = None,
+                       thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
     made = 0  # tool calls sent so far (their indexes)
 
     def lines(content: str, found: list) -> list[bytes]:
@@ -164,7 +172,9 @@ async def _stream_chat(name: str, generation: Generation,
         return out
 
     try:
-        async for content, found in split_calls(generation.pieces(), calls):
+        async for thought, content, found in split_thinking(generation.pieces(), thinking, calls):
+            if thought:
+                yield ndjson(chat_chunk(name, "", g=generation, thinking=thought))
             for line in lines(content, found):
                 yield line
     except WorkerError as exc:

@@ -69,10 +69,13 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True,
 # ---- the prompts of each API --------------------------------------------------------------------
 
 def chat_prompt_ids(model: ServedModel, messages: list[dict],
-                    tools: list[dict] | None = None, context: int | None = None) -> list[int]:
-    """`context`: the request's context window in tokens (None: no size check)."""
+                    tools: list[dict] | None = None, context: int | None = None,
+                    template_args: dict | None = None) -> list[int]:
+    """`context`: the request's context window in tokens (None: no size check);
+    `template_args`: variables for the chat template (coordinator/thinking.py's)."""
     tokenizer = model.tokenizer
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                           **(template_args or {}))
     return encode(tokenizer, prompt, add_special_tokens=True, context=context)
 
 
@@ -84,13 +87,13 @@ class FittedChat:
 
 
 def fit_chat(model: ServedModel, messages: list[dict], tools: list[dict] | None,
-             context: int) -> FittedChat:
+             context: int, template_args: dict | None = None) -> FittedChat:
     """Ollama's truncation: a conversation whose prompt leaves no room in `context` for one
     generated token drops its oldest non-system messages, the fewest that make it fit (the
     system messages and the last message always stay). Found by bisection over how many to
     drop, so a long history costs O(log n) renders, not n. A chat that cannot fit even then is
     returned whole: prepare() answers it with the context-length 400."""
-    full = chat_prompt_ids(model, messages, tools, context=None)
+    full = chat_prompt_ids(model, messages, tools, None, template_args)
     if len(full) < context:
         return FittedChat(full, 0, 0)
     droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
@@ -98,7 +101,7 @@ def fit_chat(model: ServedModel, messages: list[dict], tools: list[dict] | None,
     def without(n: int) -> list[int]:
         gone = set(droppable[:n])
         return chat_prompt_ids(model, [m for i, m in enumerate(messages) if i not in gone],
-                               tools, context=None)
+                               tools, None, template_args)
 
     lo, hi = 1, len(droppable)  # invariant: dropping hi fits, if anything does
     if not droppable or len(best := without(hi)) >= context:

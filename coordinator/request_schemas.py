@@ -80,13 +80,16 @@ class _OllamaGeneration(_Body):
     format: Format = None
     options: Options | None = None
     keep_alive: KeepAlive = None
-    think: Literal[False] | None = None  # the served models do not think
+    think: Literal[False] | None = None  # /api/generate: thinking is split on /api/chat only
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatRequest(_OllamaGeneration):
     """POST /api/chat. No messages: load the model (keep_alive 0: unload)."""
+
+    # coordinator/thinking.py: true/false or a level, for a template that can think
+    think: bool | Literal["low", "medium", "high"] | None = None
 
     messages: list[OllamaMessage] | None = None
     tools: list[Tool] | None = None
