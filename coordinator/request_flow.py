@@ -168,7 +168,8 @@ class RequestFlow:
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
-                                                   transfer_id, prompt_ids, prior, params, out)
+                                                   transfer_id, prompt_ids, prior, params, out,
+                                                   req.cache_salt)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:

@@ -44,12 +44,17 @@ def _openai_cached(url: str, tenant: str, salt: str | None) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_tenants_do_not_see_each_other_s_cached_tokens(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("topology", [
+    {"colocated": True},  # prefilled where it decodes
+    {"prefill_threshold": 1},  # every prompt prefilled by the prefill worker, its own cache
+])
+def test_tenants_do_not_see_each_other_s_cached_tokens(tiny, tmp_path, monkeypatch, topology):
     keys_file = tmp_path / "keys"
     keys_file.write_text("# tenant key\n" + "".join(f"{n} {k}\n" for n, k in KEYS.items()))
     monkeypatch.setenv("TANDEM_API_KEYS_FILE", str(keys_file))  # the coordinator inherits it
-    with running_cluster(tiny, tmp_path / "logs", colocated=True,
-                         worker_args=("--decode-quant", "fp32", "--kv-cache-gb", "0.05")) as c:
+    with running_cluster(tiny, tmp_path / "logs", **topology,
+                         worker_args=("--decode-quant", "fp32", "--prefill-quant", "fp32",
+                                      "--kv-cache-gb", "0.05")) as c:
         assert _cached(c.url, "alice") == 0  # cold
         assert _cached(c.url, "alice") > 0  # alice's own prefix
         assert _cached(c.url, "bob") == 0  # the same prompt: a miss for bob
