@@ -332,8 +332,8 @@ def _to_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not (isinstance(item, (list, tuple)) and len(item) == 2):
             raise InvalidOptionError(f"logit_bias must map token ids to numbers, got {_show(item)}")
         key, bias = item
-        token = _token_id("logit_bias", int(key) if isinstance(key, str) and key.isdigit()
-                          else key)
+        digits = isinstance(key, str) and key.isascii() and key.isdigit()
+        token = _token_id("logit_bias", int(key) if digits else key)
         bias = _to_float(f"logit_bias[{token}]", bias)
         _check_range(f"logit_bias[{token}]", -MAX_BIAS <= bias <= MAX_BIAS,
                      f"between {-MAX_BIAS:g} and {MAX_BIAS:g}", bias)
