@@ -24,7 +24,9 @@ import pytest
 
 from coordinator.model import load_served_model
 from tests.helpers.cluster import running_cluster
-from tests.helpers.coordinator_fakes import Script, coordinator_harness, make_tiny_model_dir, run
+from tests.helpers.coordinator_fakes import (
+    Script, coordinator_harness, make_tiny_model_dir, openai_refusal, run,
+)
 from reliability.model_factory import make_tiny_hf_model
 
 WORKER_ARGS = ("--kv-cache-gb", "0.05", "--decode-quant", "fp32", "--prefill-quant", "fp32")
@@ -250,15 +252,7 @@ def test_vllm_guided_fields_reach_the_worker_as_a_grammar(chatml_model):
      "guided_regex and a forced tool_choice cannot be combined"),
 ])
 def test_conflicting_or_malformed_guided_fields_are_a_400_naming_them(chatml_model, extra, message):
-    async def scenario():
-        async with coordinator_harness(chatml_model, prefill_threshold=10_000) as h:
-            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0) as oai:
-                with pytest.raises(openai.BadRequestError) as info:
-                    await oai.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                      extra_body=extra)
-                return info.value
-
-    error = run(scenario())
+    error = openai_refusal(chatml_model, extra)
     assert error.status_code == 400 and message in error.body["message"], error.body
 
 # ---- a real cluster on a tiny random Qwen2 with a tools template -------------------------------

@@ -17,17 +17,14 @@ import pytest
 from coordinator.model import load_served_model
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.cluster import running_cluster
-from tests.helpers.coordinator_fakes import Script, coordinator_harness, make_tiny_model_dir, run
+from tests.helpers.coordinator_fakes import (
+    Script, coordinator_harness, make_tiny_model_dir, openai_refusal, run,
+)
 
 WORKER_ARGS = ("--kv-cache-gb", "0.05", "--decode-quant", "fp32", "--prefill-quant", "fp32")
 MESSAGES = [{"role": "user", "content": "Hi"}]
 EOS = 2  # "<|im_end|>" in reliability/model_factory.py's vocabulary: a stop token
 A, B = 70, 71  # two ordinary tokens
-
-
-@pytest.fixture(autouse=True)
-def no_client_key(monkeypatch):
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
 
 
 # ---- the coordinator alone ------------------------------------------------------------------------
@@ -79,16 +76,7 @@ def test_the_controls_reach_the_worker(model):
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
 ])
 def test_bad_controls_are_a_400_naming_the_field(model, extra, message):
-    async def scenario():
-        async with coordinator_harness(model, prefill_threshold=10_000) as h:
-            await h.add_worker("d1", "colocated", Script(tokens=[5]))
-            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x",
-                                          max_retries=0) as oai:
-                with pytest.raises(openai.BadRequestError) as info:
-                    await oai.completions.create(model="tiny", prompt="x", extra_body=extra)
-                return info.value
-
-    error = run(scenario())
+    error = openai_refusal(model, extra, chat=False)
     assert error.status_code == 400 and message in error.body["message"], error.body
 
 
