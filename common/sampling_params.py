@@ -218,7 +218,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _to_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", _to_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidOptionError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+            raise InvalidOptionError(f"ignore_eos must be true or false, "
+                                     f"got {_show(self.ignore_eos)}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
 

@@ -10,18 +10,19 @@ has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty
 (ranges there; Coordinator.prepare turns the last two into the stop set). Fields tandem
 accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
 vLLM's `prompt_logprobs`, chat's `echo`, `best_of` > 1, `suffix`, `use_beam_search`, ...:
-`_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's
-`logprobs: true` with `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py
-shapes them). Completions' `echo: true` puts the prompt before the completion and, with
-`logprobs`, the prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
+`_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's `logprobs: true` with
+`top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py shapes them).
+Completions' `echo: true` puts the prompt before the completion and, with `logprobs`, the
+prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
 `max_tokens: 0` is allowed with echo only and scores the prompt alone (one token is generated
 and dropped: a prefill always yields one). `response_format` and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` are grammars
 (coordinator/structured_output.py), one per request; `tools` and `tool_choice` are
 coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Two grammar sources in one
-request are a 400 naming both; so is ignore_eos with one (a grammar ends on a stop token). Fields that change
-nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
-ones are logged and ignored, as vLLM and Ollama do.
+request are a 400 naming both; so is ignore_eos with one (a grammar ends on a stop token).
+Fields that change nothing about the answer (`user`, `metadata`, `store`, vLLM's
+`guided_decoding_backend`, ...) are accepted and ignored; unknown ones are logged and ignored,
+as vLLM and Ollama do.
 Ranges are SamplingParams' (common/sampling_params.py): `presence_penalty` and
 `frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
 layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
