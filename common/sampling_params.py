@@ -29,6 +29,16 @@ arithmetic overflow, and every integer fits the worker protocol's fields):
 - repeat_last_n: -1 to 2**31 - 1; num_predict: -2 to 2**31 - 1; num_ctx, num_batch: 1 to
   2**31 - 1; num_keep: -1 to 2**31 - 1; num_thread: 0 to 2**31 - 1 (the protocol's int32).
 
+- min_tokens: 0 to 2**31 - 1, and at most num_predict when that is set: the stop tokens are
+  forbidden (their logits masked) until that many tokens exist. A tandem extension in Ollama's
+  `options` (vLLM's name); stop strings still end a request early, as tandem checks them on text.
+- logit_bias (OpenAI's): at most MAX_LOGIT_BIAS token ids, each bias in -100..100, added to the
+  logits before the penalties; whether each id is in the vocabulary is Coordinator.prepare's
+  check (it knows the model).
+- stop_token_ids (vLLM's): at most MAX_STOP_TOKEN_IDS ids, added to the model's stop tokens;
+  ignore_eos (vLLM's): the model's end-of-text tokens do not stop the request. Both decide the
+  stop set that the coordinator sends (coordinator/service.py prepare); workers never see them.
+
 `grammar` (structured output) is no Ollama option: the APIs set it from `format` /
 `response_format` / `tool_choice` (coordinator/structured_output.py), never from `options`.
 GrammarSpec checks its shape here, torch- and llguidance-free; whether it compiles is
@@ -61,6 +71,9 @@ MAX_STOP_LENGTH = 512  # characters of one stop string
 # grows faster than linearly with it (SmolLM2's 49k tokens, a 2-core Xeon: a 36 KB schema of
 # 1,000 properties 0.09 s, 74 KB 0.33 s, 289 KB ~20 s), and it runs once per distinct schema.
 MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_LOGIT_BIAS = 300  # token ids in one logit_bias (OpenAI's API refuses more, too)
+MAX_BIAS = 100.0  # each bias lies in [-MAX_BIAS, MAX_BIAS], OpenAI's range
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -143,6 +156,11 @@ class SamplingParams:
     # prompt token's (0..MAX_LOGPROBS). The prefill computes logits at every prompt position,
     # so such a request bypasses the prefix cache (engine/scheduler.py). Set by the APIs.
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # the stop tokens are masked until this many tokens exist
+    # Set by the OpenAI routes, never from `options` (see the module docstring):
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, sorted
+    ignore_eos: bool = False  # the model's own stop tokens do not stop the request
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -193,6 +211,15 @@ class SamplingParams:
                 value = _to_int(name, value)
                 object.__setattr__(self, name, value)
                 _check_range(name, 0 <= value <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}", value)
+        _check_count("min_tokens", self.min_tokens, 0)
+        if 0 < self.num_predict < self.min_tokens:
+            raise InvalidOptionError(f"option 'min_tokens' ({self.min_tokens}) is more than "
+                                     f"num_predict ({self.num_predict})")
+        object.__setattr__(self, "logit_bias", _to_logit_bias(self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", _to_token_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidOptionError(f"ignore_eos must be true or false, "
+                                     f"got {_show(self.ignore_eos)}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidOptionError(f"grammar must be a GrammarSpec, got {_show(self.grammar)}")
 
@@ -294,6 +321,46 @@ def _to_stop(name: str, value: Any) -> tuple[str, ...]:
                              f"got {_show(value)}")
 
 
+def _to_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping (ids as ints or, from JSON, as decimal strings) or pairs ->
+    (id, bias) pairs sorted by id."""
+    if isinstance(value, Mapping):
+        value = list(value.items())
+    if not isinstance(value, (list, tuple)):
+        raise InvalidOptionError(f"logit_bias must map token ids to numbers, got {_show(value)}")
+    out: dict[int, float] = {}
+    for item in value:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise InvalidOptionError(f"logit_bias must map token ids to numbers, got {_show(item)}")
+        key, bias = item
+        digits = isinstance(key, str) and key.isascii() and key.isdigit()
+        token = _token_id("logit_bias", int(key) if digits else key)
+        bias = _to_float(f"logit_bias[{token}]", bias)
+        _check_range(f"logit_bias[{token}]", -MAX_BIAS <= bias <= MAX_BIAS,
+                     f"between {-MAX_BIAS:g} and {MAX_BIAS:g}", bias)
+        out[token] = bias
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InvalidOptionError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, "
+                                 f"got {len(out)}")
+    return tuple(sorted(out.items()))
+
+
+def _to_token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple, frozenset, set)):
+        raise InvalidOptionError(f"stop_token_ids must be a list of token ids, got {_show(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise InvalidOptionError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                                 f"got {len(value)}")
+    return tuple(sorted({_token_id("stop_token_ids", t) for t in value}))
+
+
+def _token_id(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise InvalidOptionError(f"{name}: a token id must be an integer between 0 and "
+                                 f"{MAX_COUNT}, got {_show(value)}")
+    return value
+
+
 _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
     "int": _to_int, "float": _to_float, "stop": _to_stop}
 
@@ -306,9 +373,11 @@ def _kind(annotation: str) -> str:
     return "stop"
 
 
-# Field annotations are strings under `from __future__ import annotations`. `grammar`,
-# `logprobs` and `prompt_logprobs` are set by the APIs, never from Ollama's `options`.
+# Field annotations are strings under `from __future__ import annotations`. These are set by
+# the APIs, never from Ollama's `options`:
+_API_ONLY = ("grammar", "logprobs", "prompt_logprobs", "logit_bias", "stop_token_ids",
+             "ignore_eos")
 _KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
-                          if f.name not in ("grammar", "logprobs", "prompt_logprobs")}
+                          if f.name not in _API_ONLY}
 _OPTIONAL: frozenset[str] = frozenset(
     f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

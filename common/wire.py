@@ -9,12 +9,12 @@ from common.sampling_params import GrammarSpec, SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
                  "presence_penalty", "frequency_penalty")
-_INT_FIELDS = ("top_k", "repeat_last_n", "num_predict")
+_INT_FIELDS = ("top_k", "repeat_last_n", "num_predict", "min_tokens")
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     msg = pb.SamplingOptions(**{f: getattr(params, f) for f in _FLOAT_FIELDS + _INT_FIELDS},
-                             num_ctx=params.num_ctx or 0)
+                             num_ctx=params.num_ctx or 0, logit_bias=dict(params.logit_bias))
     if params.seed is not None:
         msg.seed = params.seed
     if params.grammar is not None:
@@ -27,11 +27,13 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
 
 
 def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
-    """Stop strings are the coordinator's business (it detokenizes); workers never see them."""
+    """Stop strings, stop_token_ids and ignore_eos are the coordinator's business (it
+    detokenizes and sends the stop set beside the options); workers never see them."""
     values = {f: getattr(msg, f) for f in _FLOAT_FIELDS + _INT_FIELDS}
     grammar = GrammarSpec(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None
     return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
                           num_ctx=msg.num_ctx or None, grammar=grammar,
+                          logit_bias=tuple(msg.logit_bias.items()),
                           logprobs=msg.logprobs if msg.HasField("logprobs") else None,
                           prompt_logprobs=(msg.prompt_logprobs if msg.HasField("prompt_logprobs")
                                            else None))

@@ -92,7 +92,8 @@ def generate_request(request_id: str, prompt_ids: list[int], params: SamplingPar
 
 def prefill_request(transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                     kv_endpoint: str, kv_backend: str, max_chunk_tokens: int = 0,
-                    num_prior_output_tokens: int = 0, cache_salt: bytes = b"") -> pb.PrefillRequest:
+                    num_prior_output_tokens: int = 0, cache_salt: bytes = b"",
+                    stop_token_ids: frozenset[int] = frozenset()) -> pb.PrefillRequest:
     """The prefill worker's request id is the transfer id: unique per attempt of a request."""
     return pb.PrefillRequest(
         request_id=transfer_id,
@@ -103,4 +104,5 @@ def prefill_request(transfer_id: str, prompt_ids: list[int], params: SamplingPar
         max_chunk_tokens=max_chunk_tokens,
         num_prior_output_tokens=num_prior_output_tokens,
         cache_salt=cache_salt,
+        stop_token_ids=sorted(stop_token_ids),
     )

@@ -5,19 +5,24 @@ Mapping onto tandem's (Ollama-named) sampling options, as Ollama's own OpenAI la
 `max_tokens` / `max_completion_tokens` -> num_predict, `temperature` (OpenAI's default 1.0),
 `top_p` (default 1.0), `frequency_penalty`, `presence_penalty`, `seed`, `stop`; and vLLM's
 extra sampling fields (the openai client's `extra_body`): `top_k` (off, 0, by default, as OpenAI
-has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty. Fields tandem
+has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty, `min_tokens`.
+`logit_bias` (OpenAI's), `stop_token_ids` and `ignore_eos` (vLLM's) go to SamplingParams too
+(ranges there; Coordinator.prepare turns the last two into the stop set). Fields tandem
 accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
-vLLM's `prompt_logprobs`, `logit_bias`, chat's `echo`, `best_of` > 1, `suffix`, vLLM's
-`min_tokens`, `ignore_eos`, ...: `_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's
-`logprobs: true` with `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py
-shapes them). Completions' `echo: true` puts the prompt before the completion and, with
-`logprobs`, the prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
+vLLM's `prompt_logprobs`, chat's `echo`, `best_of` > 1, `suffix`, `use_beam_search`, ...:
+`_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's `logprobs: true` with
+`top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py shapes them).
+Completions' `echo: true` puts the prompt before the completion and, with `logprobs`, the
+prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
 `max_tokens: 0` is allowed with echo only and scores the prompt alone (one token is generated
-and dropped: a prefill always yields one). `response_format`
-is a grammar (coordinator/structured_output.py); `tools` and `tool_choice` are
-coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Fields that change
-nothing about the answer (`user`, `metadata`, `store`, ...) are accepted and ignored; unknown
-ones are logged and ignored, as vLLM and Ollama do.
+and dropped: a prefill always yields one). `response_format` and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` are grammars
+(coordinator/structured_output.py), one per request; `tools` and `tool_choice` are
+coordinator/tool_calls.py's (a forced tool_choice is a grammar too). Two grammar sources in one
+request are a 400 naming both; so is ignore_eos with one (a grammar ends on a stop token).
+Fields that change nothing about the answer (`user`, `metadata`, `store`, vLLM's
+`guided_decoding_backend`, ...) are accepted and ignored; unknown ones are logged and ignored,
+as vLLM and Ollama do.
 Ranges are SamplingParams' (common/sampling_params.py): `presence_penalty` and
 `frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
 layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
@@ -34,13 +39,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.ollama_request import RequestError, check_json_tree, check_messages
-from coordinator.structured_output import openai_response_format
+from coordinator.structured_output import openai_response_format, vllm_structured_outputs
 from coordinator.tool_calls import (
     ToolCall, ToolChoice, check_tool_list, forced_grammar, openai_tool_calls, parse_tool_choice,
 )
 from common.errors import InvalidOptionError
 from common.logprobs import MAX_LOGPROBS
-from common.sampling_params import MAX_COUNT, SamplingParams
+from common.sampling_params import MAX_COUNT, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +53,16 @@ _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed"
                   "frequency_penalty": "frequency_penalty",
                   "presence_penalty": "presence_penalty", "stop": "stop",
                   # vLLM's extra sampling parameters
-                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
+                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty",
+                  "min_tokens": "min_tokens"}
+_TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "ignore_eos")  # SamplingParams' API-only fields
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                      "stream_options"})
+                      "stream_options", "guided_decoding_backend"})
 # field: (the values that ask for nothing, why any other is refused)
 _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((None, 0), "ask for prompt log probabilities with echo and logprobs on "
                         "/v1/completions"),  # vLLM
-    "logit_bias": ((None, {}), "tandem's sampler takes no per-token biases"),
     "echo": ((None, False), "only /v1/completions repeats the prompt"),  # parse_completion honours it
     "best_of": ((None, 1), "tandem generates one completion per request"),
     "suffix": ((None, ""), "the served model does not support insert"),
@@ -65,10 +72,8 @@ _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((None,), "tandem does no predicted-output decoding"),
     "web_search_options": ((None,), "tandem does not search the web"),
     # vLLM's extras that change the answer
-    "min_tokens": ((None, 0), "tandem has no minimum length"),
-    "ignore_eos": ((None, False), "tandem always stops at the model's end of text"),
-    "stop_token_ids": ((None, []), "stop with `stop` strings"),
     "use_beam_search": ((None, False), "tandem samples; it has no beam search"),
+    "guided_whitespace_pattern": ((None,), "the grammar's own whitespace rules apply"),
 }
 
 
@@ -148,9 +153,27 @@ def _params(body: dict[str, Any], zero_tokens: bool = False) -> SamplingParams:
     except InvalidOptionError as exc:  # name the field as this client sent it
         raise InvalidOptionError(str(exc).replace("option 'repeat_penalty'",
                                                   "'repetition_penalty'")) from None
-    # Structured output (coordinator/structured_output.py): response_format -> grammar.
+    params = replace(params, **{f: body[f] for f in _TOKEN_FIELDS if body.get(f) is not None})
+    structured = _structured(body)
+    if structured is None:
+        return params
+    if params.ignore_eos:
+        raise RequestError(f"ignore_eos and {structured[0]} cannot be combined: the grammar "
+                           "ends the answer on a stop token")
+    return replace(params, grammar=structured[1])
+
+
+def _structured(body: dict[str, Any]) -> tuple[str, GrammarSpec] | None:
+    """The request's grammar and the field that asked for it (coordinator/structured_output.py):
+    response_format or one of vLLM's fields; two of them are a 400 naming both."""
+    found = vllm_structured_outputs(body)
     grammar = openai_response_format(body.get("response_format"))
-    return params if grammar is None else replace(params, grammar=grammar)
+    if grammar is not None:
+        found.insert(0, ("response_format", grammar))
+    if len(found) > 1:
+        raise RequestError(f"{found[0][0]} and {found[1][0]} cannot be combined: ask for one "
+                           "structured output")
+    return found[0] if found else None
 
 
 def _common(body: dict[str, Any], honoured: frozenset[str] = frozenset()
@@ -204,7 +227,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 _KNOWN = frozenset({"model", "messages", "prompt", "stream", "n", "response_format", "cache_salt",
                     "logprobs", "top_logprobs",
                     "max_tokens", "max_completion_tokens", "tools", "tool_choice", *_OPTION_FIELDS,
-                    *_UNIMPLEMENTED})
+                    *_TOKEN_FIELDS, *_GUIDED, *_UNIMPLEMENTED})
 
 
 def parse_messages(body: dict[str, Any], max_messages: int
@@ -231,8 +254,12 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     params = replace(_params(body), logprobs=_chat_logprobs(body))
     if choice.forced:
+        if params.ignore_eos:
+            raise RequestError("ignore_eos and a forced tool_choice cannot be combined: the "
+                               "grammar ends the answer on a stop token")
         if params.grammar is not None:
-            raise RequestError("response_format and a forced tool_choice cannot be combined")
+            raise RequestError(f"{_structured(body)[0]} and a forced tool_choice cannot be "
+                               "combined")
         parallel = body.get("parallel_tool_calls") is not False
         params = replace(params, grammar=forced_grammar(tools, choice, parallel))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,

@@ -169,7 +169,8 @@ class RequestFlow:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
                                                    transfer_id, prompt_ids, prior, params, out,
-                                                   req.cache_salt)
+                                                   req.cache_salt,
+                                                   stop_token_ids=req.stop_token_ids)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:
@@ -188,7 +189,8 @@ class RequestFlow:
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
                               transfer_id: str, prompt_ids: list[int], prior: int,
                               params: SamplingParams, out: FlowOutcome,
-                              cache_salt: bytes = b"") -> TokenIds:
+                              cache_salt: bytes = b"",
+                              stop_token_ids: frozenset[int] = frozenset()) -> TokenIds:
         """The first token (and its logprob) from the prefill worker, while watching the decode
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
@@ -196,7 +198,8 @@ class RequestFlow:
         self.registry.assign(prefill_id, prefill_tokens=n)
         call = record.prefill_stub.Prefill(
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
-                                    decode.kv_backend, self.config.chunk_size, prior, cache_salt),
+                                    decode.kv_backend, self.config.chunk_size, prior, cache_salt,
+                                    stop_token_ids),
             timeout=self.config.prefill_timeout_s)
         prefill = asyncio.ensure_future(call)
         try:

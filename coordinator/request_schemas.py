@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.ollama_request import _ROLES
 from common.logprobs import MAX_LOGPROBS
-from common.sampling_params import MAX_COUNT
+from common.sampling_params import MAX_BIAS, MAX_COUNT, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 Count = Field(default=None, ge=0, le=MAX_COUNT)
 
@@ -49,6 +49,7 @@ class Options(_Body):
     num_keep: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     num_batch: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     num_thread: int | None = Count
+    min_tokens: int | None = Count  # tandem's extension (vLLM's name)
 
 
 KeepAlive = Union[str, float, None]  # a Go duration ("5m"), or seconds; 0 unloads
@@ -195,6 +196,21 @@ class ResponseFormat(_Body):
     json_schema: dict[str, Any] | None = None  # {"name", "schema"} for json_schema
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (coordinator/structured_output.py): at most one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)  # llguidance's Lark
+    json_object: bool | None = None
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # a token id, in decimal
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
+
+
 class _OpenAIGeneration(_Body):
     model: str = Field(min_length=1)
     stream: bool | None = None
@@ -212,6 +228,18 @@ class _OpenAIGeneration(_Body):
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=0.001, le=100)
     response_format: ResponseFormat | None = None
+    logit_bias: dict[BiasKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extras (common/sampling_params.py)
+    min_tokens: int | None = Count
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    # vLLM's structured output; one grammar source per request, response_format included
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None,
+                                                                            min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
     user: str | None = None
     # vLLM's: the request's own prefix-cache partition within its tenant (coordinator/tenants.py)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)

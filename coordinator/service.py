@@ -99,18 +99,25 @@ class Coordinator:
             raise InvalidOptionError(f"option 'num_predict' is {params.num_predict}, more than "
                                      f"the {context}-token context window")
         vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidOptionError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        named = [("token id", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                 ("logit_bias", [t for t, _ in params.logit_bias])]
+        for what, ids in named:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidOptionError(f"{what} {bad} is outside the vocabulary "
+                                         f"(0..{vocab - 1})")
         if not prompt_ids:
             raise InvalidOptionError("the prompt is empty")
         max_tokens = params.max_tokens_for(len(prompt_ids), self.model.context_len)
         if max_tokens <= 0:
             raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens, which leaves no "
                                      f"room in the {context}-token context window")
+        # The stop set both workers get: the model's end-of-text tokens unless ignore_eos,
+        # and the client's stop_token_ids.
+        model_stops = frozenset() if params.ignore_eos else self.model.tokenizer.stop_token_ids
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
-                           stop_token_ids=self.model.tokenizer.stop_token_ids,
+                           stop_token_ids=model_stops | frozenset(params.stop_token_ids),
                            cache_salt=cache_salt)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,

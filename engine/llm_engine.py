@@ -32,7 +32,7 @@ from common.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
 from engine.request import Request, RequestStatus
-from engine.sampler import NO_TOKEN, Sampler, make_generator, position_generator
+from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -255,7 +255,8 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ContextLengthError("the prompt is empty")
         vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        ids = [*prompt_token_ids, *(t for t, _ in params.logit_bias)]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidOptionError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(prompt_token_ids) >= context:
@@ -476,6 +477,11 @@ class LLMEngine:
         # batch without one pays this test only.
         if any(r.sampling_params.grammar is not None for r in requests):
             logits = self.grammars.mask(requests, logits)
+        # -- min_tokens: no stop token until the request has that many, earlier placements'
+        # tokens included (they ended no request).
+        logits = forbid_tokens(logits, [
+            r.stop_token_ids if r.num_output_tokens + r.num_prior_output_tokens
+            < r.sampling_params.min_tokens else () for r in requests])
         # --
         return self.sampler.sample(
             logits,

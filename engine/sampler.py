@@ -2,6 +2,7 @@
 
 Per row, in this order:
 
+    logit_bias (OpenAI's: each listed token's bias added to its logit)
     penalties (repeat / presence / frequency over the last repeat_last_n tokens of prompt+output)
     greedy rows (temperature 0 or top_k 1): argmax, done
     top_k -> typical_p -> top_p -> min_p      filters on untempered probabilities, min_keep = 1
@@ -16,6 +17,9 @@ A row whose numbers leave nothing to draw from (NaN logits; probabilities that a
 or sum to zero, e.g. from a temperature that is 0 or inf once in fp32) gets NO_TOKEN instead of
 a token. The sampler never raises for one row's values: the engine ends that request with an
 error and the rest of the batch goes on.
+
+Before the sampler the engine masks what a request may not emit next: its grammar's refusals
+(engine/grammar.py) and, until min_tokens exist, its stop tokens (forbid_tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -73,7 +77,7 @@ class Sampler:
         out = torch.full((batch,), NO_TOKEN, dtype=torch.int64, device=logits.device)
         if batch == 0:
             return out
-        logits = apply_penalties(logits, params, token_histories)
+        logits = apply_penalties(apply_logit_bias(logits, params), params, token_histories)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:
@@ -93,6 +97,35 @@ class Sampler:
                 draws = [_draw(probs[j], generators[i]) for j, i in drawn]
                 out[_index([i for _, i in drawn], logits.device)] = torch.stack(draws).to(logits.device)
         return out
+
+
+def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Adds each row's logit_bias; one scatter for the batch. Returns a new tensor when any row
+    has a bias, else `logits` itself."""
+    entries = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries)
+    if max(tokens) >= logits.shape[1]:
+        raise ValueError(f"logit_bias names token {max(tokens)}, outside [0, {logits.shape[1]})")
+    device = logits.device
+    result = logits.clone()
+    result.index_put_((_index(list(rows), device), _index(list(tokens), device)),
+                      torch.tensor(biases, dtype=torch.float32, device=device), accumulate=True)
+    return result
+
+
+def forbid_tokens(logits: Tensor, banned: Sequence[Collection[int]]) -> Tensor:
+    """Row i's tokens banned[i] get -inf (ids past the vocabulary are skipped); one scatter for
+    the batch. Returns a new tensor when anything is banned, else `logits` itself."""
+    vocab = logits.shape[1]
+    entries = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab]
+    if not entries:
+        return logits
+    rows, tokens = zip(*entries)
+    result = logits.clone()
+    result[_index(list(rows), logits.device), _index(list(tokens), logits.device)] = -math.inf
+    return result
 
 
 def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],

@@ -33,7 +33,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         job = PrefillJob(request.request_id, list(request.prompt_token_ids), params,
                          request.transfer_id or request.request_id, request.max_chunk_tokens,
-                         request.num_prior_output_tokens, request.cache_salt)
+                         request.num_prior_output_tokens, request.cache_salt,
+                         frozenset(request.stop_token_ids))
         try:
             outcome = await self.worker.prefill(job, sender)
         except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching

@@ -50,6 +50,7 @@ class PrefillJob:
     max_chunk_tokens: int = 0  # the coordinator's chunk plan; 0 = this worker's limit
     num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
     cache_salt: bytes = b""  # the prefix-cache tenant (common/block_hash.py)
+    stop_token_ids: frozenset[int] = frozenset()  # the request's, for min_tokens and grammar
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class PrefillWorker(EngineLoop):
         self.engine.require_resident()  # ResidencyError; _admit checks again on the engine thread
         started = time.monotonic()
         try:  # compiled off the engine thread, before the request reaches it
-            grammar = await self.grammar_for(job.params, frozenset())
+            grammar = await self.grammar_for(job.params, job.stop_token_ids)
         except (TandemError, ValueError) as exc:
             sender.abort(job.transfer_id or job.request_id, f"prefill refused the request: {exc}")
             raise
@@ -116,7 +117,7 @@ class PrefillWorker(EngineLoop):
         try:
             self.engine.require_resident()  # an unload may have run since prefill()
             request = self.engine.make_request(job.prompt_token_ids, job.params, job.request_id,
-                                               stop_token_ids=frozenset(), max_tokens=1,
+                                               stop_token_ids=job.stop_token_ids, max_tokens=1,
                                                max_chunk_tokens=job.max_chunk_tokens,
                                                num_prior_output_tokens=job.num_prior_output_tokens)
             request.grammar = grammar

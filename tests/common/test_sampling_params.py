@@ -229,3 +229,30 @@ def test_stop_lists_are_bounded_before_any_work():
         SamplingParams.from_options({"stop": [f"s{i}" for i in range(110_000)]})
     with pytest.raises(InvalidOptionError, match=f"at most {MAX_STOP_LENGTH} characters"):
         SamplingParams.from_options({"stop": ["x" * (MAX_STOP_LENGTH + 1)]})
+
+
+def test_token_controls_are_normalised():
+    p = SamplingParams(logit_bias={"9": 100, 3: -2.5}, stop_token_ids=[7, 2, 7], min_tokens=4.0)
+    assert p.logit_bias == ((3, -2.5), (9, 100.0)) and p.stop_token_ids == (2, 7)
+    assert p.min_tokens == 4 and not p.ignore_eos
+    assert SamplingParams.from_options({"min_tokens": 3}).min_tokens == 3  # a tandem extension
+    for field in ("logit_bias", "stop_token_ids", "ignore_eos"):  # set by the APIs only
+        ignored = SamplingParams.from_options({field: [1]})
+        assert getattr(ignored, field) == getattr(SamplingParams(), field)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"logit_bias": {"x": 1}}, "logit_bias: a token id must be an integer"),
+    ({"logit_bias": {"1": 100.5}}, "'logit_bias[1]' must be between -100 and 100"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300 token ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias must map token ids to numbers"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids: a token id must be"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"min_tokens": -1}, "'min_tokens' must be between 0"),
+    ({"min_tokens": 9, "num_predict": 8}, "'min_tokens' (9) is more than num_predict (8)"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+])
+def test_token_controls_out_of_range_are_refused_by_name(values, message):
+    with pytest.raises(InvalidOptionError) as info:
+        SamplingParams(**values)
+    assert message in str(info.value)

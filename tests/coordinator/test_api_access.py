@@ -320,10 +320,8 @@ def test_vllm_sampling_fields_reach_the_worker(model, tokens):
 
 @pytest.mark.parametrize("kind,field,value", [
     ("chat", "prompt_logprobs", 1),
-    ("chat", "logit_bias", {"42": 5}),
-    ("chat", "stop_token_ids", [5]),
-    ("chat", "min_tokens", 4),
-    ("chat", "ignore_eos", True),
+    ("chat", "use_beam_search", True),
+    ("chat", "guided_whitespace_pattern", " "),
     ("chat", "echo", True),  # completions honour echo (tests/coordinator/test_api_logprobs.py)
     ("completion", "best_of", 3),
     ("completion", "suffix", "tail"),

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import httpx
@@ -23,7 +24,9 @@ import pytest
 
 from coordinator.model import load_served_model
 from tests.helpers.cluster import running_cluster
-from tests.helpers.coordinator_fakes import Script, coordinator_harness, make_tiny_model_dir, run
+from tests.helpers.coordinator_fakes import (
+    Script, coordinator_harness, make_tiny_model_dir, openai_refusal, run,
+)
 from reliability.model_factory import make_tiny_hf_model
 
 WORKER_ARGS = ("--kv-cache-gb", "0.05", "--decode-quant", "fp32", "--prefill-quant", "fp32")
@@ -196,6 +199,62 @@ def test_format_and_response_format_reach_the_worker_as_a_grammar(chatml_model):
     assert kinds[3][0] == "json_schema" and kinds[3][1]["additionalProperties"] is False
 
 
+
+GUIDED = [  # (extra_body, the grammar the worker gets)
+    ({"guided_json": {"type": "object"}}, ("json_schema", '{"type":"object"}')),
+    ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+    ({"guided_choice": ["yes", "no (a.k.a. nope)"]}, ("regex", r"yes|no \(a\.k\.a\. nope\)")),
+    ({"guided_grammar": 'start: "x"+'}, ("lark", 'start: "x"+')),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, ("json_schema", '{"type":"integer"}')),
+    ({"structured_outputs": {"regex": "a|b", "disable_fallback": True}}, ("regex", "a|b")),
+    ({"structured_outputs": {"choice": ["p", "q"]}}, ("regex", "p|q")),
+    ({"structured_outputs": {"grammar": 'start: "y"'}}, ("lark", 'start: "y"')),
+    ({"structured_outputs": {"json_object": True}}, ("json", "")),
+]
+
+
+def test_vllm_guided_fields_reach_the_worker_as_a_grammar(chatml_model):
+    tokens = chatml_model.tokenizer.encode("yes", add_special_tokens=False)
+
+    async def scenario():
+        async with coordinator_harness(chatml_model, prefill_threshold=10_000) as h:
+            worker = await h.add_worker("d1", "colocated", Script(tokens=tokens))
+            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x") as oai:
+                for extra, _ in GUIDED:
+                    await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                      extra_body=extra)
+                await oai.completions.create(model="tiny", prompt="x",
+                                             extra_body={"guided_regex": "[a-z]"})
+            return worker
+
+    worker = run(scenario())
+    got = [(r.sampling.grammar_kind, r.sampling.grammar) for r in worker.requests]
+    assert got == [want for _, want in GUIDED] + [("regex", "[a-z]")]
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+     "response_format and guided_regex cannot be combined"),
+    ({"guided_json": {}, "guided_choice": ["a"]}, "guided_json and guided_choice cannot be combined"),
+    ({"guided_regex": "a", "structured_outputs": {"choice": ["a"]}},
+     "guided_regex and structured_outputs.choice cannot be combined"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}},
+     "structured_outputs.json and structured_outputs.regex cannot be combined"),
+    ({"guided_choice": [], }, "guided_choice: must be a non-empty list of non-empty strings"),
+    ({"guided_json": 5}, "guided_json: must be a JSON schema"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag is not supported"),
+    ({"structured_outputs": "json"}, "structured_outputs must be an object"),
+    ({"guided_grammar": 'root ::= "x"'}, "guided_grammar: tandem takes grammars in llguidance's Lark"),
+    ({"guided_grammar": 'start: ('}, "the Lark grammar does not compile"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern is not supported"),
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos and guided_regex cannot be combined"),
+    ({"guided_regex": "a", "tools": [WEATHER_TOOL], "tool_choice": "required"},
+     "guided_regex and a forced tool_choice cannot be combined"),
+])
+def test_conflicting_or_malformed_guided_fields_are_a_400_naming_them(chatml_model, extra, message):
+    error = openai_refusal(chatml_model, extra)
+    assert error.status_code == 400 and message in error.body["message"], error.body
+
 # ---- a real cluster on a tiny random Qwen2 with a tools template -------------------------------
 
 @pytest.fixture(scope="module")
@@ -236,6 +295,28 @@ def test_random_model_answers_validate_under_a_schema_through_both_clients(qwen)
             pass
         assert isinstance(stream.get_final_completion().choices[0].message.parsed, Person)
 
+
+
+def test_random_model_answers_obey_vllms_guided_fields(qwen):
+    """Every prompt is prefilled remotely here: the first token, sampled by the prefill
+    worker, obeys the grammar too."""
+    oai = openai.OpenAI(base_url=qwen.url + "/v1", api_key="x", timeout=120)
+    choices = ["red apple", "green (pear)", "blue.berry"]
+    for seed in (1, 2, 3):
+        chat = oai.chat.completions.create(model="qwen", messages=MESSAGES, seed=seed,
+                                           max_tokens=50, extra_body={"guided_choice": choices})
+        assert chat.choices[0].message.content in choices
+        text = oai.completions.create(model="qwen", prompt="Code:", seed=seed, max_tokens=50,
+                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", text.choices[0].text), text.choices[0].text
+    new_style = oai.chat.completions.create(
+        model="qwen", messages=MESSAGES, seed=5, max_tokens=400,
+        extra_body={"structured_outputs": {"json": Person.model_json_schema()}})
+    Person.model_validate_json(new_style.choices[0].message.content)
+    old_style = oai.chat.completions.create(
+        model="qwen", messages=MESSAGES, seed=6, max_tokens=50,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert old_style.choices[0].message.content in ("yes", "no")
 
 def test_tool_call_round_trip_through_the_ollama_client(qwen):
     client = ollama.Client(host=qwen.url, timeout=120)

@@ -124,6 +124,37 @@ def test_stop_token_finishes_the_request(pair):
     assert req.status is RequestStatus.FINISHED_STOPPED
 
 
+
+def test_min_tokens_masks_the_stop_tokens_until_reached(pair):
+    hf, model = pair
+    prompt = prompts_of([10], seed=6)[0]
+    free = hf_greedy(hf, prompt, 12)
+    stops = frozenset(free[:6])  # greedy would stop at once
+    engine = make_engine(model)
+    req = engine.add_request(prompt, SamplingParams(temperature=0.0, num_predict=12, min_tokens=6),
+                             stop_token_ids=stops)
+    got = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.extend(out.new_token_ids)
+    assert len(got) >= 6 and not stops & set(got[:6])
+    if req.status is RequestStatus.FINISHED_STOPPED:  # after the minimum, a stop ends it
+        assert got[-1] in stops and not stops & set(got[:-1])
+
+
+def test_logit_bias_steers_greedy_decoding(pair):
+    hf, model = pair
+    prompt = prompts_of([10], seed=6)[0]
+    free = hf_greedy(hf, prompt, 6)
+    forced, _ = run_all(make_engine(model), [prompt],
+                        SamplingParams(temperature=0.0, num_predict=6, logit_bias={"42": 100}))
+    assert forced[0] == [42] * 6
+    banned, _ = run_all(make_engine(model), [prompt], SamplingParams(
+        temperature=0.0, num_predict=6, logit_bias={t: -100 for t in free}))
+    assert not set(banned[0]) & set(free)
+    with pytest.raises(InvalidOptionError, match="token id 999 is outside the vocabulary"):
+        make_engine(model).add_request(prompt, SamplingParams(logit_bias={999: 1}))
+
 def test_context_window_limits(pair):
     _, model = pair
     engine = make_engine(model)

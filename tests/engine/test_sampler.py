@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import NO_TOKEN, Sampler, apply_penalties, make_generator, probabilities
+from engine.sampler import (
+    NO_TOKEN, Sampler, apply_logit_bias, apply_penalties, forbid_tokens, make_generator, probabilities,
+)
 from common.sampling_params import SamplingParams
 from tests.helpers.sampling_faults import unchecked
 
@@ -275,3 +277,34 @@ def test_nan_logits_are_reported_for_sampled_and_greedy_rows():
     tokens = sample(logits, params)
     assert tokens.tolist()[0] == NO_TOKEN and tokens.tolist()[2:] == [NO_TOKEN, NO_TOKEN]
     assert tokens[1] == logits[1].argmax()
+
+
+def test_logit_bias_forces_and_forbids_tokens_under_greedy():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 50)
+    best = logits.argmax(-1)
+    params = [SamplingParams(temperature=0, logit_bias={"7": 100}),
+              SamplingParams(temperature=0, logit_bias={int(best[1]): -100}),
+              SamplingParams(temperature=0)]
+    out = sample(logits, params)
+    assert out[0] == 7 and out[1] != best[1] and out[2] == best[2]
+    biased = apply_logit_bias(logits, params)
+    assert biased[0, 7] == pytest.approx(float(logits[0, 7]) + 100)
+    assert torch.equal(biased[2], logits[2])  # rows without a bias are untouched
+    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits  # nothing to add: no copy
+
+
+def test_logit_bias_applies_to_sampled_rows_and_checks_the_vocabulary():
+    logits = torch.zeros(1, 20)
+    p = SamplingParams(temperature=1.0, logit_bias={"4": 100}, **OFF)
+    assert all(int(sample(logits, [p], generators=[make_generator(s)])) == 4 for s in range(20))
+    with pytest.raises(ValueError, match="logit_bias names token 20"):
+        sample(logits, [SamplingParams(logit_bias={20: 1})])
+
+
+def test_forbid_tokens_masks_only_the_named_rows_and_ids():
+    logits = torch.randn(2, 10)
+    out = forbid_tokens(logits, [{1, 3, 99}, ()])  # 99 is past the vocabulary: skipped
+    assert out[0, 1] == -math.inf and out[0, 3] == -math.inf
+    assert torch.equal(out[1], logits[1]) and out[0, 0] == logits[0, 0]
+    assert forbid_tokens(logits, [(), ()]) is logits

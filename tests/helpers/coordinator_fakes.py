@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import threading
@@ -396,3 +397,24 @@ def load_model(dir: Path) -> ServedModel:
 
 __all__ = ["Harness", "Script", "FakeWorker", "coordinator_harness", "free_port", "load_model",
            "make_tiny_model_dir", "run", "wait_until"]
+
+
+def openai_refusal(model: ServedModel, extra_body: dict, chat: bool = True):
+    """The openai.BadRequestError a coordinator (no workers) answers a chat (or completion)
+    request carrying `extra_body`, through the real openai client."""
+    import openai
+
+    async def scenario():
+        async with coordinator_harness(model, prefill_threshold=10_000) as h:
+            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x",
+                                          max_retries=0) as oai:
+                create = (functools.partial(oai.chat.completions.create,
+                                            messages=[{"role": "user", "content": "Hi"}])
+                          if chat else functools.partial(oai.completions.create, prompt="x"))
+                try:
+                    await create(model=model.name, extra_body=extra_body)
+                except openai.BadRequestError as exc:
+                    return exc
+                raise AssertionError(f"{extra_body} was not refused")
+
+    return run(scenario())

@@ -119,8 +119,9 @@ class Pair:
         return self.decode.open(DecodeJob(rid, prompt, params, frozenset(), max_tokens, True,
                                           transfer_id=rid))
 
-    async def prefill_job(self, rid: str, prompt: list[int], params=GREEDY):
-        return await self.prefill.prefill(PrefillJob(rid, prompt, params, rid), self.sender)
+    async def prefill_job(self, rid: str, prompt: list[int], params=GREEDY, stops=frozenset()):
+        return await self.prefill.prefill(PrefillJob(rid, prompt, params, rid, stop_token_ids=stops),
+                                          self.sender)
 
     async def run(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
         """The whole disaggregated flow, both halves at once, as the coordinator drives it;
@@ -500,4 +501,29 @@ async def test_shm_cancel_mid_prefill_never_lets_a_late_write_hit_a_reused_block
     with contextlib.suppress(asyncio.CancelledError):
         await prefill
     assert events.empty() or (await events.get()).finished
+    assert await pair.wait_pools_full()
+
+
+@run_async
+async def test_the_prefill_workers_first_token_obeys_logit_bias_and_min_tokens(pair_factory, reference):
+    """The prefill worker samples the first token: logit_bias and min_tokens' stop mask
+    (the stop set travels in PrefillRequest.stop_token_ids) apply to it too."""
+    pair = pair_factory()
+    prompt = prompts([20], seed=3)[0]
+    first = expected(reference, prompt, 1)[0]
+    other = (first + 1) % 320
+
+    async def first_token(rid, params, stops=frozenset()):
+        events = pair.open(rid, prompt, 2, params)
+        outcome = await pair.prefill_job(rid, prompt, params, stops)
+        await pair.final(events)
+        return outcome.first_token
+
+    def greedy(**kw):
+        return SamplingParams(temperature=0.0, **kw)
+
+    assert await first_token("plain", greedy(), frozenset({first})) == first
+    assert await first_token("up", greedy(logit_bias={other: 100})) == other
+    assert await first_token("down", greedy(logit_bias={first: -100})) != first
+    assert await first_token("min", greedy(min_tokens=1), frozenset({first})) != first
     assert await pair.wait_pools_full()
