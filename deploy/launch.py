@@ -5,7 +5,8 @@
     preflight(topology)                   # each host: reachable? model there and identical?
                                           #   ports free? [security] files there and valid?
                                           #   (TopologyError, nothing started)
-    launch(topology, state_dir)           # coordinator, then workers; wait until every named
+    launch(topology, state_dir, os.environ)   # the secret (launch_secret), then the coordinator,
+                                          #   then workers; wait until every named
                                           #   worker is live; print endpoints; serve until
                                           #   Ctrl-C/SIGTERM or `tandem launch --down`
     down(topology, state_dir)             # from another shell: stop what launch started
@@ -15,7 +16,13 @@ SSH (deploy/hosts.py), with their output in `state_dir/<role>.log` here. The lau
 itself and its processes in `state_dir/launch.json`; `down` asks the launcher to stop (it stops
 workers first, then the coordinator), and stops the recorded processes itself when the
 launcher is gone. Workers register with the coordinator, so a worker started later anywhere
-with `--coordinator <registry address>` takes traffic without restarting anything.
+with `--coordinator <registry address>` takes traffic without restarting anything (with
+`--cluster-secret-file` of the launch's secret: `state_dir/cluster-secret` when it made one).
+
+The internal plane is authenticated by default: without [security] cluster_secret_file, every
+process gets a secret in its environment (the operator's $TANDEM_CLUSTER_SECRET, else one made
+for the launch; over SSH on the remote shell's stdin: deploy/hosts.py). A topology that
+listens off loopback without a secret is refused unless it says insecure_internal_plane.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.processes import start_time
+from deploy.cluster_secret import (ENV_SECRET, INSECURE_WARNING, SECRET_FILE, cluster_secret,
+                                   write_secret_file)
 from deploy.hosts import host_command, python_of, role_command
 from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
 from deploy.ports import claim_ports
@@ -134,15 +143,45 @@ def _probe(host: Host, model: str, listen: list[str], auth_args: tuple[str, ...]
 
 # ---- what runs where ----------------------------------------------------------------------------
 
-def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str
+def launch_secret(t: ClusterTopology, env: Mapping[str, str]) -> tuple[str | None, bool]:
+    """(the secret `launch` hands every process, whether it was made here): None where
+    [security] names a file (each host reads its own) or, without $TANDEM_CLUSTER_SECRET, where
+    the plane is declared insecure; else the operator's $TANDEM_CLUSTER_SECRET, else a new one
+    (kept in `state_dir/cluster-secret`, 0600, for workers started later)."""
+    if t.secret_file or (t.insecure_internal_plane and not env.get(ENV_SECRET, "").strip()):
+        return None, False
+    return cluster_secret(env)
+
+
+def check_internal_plane(t: ClusterTopology, secret: str | None) -> None:
+    """TopologyError when roles listen off loopback with an open internal plane and the
+    operator did not ask for one: anyone reaching the Registry could register as a worker and
+    receive users' prompts."""
+    if t.off_loopback and not (secret or t.secret_file or t.insecure_internal_plane):
+        raise TopologyError(
+            f"{t.source}: refusing to start an internal plane that listens off loopback without "
+            f"a cluster secret (anyone who reaches the Registry could register as a worker and "
+            f"receive users' prompts): name [security] cluster_secret_file, set "
+            f"${ENV_SECRET}, let `tandem launch` make one, or accept an open plane with "
+            f"[security] insecure_internal_plane = true / --insecure-internal-plane")
+
+
+def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | None = None
                 ) -> tuple[list[ProcessSpec], Readiness]:
+    """Every role's command on its host; `secret` goes into each one's environment (over ssh
+    on its stdin). TopologyError (check_internal_plane) for an open plane off loopback."""
+    check_internal_plane(t, secret)
     remote_run_dir = f"/tmp/tandem-launch-{run_id}"
     extra_env = {"PYTHONUNBUFFERED": "1"}
     specs = []
     for role in (t.coordinator, *t.workers):
         argv = [python_of(role.host), "-m", *_role_argv(t, role)]
-        command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env)
-        specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv))
+        over_ssh = bool(secret) and role.host.kind == "ssh"
+        command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env,
+                                            stdin_env=(ENV_SECRET,) if over_ssh else ())
+        env = ((ENV_SECRET, secret),) if secret and not over_ssh else ()
+        specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv,
+                                 env=env, stdin=f"{secret}\n".encode() if over_ssh else b""))
     return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
 
 
@@ -188,26 +227,37 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
 
 # ---- run and stop -------------------------------------------------------------------------------
 
-def launch(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = print,
-           check: bool = True, grace_s: float = 10.0, lock_dir: Path | None = None) -> int:
+def launch(t: ClusterTopology, state_dir: Path, env: Mapping[str, str] | None = None, *,
+           out: Callable[[str], None] = print, check: bool = True, grace_s: float = 10.0,
+           lock_dir: Path | None = None) -> int:
     """Start, serve until stopped, stop. 0 on a requested stop, 1 if a process failed. The
-    ports of roles on this host are claimed first (deploy/ports.py, locks in `lock_dir`)."""
+    ports of roles on this host are claimed first (deploy/ports.py, locks in `lock_dir`).
+    Every process gets launch_secret's secret (the operator's from `env`, else a new one)."""
     state_path = state_dir / STATE_FILE
     if _launcher_alive(_read_state(state_path)):
         raise TopologyError(f"{t.source} is already launched (state in {state_path}); stop it "
                             f"with `tandem launch --down {t.source}`")
+    secret, made = launch_secret(t, env or {})
+    check_internal_plane(t, secret)  # before anything is probed or started
+    if t.off_loopback and not (secret or t.secret_file):
+        out(INSECURE_WARNING)
     local = [port for role in (t.coordinator, *t.workers) if role.host.kind == "local"
              for _, port in role.ports()]
     with claim_ports(lock_dir, local, None):  # the preflight test-binds each address
         if check:
             preflight(t)
-        return _launch(t, state_dir, out, grace_s)
+        if made:  # only now: a launch refused by its preflight leaves nothing behind
+            path = write_secret_file(state_dir / SECRET_FILE, secret)
+            out(f"made a cluster secret for this launch in {path} (0600); a worker started "
+                f"later joins with --cluster-secret-file holding it")
+        return _launch(t, state_dir, secret, out, grace_s)
 
 
-def _launch(t: ClusterTopology, state_dir: Path, out: Callable[[str], None], grace_s: float) -> int:
+def _launch(t: ClusterTopology, state_dir: Path, secret: str | None,
+            out: Callable[[str], None], grace_s: float) -> int:
     state_path = state_dir / STATE_FILE
     run_id = f"{os.getpid()}-{int(time.time())}"
-    specs, ready = plan_launch(t, state_dir, run_id)
+    specs, ready = plan_launch(t, state_dir, run_id, secret)
     cluster = LocalCluster(specs, ready, start_timeout_s=t.start_timeout_s, grace_s=grace_s)
 
     def record() -> None:

@@ -78,6 +78,15 @@ kv_port = {p + 4}
         pids = {f.stem: int(f.read_text()) for f in run_dir.glob("*.pid")}
         assert set(pids) == {"coordinator", "prefill-0", "decode-0"}
         assert all(alive(pid) for pid in pids.values())
+        # The secret the launch made reached each remote process on ssh's stdin: in its
+        # environment, on no command line on either side.
+        secret = (tmp_path / "logs" / "cluster-secret").read_text().strip()
+        assert (tmp_path / "logs" / "cluster-secret").stat().st_mode & 0o777 == 0o600
+        for pid in pids.values():
+            assert f"TANDEM_CLUSTER_SECRET={secret}".encode() in Path(
+                f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert secret not in (bin_dir / "calls.log").read_text()
 
         body = {"model": "tiny", "stream": False, "options": {"num_predict": 4, "temperature": 0},
                 "messages": [{"role": "user", "content": "Tell me about the sea. " * 4}]}
