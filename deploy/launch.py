@@ -40,10 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.processes import start_time
-from deploy.cluster_secret import (ENV_SECRET, INSECURE_WARNING, SECRET_FILE, cluster_secret,
-                                   write_secret_file)
-from deploy.hosts import host_command, python_of, role_command
+from deploy.cluster_ca import Issued
+from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, SECRET_FILE, write_secret_file
+from deploy.hosts import host_command, python_of, role_command, stdin_lines
 from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.plane_security import check_internal_plane, launch_secret, launch_tls
 from deploy.ports import claim_ports
 from deploy.topology import ClusterTopology, Host, Role, TopologyError
 
@@ -143,45 +144,36 @@ def _probe(host: Host, model: str, listen: list[str], auth_args: tuple[str, ...]
 
 # ---- what runs where ----------------------------------------------------------------------------
 
-def launch_secret(t: ClusterTopology, env: Mapping[str, str]) -> tuple[str | None, bool]:
-    """(the secret `launch` hands every process, whether it was made here): None where
-    [security] names a file (each host reads its own) or, without $TANDEM_CLUSTER_SECRET, where
-    the plane is declared insecure; else the operator's $TANDEM_CLUSTER_SECRET, else a new one
-    (kept in `state_dir/cluster-secret`, 0600, for workers started later)."""
-    if t.secret_file or (t.insecure_internal_plane and not env.get(ENV_SECRET, "").strip()):
-        return None, False
-    return cluster_secret(env)
-
-
-def check_internal_plane(t: ClusterTopology, secret: str | None) -> None:
-    """TopologyError when roles listen off loopback with an open internal plane and the
-    operator did not ask for one: anyone reaching the Registry could register as a worker and
-    receive users' prompts."""
-    if t.off_loopback and not (secret or t.secret_file or t.insecure_internal_plane):
-        raise TopologyError(
-            f"{t.source}: refusing to start an internal plane that listens off loopback without "
-            f"a cluster secret (anyone who reaches the Registry could register as a worker and "
-            f"receive users' prompts): name [security] cluster_secret_file, set "
-            f"${ENV_SECRET}, let `tandem launch` make one, or accept an open plane with "
-            f"[security] insecure_internal_plane = true / --insecure-internal-plane")
-
-
-def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | None = None
-                ) -> tuple[list[ProcessSpec], Readiness]:
-    """Every role's command on its host; `secret` goes into each one's environment (over ssh
-    on its stdin). TopologyError (check_internal_plane) for an open plane off loopback."""
+def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | None = None,
+                tls: dict[str, Issued] | None = None) -> tuple[list[ProcessSpec], Readiness]:
+    """Every role's command on its host. `secret` goes into each one's environment and `tls`
+    (launch_tls, by host name) gives each its host's --tls-* files: local paths here and
+    through a prefix; over ssh both come on the remote shell's stdin, the files written 0600
+    in the run folder there (deploy/hosts.py). TopologyError (check_internal_plane) for an
+    open plane off loopback."""
     check_internal_plane(t, secret)
     remote_run_dir = f"/tmp/tandem-launch-{run_id}"
     extra_env = {"PYTHONUNBUFFERED": "1"}
     specs = []
     for role in (t.coordinator, *t.workers):
-        argv = [python_of(role.host), "-m", *_role_argv(t, role)]
-        over_ssh = bool(secret) and role.host.kind == "ssh"
+        issued = tls[role.host.name] if tls else None
+        ssh = role.host.kind == "ssh"
+        files = (issued.cert, issued.key, issued.ca) if issued else ()
+        # Over ssh each role gets its own copy, so two roles of a host never write one file.
+        remote = tuple(f"{remote_run_dir}/tls-{role.name}/{n}"
+                       for n in ("cert.pem", "key.pem", "ca.pem")) if issued else ()
+        paths = remote if ssh else tuple(map(str, files))
+        tls_flags = [f for flag, path in zip(("--tls-cert", "--tls-key", "--tls-ca"), paths)
+                     for f in (flag, path)]
+        argv = [python_of(role.host), "-m", *_role_argv(t, role), *tls_flags]
+        values = (secret,) if ssh and secret else ()
         command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env,
-                                            stdin_env=(ENV_SECRET,) if over_ssh else ())
-        env = ((ENV_SECRET, secret),) if secret and not over_ssh else ()
+                                            stdin_env=(ENV_SECRET,) if values else (),
+                                            stdin_files=remote if ssh else ())
+        env = ((ENV_SECRET, secret),) if secret and not ssh else ()
+        stdin = stdin_lines(values, files) if ssh and (values or files) else b""
         specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv,
-                                 env=env, stdin=f"{secret}\n".encode() if over_ssh else b""))
+                                 env=env, stdin=stdin))
     return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
 
 
@@ -246,18 +238,23 @@ def launch(t: ClusterTopology, state_dir: Path, env: Mapping[str, str] | None = 
     with claim_ports(lock_dir, local, None):  # the preflight test-binds each address
         if check:
             preflight(t)
-        if made:  # only now: a launch refused by its preflight leaves nothing behind
+        # Only now: a launch refused by its preflight leaves nothing behind.
+        if made:
             path = write_secret_file(state_dir / SECRET_FILE, secret)
             out(f"made a cluster secret for this launch in {path} (0600); a worker started "
                 f"later joins with --cluster-secret-file holding it")
-        return _launch(t, state_dir, secret, out, grace_s)
+        tls = launch_tls(t, state_dir)
+        if tls:
+            out(f"made a CA and a certificate per host in {state_dir / 'tls'} (0600): the "
+                f"internal gRPC plane is mutual TLS")
+        return _launch(t, state_dir, secret, tls, out, grace_s)
 
 
 def _launch(t: ClusterTopology, state_dir: Path, secret: str | None,
-            out: Callable[[str], None], grace_s: float) -> int:
+            tls: dict[str, Issued] | None, out: Callable[[str], None], grace_s: float) -> int:
     state_path = state_dir / STATE_FILE
     run_id = f"{os.getpid()}-{int(time.time())}"
-    specs, ready = plan_launch(t, state_dir, run_id, secret)
+    specs, ready = plan_launch(t, state_dir, run_id, secret, tls)
     cluster = LocalCluster(specs, ready, start_timeout_s=t.start_timeout_s, grace_s=grace_s)
 
     def record() -> None:

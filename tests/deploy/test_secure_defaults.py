@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cluster_secret import INSECURE_WARNING, cluster_secret, write_secret_file
-from deploy.launch import launch, launch_secret, plan_launch
+from deploy.launch import launch, plan_launch
+from deploy.plane_security import launch_secret, launch_tls
 from deploy.topology import TopologyError, load_topology, parse_topology, tomllib
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -87,3 +88,42 @@ def test_ray_topologies_need_a_secret_or_the_insecure_flag():
     assert secure.process_env()["TANDEM_CLUSTER_SECRET"] == SECRET and SECRET not in repr(secure)
     open_plane = ray_launcher.RayTopology(model="tiny", insecure_internal_plane=True)
     assert "TANDEM_CLUSTER_SECRET" not in open_plane.process_env()
+
+
+def test_off_loopback_the_launch_makes_a_ca_and_a_certificate_per_host(tmp_path):
+    import base64
+    import subprocess
+
+    t = load_topology(DEPLOY / "three-hosts.toml")  # gpu-a (this one's coordinator) .. gpu-c
+    tls = launch_tls(t, tmp_path / "state")
+    folder = tmp_path / "state" / "tls"
+    assert set(tls) == {h.name for h in t.hosts} and folder.stat().st_mode & 0o777 == 0o700
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in folder.iterdir())
+    for host in t.hosts:
+        issued = tls[host.name]
+        done = subprocess.run(["openssl", "verify", "-CAfile", str(issued.ca), str(issued.cert)],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        text = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
+                               str(issued.cert)], capture_output=True, text=True).stdout
+        assert f"IP Address:{host.address}" in text
+
+    specs, _ = plan_launch(t, tmp_path, "run", SECRET, tls)
+    by_name = {s.name: s for s in specs}
+    # gpu-c is reached over ssh: its files come on stdin after the secret, written 0600 there.
+    decode = by_name["decode-1"]
+    remote = decode.argv[-1]
+    folder_there = "/tmp/tandem-launch-run/tls-decode-1"
+    assert f"--tls-cert {folder_there}/cert.pem --tls-key {folder_there}/key.pem" in remote
+    assert f"umask 077 && mkdir -p {folder_there}" in remote
+    lines = decode.stdin.decode().splitlines()
+    assert lines[0] == SECRET and len(lines) == 4
+    issued = tls[next(r.host.name for r in t.workers if r.name == "decode-1")]
+    assert [base64.b64decode(x) for x in lines[1:]] == [
+        issued.cert.read_bytes(), issued.key.read_bytes(), issued.ca.read_bytes()]
+    assert all(b"PRIVATE KEY" not in " ".join(s.argv).encode() for s in specs)
+
+    assert launch_tls(parse_topology(tomllib.loads(LOOPBACK), tmp_path / "t.toml"), tmp_path) is None
+    assert launch_tls(dataclasses.replace(t, insecure_internal_plane=True), tmp_path) is None
+    given = dataclasses.replace(t, auth_args=("--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"))
+    assert launch_tls(given, tmp_path) is None
