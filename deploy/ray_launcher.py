@@ -280,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="no cluster secret unless $TANDEM_CLUSTER_SECRET gives one: anyone who "
                         "reaches the Registry can register as a worker")
     args, worker_args = p.parse_known_args(argv)  # flags not known here go to every worker
-    secret, _ = cluster_secret(os.environ)
     if args.insecure_internal_plane:
         secret = os.environ.get(ENV_SECRET, "").strip() or None
         if secret is None:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
+    else:
+        secret, _ = cluster_secret(os.environ)
     topology = RayTopology(
         cluster_secret=secret, insecure_internal_plane=args.insecure_internal_plane,
         model=args.model, prefill=args.prefill, decode=args.decode, colocated=args.colocated,

@@ -37,7 +37,8 @@
 Without cluster_secret_file, `tandem launch` hands every process a secret in its environment
 ($TANDEM_CLUSTER_SECRET, else one it makes; deploy/cluster_secret.py). A topology whose roles
 listen off loopback is refused without a secret unless insecure_internal_plane is set (or
-`tandem launch --insecure-internal-plane`).
+`tandem launch --insecure-internal-plane`); without tls_* files it also gets mutual TLS from a
+CA the launch makes (deploy/plane_security.py, deploy/cluster_ca.py).
 
 Every mistake that can be seen in the file alone raises TopologyError here, naming the key:
 unknown roles and settings, missing or clashing ports, a role on an undeclared host that is
