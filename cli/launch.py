@@ -8,6 +8,8 @@ runs it alone (e.g. on a host where only the deploy tools are wanted). The envir
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +31,11 @@ def register(subparsers) -> None:
     p.add_argument("--check", action="store_true",
                    help="only check the file and every host (reachable, model present and "
                         "identical, ports free), then exit")
+    p.add_argument("--insecure-internal-plane", action="store_true",
+                   help="start without a cluster secret (unless $TANDEM_CLUSTER_SECRET or "
+                        "[security] gives one) even off loopback: anyone who reaches the "
+                        "Registry can then register as a worker (also [security] "
+                        "insecure_internal_plane = true)")
     p.add_argument("--state-dir",
                    help="logs and launch record (default: the file's log_dir, else "
                         "$TANDEM_HOME/launch/<name>-<hash>)")
@@ -41,6 +48,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from common.model_store import default_home
 
     topology = load_topology(args.topology)
+    if args.insecure_internal_plane:
+        topology = dataclasses.replace(topology, insecure_internal_plane=True)
     if args.state_dir:
         state_dir = Path(args.state_dir)
     else:
@@ -53,7 +62,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         preflight(topology)
         print(f"{args.topology}: every host is reachable, has the model and free ports")
         return 0
-    return launch(topology, state_dir, lock_dir=default_home() / "run")
+    return launch(topology, state_dir, os.environ, lock_dir=default_home() / "run")
 
 
 def main(argv: list[str] | None = None) -> int:

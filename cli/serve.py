@@ -61,12 +61,17 @@ def register(subparsers) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.cluster_secret import cluster_secret
     from deploy.local import Topology, serve
 
     log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
         "serve-%Y%m%d-%H%M%S")
     host, port = serve_address(args.host, args.port, os.environ.get("OLLAMA_HOST"))
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY", "").strip() or None
+    # Secure by default: the internal plane always has a secret, the operator's
+    # $TANDEM_CLUSTER_SECRET or one made for this cluster; every process gets it in its
+    # environment (a worker that lacks it cannot register and receive prompts).
+    secret, _ = cluster_secret(os.environ)
     try:
         # Checked before the model is resolved (or pulled) and before anything starts.
         topology = Topology(model=args.model, model_path=Path(args.model), log_dir=log_dir,
@@ -80,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
                             coordinator_args=("--grpc-port", str(args.grpc_port)),
-                            api_tls=_api_tls(args))
+                            api_tls=_api_tls(args), cluster_secret=secret)
         from engine.device import resolve_device
 
         resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them

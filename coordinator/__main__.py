@@ -24,6 +24,7 @@ from coordinator.tenants import read_keys_file
 from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
 from common.cluster_auth import add_auth_args, auth_from_args
+from common.addresses import is_loopback
 from common.errors import TandemError
 from common.lifeline import watch_launcher
 
@@ -175,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("coordinator").info(
         "client APIs: %s", f"TLS ({config.api_tls.cert})" if config.api_tls else "plaintext")
     logging.getLogger("coordinator").info("internal plane: %s", config.cluster_auth.describe())
+    if not config.cluster_auth.secret and not is_loopback(config.registry_host):
+        logging.getLogger("coordinator").warning(
+            "the Registry listens on %s without a cluster secret: anyone who reaches it can "
+            "register as a worker and receive users' prompts (set $TANDEM_CLUSTER_SECRET or "
+            "--cluster-secret-file on every process)", config.registry_host)
     serve(config, model, store)
     return 0
 

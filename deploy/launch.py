@@ -5,7 +5,8 @@
     preflight(topology)                   # each host: reachable? model there and identical?
                                           #   ports free? [security] files there and valid?
                                           #   (TopologyError, nothing started)
-    launch(topology, state_dir)           # coordinator, then workers; wait until every named
+    launch(topology, state_dir, os.environ)   # the secret (launch_secret), then the coordinator,
+                                          #   then workers; wait until every named
                                           #   worker is live; print endpoints; serve until
                                           #   Ctrl-C/SIGTERM or `tandem launch --down`
     down(topology, state_dir)             # from another shell: stop what launch started
@@ -15,7 +16,13 @@ SSH (deploy/hosts.py), with their output in `state_dir/<role>.log` here. The lau
 itself and its processes in `state_dir/launch.json`; `down` asks the launcher to stop (it stops
 workers first, then the coordinator), and stops the recorded processes itself when the
 launcher is gone. Workers register with the coordinator, so a worker started later anywhere
-with `--coordinator <registry address>` takes traffic without restarting anything.
+with `--coordinator <registry address>` takes traffic without restarting anything (with
+`--cluster-secret-file` of the launch's secret: `state_dir/cluster-secret` when it made one).
+
+The internal plane is authenticated by default: without [security] cluster_secret_file, every
+process gets a secret in its environment (the operator's $TANDEM_CLUSTER_SECRET, else one made
+for the launch; over SSH on the remote shell's stdin: deploy/hosts.py). A topology that
+listens off loopback without a secret is refused unless it says insecure_internal_plane.
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.processes import start_time
-from deploy.hosts import host_command, python_of, role_command
+from deploy.cluster_ca import Issued
+from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, SECRET_FILE, write_secret_file
+from deploy.hosts import host_command, python_of, role_command, stdin_lines
 from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.plane_security import check_internal_plane, launch_secret, launch_tls
 from deploy.ports import claim_ports
 from deploy.topology import ClusterTopology, Host, Role, TopologyError
 
@@ -134,15 +144,36 @@ def _probe(host: Host, model: str, listen: list[str], auth_args: tuple[str, ...]
 
 # ---- what runs where ----------------------------------------------------------------------------
 
-def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str
-                ) -> tuple[list[ProcessSpec], Readiness]:
+def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | None = None,
+                tls: dict[str, Issued] | None = None) -> tuple[list[ProcessSpec], Readiness]:
+    """Every role's command on its host. `secret` goes into each one's environment and `tls`
+    (launch_tls, by host name) gives each its host's --tls-* files: local paths here and
+    through a prefix; over ssh both come on the remote shell's stdin, the files written 0600
+    in the run folder there (deploy/hosts.py). TopologyError (check_internal_plane) for an
+    open plane off loopback."""
+    check_internal_plane(t, secret)
     remote_run_dir = f"/tmp/tandem-launch-{run_id}"
     extra_env = {"PYTHONUNBUFFERED": "1"}
     specs = []
     for role in (t.coordinator, *t.workers):
-        argv = [python_of(role.host), "-m", *_role_argv(t, role)]
-        command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env)
-        specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv))
+        issued = tls[role.host.name] if tls else None
+        ssh = role.host.kind == "ssh"
+        files = (issued.cert, issued.key, issued.ca) if issued else ()
+        # Over ssh each role gets its own copy, so two roles of a host never write one file.
+        remote = tuple(f"{remote_run_dir}/tls-{role.name}/{n}"
+                       for n in ("cert.pem", "key.pem", "ca.pem")) if issued else ()
+        paths = remote if ssh else tuple(map(str, files))
+        tls_flags = [f for flag, path in zip(("--tls-cert", "--tls-key", "--tls-ca"), paths)
+                     for f in (flag, path)]
+        argv = [python_of(role.host), "-m", *_role_argv(t, role), *tls_flags]
+        values = (secret,) if ssh and secret else ()
+        command, signal_argv = role_command(role.host, argv, remote_run_dir, role.name, extra_env,
+                                            stdin_env=(ENV_SECRET,) if values else (),
+                                            stdin_files=remote if ssh else ())
+        env = ((ENV_SECRET, secret),) if secret and not ssh else ()
+        stdin = stdin_lines(values, files) if ssh and (values or files) else b""
+        specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv,
+                                 env=env, stdin=stdin))
     return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
 
 
@@ -188,26 +219,42 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
 
 # ---- run and stop -------------------------------------------------------------------------------
 
-def launch(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = print,
-           check: bool = True, grace_s: float = 10.0, lock_dir: Path | None = None) -> int:
+def launch(t: ClusterTopology, state_dir: Path, env: Mapping[str, str] | None = None, *,
+           out: Callable[[str], None] = print, check: bool = True, grace_s: float = 10.0,
+           lock_dir: Path | None = None) -> int:
     """Start, serve until stopped, stop. 0 on a requested stop, 1 if a process failed. The
-    ports of roles on this host are claimed first (deploy/ports.py, locks in `lock_dir`)."""
+    ports of roles on this host are claimed first (deploy/ports.py, locks in `lock_dir`).
+    Every process gets launch_secret's secret (the operator's from `env`, else a new one)."""
     state_path = state_dir / STATE_FILE
     if _launcher_alive(_read_state(state_path)):
         raise TopologyError(f"{t.source} is already launched (state in {state_path}); stop it "
                             f"with `tandem launch --down {t.source}`")
+    secret, made = launch_secret(t, env or {})
+    check_internal_plane(t, secret)  # before anything is probed or started
+    if t.off_loopback and not (secret or t.secret_file):
+        out(INSECURE_WARNING)
     local = [port for role in (t.coordinator, *t.workers) if role.host.kind == "local"
              for _, port in role.ports()]
     with claim_ports(lock_dir, local, None):  # the preflight test-binds each address
         if check:
             preflight(t)
-        return _launch(t, state_dir, out, grace_s)
+        # Only now: a launch refused by its preflight leaves nothing behind.
+        if made:
+            path = write_secret_file(state_dir / SECRET_FILE, secret)
+            out(f"made a cluster secret for this launch in {path} (0600); a worker started "
+                f"later joins with --cluster-secret-file holding it")
+        tls = launch_tls(t, state_dir)
+        if tls:
+            out(f"made a CA and a certificate per host in {state_dir / 'tls'} (0600): the "
+                f"internal gRPC plane is mutual TLS")
+        return _launch(t, state_dir, secret, tls, out, grace_s)
 
 
-def _launch(t: ClusterTopology, state_dir: Path, out: Callable[[str], None], grace_s: float) -> int:
+def _launch(t: ClusterTopology, state_dir: Path, secret: str | None,
+            tls: dict[str, Issued] | None, out: Callable[[str], None], grace_s: float) -> int:
     state_path = state_dir / STATE_FILE
     run_id = f"{os.getpid()}-{int(time.time())}"
-    specs, ready = plan_launch(t, state_dir, run_id)
+    specs, ready = plan_launch(t, state_dir, run_id, secret, tls)
     cluster = LocalCluster(specs, ready, start_timeout_s=t.start_timeout_s, grace_s=grace_s)
 
     def record() -> None:

@@ -186,6 +186,9 @@ class ProcessSpec:
     signal_argv: tuple[str, ...] = ()
     # Variables added to this process's environment (secrets: never on argv, never in a repr).
     env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # Written on the process's stdin, which is then closed (a secret for the far side of ssh:
+    # deploy/hosts.py); empty = stdin is /dev/null.
+    stdin: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -323,9 +326,16 @@ class LocalCluster:
         preexec = (death_signal() if spec.signal_argv
                    and threading.current_thread() is threading.main_thread() else None)
         process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
+                                   start_new_session=True,
                                    env={**self.env, **self.lifeline.child_env(), **dict(spec.env)},
                                    pass_fds=self.lifeline.pass_fds, preexec_fn=preexec)
+        if spec.stdin:  # a few bytes: the pipe's buffer holds them, nothing blocks
+            try:
+                process.stdin.write(spec.stdin)
+                process.stdin.close()
+            except BrokenPipeError:
+                pass  # it exited at once; the supervisor reports it
         self.pids.append(process.pid)
         return process
 

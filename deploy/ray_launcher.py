@@ -13,6 +13,11 @@ dies, so a killed driver leaves nothing behind. The model must be in each node's
 (`tandem pull`), as with every other launcher.
 
 Ray carries only placement and process control; requests and KV never pass through it.
+
+Every role listens on 0.0.0.0, so the internal plane needs a cluster secret: RayTopology
+refuses to be built without one unless `insecure_internal_plane` is set. `main` hands every
+process $TANDEM_CLUSTER_SECRET, or one it makes (deploy/cluster_secret.py), through the
+actor's environment; `--insecure-internal-plane` starts an open plane and logs a warning.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import ray
 
+from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, cluster_secret
 from deploy.local import LaunchError, log_tail
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
 
@@ -114,12 +120,14 @@ class RayTopology:
     # The internal plane's secret (common/cluster_auth.py): in every process's environment
     # (TANDEM_CLUSTER_SECRET, through the actor's start), never on a command line or in a repr.
     cluster_secret: str | None = field(default=None, repr=False)
+    # The operator accepts an open internal plane on 0.0.0.0 (no secret): see the docstring.
+    insecure_internal_plane: bool = False
 
     def process_env(self) -> dict[str, str]:
         """The environment every process of the topology is started with."""
         if not self.cluster_secret:
             return dict(self.env)
-        return {**self.env, "TANDEM_CLUSTER_SECRET": self.cluster_secret}
+        return {**self.env, ENV_SECRET: self.cluster_secret}
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("zmq", "grpc"):
@@ -128,6 +136,11 @@ class RayTopology:
         if self.decode < 1 or self.prefill < 0:
             raise ValueError(f"need decode >= 1 and prefill >= 0, got decode={self.decode}, "
                              f"prefill={self.prefill}")
+        if not self.cluster_secret and not self.insecure_internal_plane:
+            raise ValueError("refusing an internal plane on 0.0.0.0 without a cluster secret "
+                             "(anyone who reaches the Registry could register as a worker and "
+                             "receive users' prompts): give cluster_secret, or set "
+                             "insecure_internal_plane")
 
     def workers(self) -> list[tuple[str, str]]:
         """(worker id, role) of every worker."""
@@ -263,8 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=11434, help="coordinator HTTP port")
     p.add_argument("--coordinator-resource", help="custom resource the coordinator needs")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--insecure-internal-plane", action="store_true",
+                   help="no cluster secret unless $TANDEM_CLUSTER_SECRET gives one: anyone who "
+                        "reaches the Registry can register as a worker")
     args, worker_args = p.parse_known_args(argv)  # flags not known here go to every worker
+    if args.insecure_internal_plane:
+        secret = os.environ.get(ENV_SECRET, "").strip() or None
+        if secret is None:
+            print(INSECURE_WARNING, file=sys.stderr, flush=True)
+    else:
+        secret, _ = cluster_secret(os.environ)
     topology = RayTopology(
+        cluster_secret=secret, insecure_internal_plane=args.insecure_internal_plane,
         model=args.model, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
         kv_backend=args.kv_backend, http_port=args.port, worker_args=tuple(worker_args),
         coordinator_resources={args.coordinator_resource: 1} if args.coordinator_resource else {})

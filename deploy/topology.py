@@ -32,6 +32,13 @@
     tls_key = "/etc/tandem/node.key"
     tls_ca = "/etc/tandem/ca.pem"
     # tls_server_name = "tandem.internal"        # one cluster certificate for every host
+    # insecure_internal_plane = true             # off loopback: allow an open plane (no secret)
+
+Without cluster_secret_file, `tandem launch` hands every process a secret in its environment
+($TANDEM_CLUSTER_SECRET, else one it makes; deploy/cluster_secret.py). A topology whose roles
+listen off loopback is refused without a secret unless insecure_internal_plane is set (or
+`tandem launch --insecure-internal-plane`); without tls_* files it also gets mutual TLS from a
+CA the launch makes (deploy/plane_security.py, deploy/cluster_ca.py).
 
 Every mistake that can be seen in the file alone raises TopologyError here, naming the key:
 unknown roles and settings, missing or clashing ports, a role on an undeclared host that is
@@ -42,7 +49,6 @@ Reachability, the model and free ports on each host are checked by
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +58,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from common.addresses import is_loopback
 from common.errors import TandemError
 from engine.config import CacheConfig
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
@@ -63,7 +70,8 @@ DEFAULT_BLOCK_SIZE = CacheConfig.block_size  # a worker's --block-size default
 
 _TOP_KEYS = {"model", "kv_backend", "chunk_size", "prefill_threshold", "log_dir", "worker_args",
              "coordinator_args", "hosts", "start_timeout_s", "security"}
-_SECURITY_KEYS = {"cluster_secret_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name"}
+_SECURITY_PATHS = {"cluster_secret_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name"}
+_SECURITY_KEYS = _SECURITY_PATHS | {"insecure_internal_plane"}
 _HOST_KEYS = {"address", "bind", "ssh", "ssh_options", "exec", "python", "env", "workdir"}
 _COORDINATOR_KEYS = {"host", "port", "registry_port", "grpc_port", "args"}
 _WORKER_KEYS = {"host", "port", "kv_port", "name", "args"}
@@ -129,7 +137,20 @@ class ClusterTopology:
     # Flags of [security] for every process (paths only: the secret itself never travels
     # on a command line); see common/cluster_auth.py.
     auth_args: tuple[str, ...] = ()
+    # [security] insecure_internal_plane: the operator allows an open plane off loopback.
+    insecure_internal_plane: bool = False
     hosts: tuple[Host, ...] = field(default=(), repr=False)  # every host a role runs on
+
+    @property
+    def secret_file(self) -> str | None:
+        """[security] cluster_secret_file (each host reads its own copy), or None."""
+        args = self.auth_args
+        return args[args.index("--cluster-secret-file") + 1] if "--cluster-secret-file" in args else None
+
+    @property
+    def off_loopback(self) -> bool:
+        """Whether some role listens on an address other hosts may reach."""
+        return any(not is_loopback(r.host.bind) for r in (self.coordinator, *self.workers))
 
     @property
     def registry_address(self) -> str:
@@ -144,15 +165,6 @@ class ClusterTopology:
         for w in self.workers:
             counts[w.role] += 1
         return {role: n for role, n in counts.items() if n}
-
-
-def is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 def _url_host(address: str) -> str:
@@ -232,6 +244,8 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         worker_args=_strings(data, "worker_args", where),
         coordinator_args=_strings(data, "coordinator_args", where),
         auth_args=_security_args(data.get("security", {}), f"{where} [security]", source),
+        insecure_internal_plane=_bool(data.get("security", {}), "insecure_internal_plane",
+                                      f"{where} [security]"),
         hosts=tuple(used.values()))
     _check_workers(topology, where)
     return topology
@@ -246,7 +260,7 @@ def _security_args(table: object, at: str, source: Path) -> tuple[str, ...]:
     if tls and len(tls) != 3:
         raise TopologyError(f"{at}: mutual TLS needs tls_cert, tls_key and tls_ca together")
     flags: list[str] = []
-    for key in sorted(_SECURITY_KEYS):
+    for key in sorted(_SECURITY_PATHS):
         value = _string(table, key, at)
         if value:
             if key != "tls_server_name" and not Path(value).expanduser().is_absolute():
@@ -357,6 +371,13 @@ def _string(table: dict, key: str, at: str, required: bool = False) -> str | Non
         return None
     if not isinstance(value, str) or not value:
         raise TopologyError(f"{at}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(table: dict, key: str, at: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise TopologyError(f"{at}: {key} must be true or false, got {value!r}")
     return value
 
 

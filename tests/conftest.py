@@ -39,7 +39,7 @@ INTEGRATION_FILES = {
     "deploy/test_cluster_auth_netns.py", "deploy/test_cluster_lifetime.py",
     "deploy/test_coordinator_deploy.py",
     "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
-    "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py",
+    "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py",
     "engine/test_logprobs_engine.py",
     "kernels/test_dispatch_levels.py", "kernels/test_triton_model_path.py",
     "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",

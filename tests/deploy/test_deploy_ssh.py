@@ -14,6 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from reliability.model_factory import make_tiny_gguf
 from tests.helpers.deploy_helpers import LineReader, free_port_block
 
@@ -51,6 +55,7 @@ worker_args = {json.dumps(SMALL_WORKER)}
 log_dir = "{tmp_path / 'logs'}"
 [hosts.far]
 address = "127.0.0.1"
+bind = "0.0.0.0"  # off loopback: a secret and TLS by default, both over ssh's stdin
 ssh = "tandem@far"
 python = "{sys.executable}"
 env = {{ TANDEM_HOME = "{home}" }}
@@ -78,6 +83,27 @@ kv_port = {p + 4}
         pids = {f.stem: int(f.read_text()) for f in run_dir.glob("*.pid")}
         assert set(pids) == {"coordinator", "prefill-0", "decode-0"}
         assert all(alive(pid) for pid in pids.values())
+        # The secret the launch made reached each remote process on ssh's stdin: in its
+        # environment, on no command line on either side.
+        secret = (tmp_path / "logs" / "cluster-secret").read_text().strip()
+        assert (tmp_path / "logs" / "cluster-secret").stat().st_mode & 0o777 == 0o600
+        for pid in pids.values():
+            assert f"TANDEM_CLUSTER_SECRET={secret}".encode() in Path(
+                f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert secret not in (bin_dir / "calls.log").read_text()
+        # ... and so did its host's TLS files: written 0600 in a 0700 folder per role there.
+        for name, pid in pids.items():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            cert = Path(argv[argv.index("--tls-cert") + 1])
+            assert cert == run_dir / f"tls-{name}" / "cert.pem"
+            assert cert.parent.stat().st_mode & 0o777 == 0o700
+            assert all(f.stat().st_mode & 0o777 == 0o600 for f in cert.parent.iterdir())
+        assert b"PRIVATE KEY" not in (bin_dir / "calls.log").read_bytes()
+        with grpc.insecure_channel(f"127.0.0.1:{p + 3}") as channel:  # plaintext: refused
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=5)
 
         body = {"model": "tiny", "stream": False, "options": {"num_predict": 4, "temperature": 0},
                 "messages": [{"role": "user", "content": "Tell me about the sea. " * 4}]}

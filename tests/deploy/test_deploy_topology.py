@@ -23,6 +23,7 @@ from reliability.model_factory import make_tiny_gguf
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SOURCE = Path("topology.toml")
+SECRET = "0123456789abcdef" * 4
 
 
 def parse(text: str):
@@ -97,7 +98,7 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
         load_topology(path)
 
     t = load_topology(DEPLOY / "three-hosts.toml")
-    specs, ready = plan_launch(t, tmp_path, "run1")
+    specs, ready = plan_launch(t, tmp_path, "run1", SECRET)
     assert [s.name for s in specs] == ["coordinator", "prefill-0", "decode-0", "decode-1"]
     assert ready.url == "http://10.0.0.1:11434"
     assert ready.worker_ids == ("prefill-0", "decode-0", "decode-1")
@@ -105,7 +106,11 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
     # Over ssh: the remote shell records its PID, then execs the worker with the host's env.
     assert decode_1.argv[:1] == ["ssh"] and "tandem@10.0.0.3" in decode_1.argv
     remote = decode_1.argv[-1]
-    assert "echo $$ > /tmp/tandem-launch-run1/decode-1.pid && exec env" in remote
+    # The secret comes on ssh's stdin, read by the remote shell's builtin: on no command line.
+    assert ("echo $$ > /tmp/tandem-launch-run1/decode-1.pid && IFS= read -r TANDEM_CLUSTER_SECRET"
+            " && export TANDEM_CLUSTER_SECRET && exec env") in remote
+    assert decode_1.stdin == f"{SECRET}\n".encode() and decode_1.env == ()
+    assert all(SECRET not in " ".join(s.argv + list(s.signal_argv)) for s in specs)
     assert "TANDEM_HOME=/data/tandem /opt/tandem/.venv/bin/python -m decode_node" in remote
     for flag in ("--host 0.0.0.0", "--advertise-host 10.0.0.3", "--coordinator 10.0.0.1:50050",
                  "--kv-port 50081", "--worker-id decode-1", "--role decode"):
@@ -120,7 +125,8 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
         assert f"--internal-api-from {address}/32" in coordinator
 
     t = load_topology(DEPLOY / "netns.toml")
-    specs, _ = plan_launch(t, tmp_path, "run2")
+    specs, _ = plan_launch(t, tmp_path, "run2", SECRET)
+    assert all(dict(s.env) == {"TANDEM_CLUSTER_SECRET": SECRET} and not s.stdin for s in specs)
     # A prefix host: the prefix, then env, then the worker; signalled directly (no ssh).
     assert specs[1].argv[:5] == ["ip", "netns", "exec", "tdm-h2", "env"]
     assert specs[1].signal_argv == ()
