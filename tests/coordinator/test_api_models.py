@@ -148,7 +148,7 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
     assert out["copy"].status == "success"
     assert out["show_alias"].modelinfo["general.architecture"] == "llama"
     assert out["chat_alias"].done and out["chat_alias"].message.content == "Hi!"
-    assert [m.model for m in out["list"].models] == ["tiny"]  # /api/tags: the served model
+    assert [m.model for m in out["list"].models] == ["tiny:latest"]  # /api/tags: the served model
     for error, field in zip(out["refusals"], ("files", "quantize", "system", "template")):
         assert error.status_code == 400 and error.error.startswith(field), error
     assert out["no_from"].status_code == 400 and "from is required" in out["no_from"].error
@@ -163,7 +163,7 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
     assert out["shown_after"].status_code == 404
     assert tiny_gguf.is_file() and hf_dir.is_dir()  # registered in place, deleted by name only
     assert set(out["store"]) == {"team/hf"} and out["store"]["team/hf"].format == "safetensors"
-    assert [m["name"] for m in out["tags"]] == ["tiny"]
+    assert [m["name"] for m in out["tags"]] == ["tiny:latest"]
 
 
 def test_delete_refuses_the_served_file_but_not_a_copy_of_it(tiny_gguf, tmp_path):
