@@ -10,13 +10,13 @@ import os
 import sys
 
 from common.errors import TandemError
-from common.model_store import ModelStore, default_home
+from common.model_store import ModelStore, default_store
 
 DEFAULT_MODEL = "smollm2"
 
 
 def store() -> ModelStore:
-    return ModelStore(default_home())
+    return default_store()
 
 
 def pull(model_store: ModelStore, name: str):
