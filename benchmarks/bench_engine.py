@@ -188,9 +188,9 @@ def run_child(args, level: str) -> dict:
 
 
 def resolve(model: str) -> Path:
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
-    return ModelStore(default_home()).resolve(model)
+    return default_store().resolve(model)
 
 
 def pick_levels(spec: str | None) -> list[str]:

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
     from pathlib import Path
 
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
     from deploy.local import LocalCluster, Topology, free_port, plan
 
     p = argparse.ArgumentParser(description=__doc__,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-tokens", type=int, default=150)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    path = ModelStore(default_home()).resolve(args.model)
+    path = default_store().resolve(args.model)
     attacks = ["none", "embed", "embed-leave", "schema", "schema-oversized", "stops",
                "stops-oversized"]
     with tempfile.TemporaryDirectory(prefix="tandem-isolation-") as tmp:

@@ -147,7 +147,7 @@ def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) ->
 
 def main(argv: list[str] | None = None) -> None:
     from engine.device import add_device_flags
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-transfer", action="store_true", help="skip the KV transfer table")
     add_device_flags(p)  # every worker's --device / --no-cuda-graphs
     args = p.parse_args(argv)
-    model_path = ModelStore(default_home()).resolve(args.model)
+    model_path = default_store().resolve(args.model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         for name in args.modes.split(","):

@@ -79,7 +79,7 @@ def value(summary: dict, path: tuple[str, ...]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-server", required=True, help="path of llama.cpp's llama-server binary")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` arguments")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     args = p.parse_args(argv)
-    gguf = str(ModelStore(default_home()).resolve(args.model))
+    gguf = str(default_store().resolve(args.model))
     peer_port, tandem_port = free_port(), free_port()
     procs = []
     try:

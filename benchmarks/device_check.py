@@ -248,9 +248,9 @@ def _stage(fn, *args) -> dict:
 def resolve_model(name: str) -> Path:
     if Path(name).exists():
         return Path(name)
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
-    return ModelStore(default_home()).resolve(name)
+    return default_store().resolve(name)
 
 
 def run(args: argparse.Namespace) -> dict:

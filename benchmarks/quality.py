@@ -73,7 +73,7 @@ def evaluate(loaded, fmt: str, ids: list[int], chunk: int = 16,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.chunk < 1:
         parser.error("--chunk must be >= 1")
     configure_process(1)
-    path = ModelStore(default_home()).resolve(args.model)
+    path = default_store().resolve(args.model)
     loaded = load_model(path)
     ids = Tokenizer.from_path(path).encode(TEXT, add_special_tokens=True)
     targets = torch.tensor(ids[1:])

@@ -10,13 +10,13 @@ import os
 import sys
 
 from common.errors import TandemError
-from common.model_store import ModelStore, default_home
+from common.model_store import ModelStore, default_store
 
 DEFAULT_MODEL = "smollm2"
 
 
 def store() -> ModelStore:
-    return ModelStore(default_home())
+    return default_store()
 
 
 def pull(model_store: ModelStore, name: str):
@@ -28,12 +28,14 @@ def pull(model_store: ModelStore, name: str):
 
 
 def resolve_or_pull(name: str):
-    """The cached path of `name`, pulling it first when it is a known name not yet cached."""
+    """The cached path of `name`, pulling it first when it is a known name or a Hugging Face
+    repo (org/name[:TAG]) not yet cached."""
     model_store = store()
     try:
         return model_store.resolve(name)
     except TandemError:
-        if name not in model_store.known_names():
+        from_hub = model_store.hf is not None and model_store.hf.repo_dir(name) is not None
+        if name not in model_store.known_names() and not from_hub:
             raise
         return pull(model_store, name)
 

@@ -372,10 +372,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _tokenizer(name: str | None):
     if name is None:
         return None
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
     from common.tokenizer import Tokenizer
 
-    return Tokenizer.from_path(ModelStore(default_home()).resolve(name))
+    return Tokenizer.from_path(default_store().resolve(name))
 
 
 def run_from_args(args: argparse.Namespace) -> int:

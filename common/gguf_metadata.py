@@ -100,6 +100,16 @@ class _Cursor:
         return self.read(_SCALAR_FORMATS[vtype])
 
 
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether `path` is a file that starts as a GGUF file does, whatever its name: Ollama's
+    blobs (`blobs/sha256-<hex>`) have no suffix."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def read_gguf_header(path: str | Path) -> GGUFHeader:
     """Parse the key/values and tensor table of a GGUF file. Raises ModelNotFoundError for a
     missing file and ModelFormatError for anything that is not a complete GGUF file."""

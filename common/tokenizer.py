@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from common.chat_template import render_chat
 from common.errors import InvalidOptionError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from common.gguf_metadata import is_gguf_file
 
 if TYPE_CHECKING:
     import gguf
@@ -101,15 +102,15 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
-        """A `.gguf` file or a Hugging Face model directory."""
+        """A GGUF file (by its magic, whatever its name) or a Hugging Face model directory."""
         path = Path(path)
         if path.is_dir():
             return cls.from_hf_dir(path)
         if not path.exists():
             raise ModelNotFoundError(f"no tokenizer at {path}")
-        if path.suffix.lower() == ".gguf":
+        if path.suffix.lower() == ".gguf" or is_gguf_file(path):
             return cls.from_gguf(path)
-        raise ModelFormatError(f"{path} is neither a .gguf file nor a model directory")
+        raise ModelFormatError(f"{path} is neither a GGUF file nor a model directory")
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from coordinator.model import load_served_model
         from coordinator.server import serve
-        from common.model_store import ModelStore, default_home
+        from common.model_store import default_store
 
         config = CoordinatorConfig(
             host=args.host, port=args.port, registry_host=args.registry_host,
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             allowed_hosts=_allowed_hosts(args.allowed_hosts),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
-        store = ModelStore(default_home())
+        store = default_store()
         path = store.resolve(args.model)
         entry = store.entry(args.model)
         # Every store name of the same file answers too (copies made by /api/copy).

@@ -15,6 +15,7 @@ from common.errors import ModelNotFoundError
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
+from common.model_name import display_name, name_key
 from common.tokenizer import Tokenizer
 
 
@@ -31,10 +32,15 @@ class ServedModel:
     def context_len(self) -> int:
         return self.config.max_position
 
+    @property
+    def listed_name(self) -> str:
+        """The name /api/tags, /api/ps, /api/show and /v1/models list: Ollama's `name:tag`."""
+        return display_name(self.name)
+
     def answers_to(self, name: str) -> bool:
-        """Ollama clients add the default tag: "smollm2" and "smollm2:latest" are one model."""
-        base = name[: -len(":latest")] if name.endswith(":latest") else name
-        return name in self.names or base in self.names
+        """Spellings of one Ollama name are one model: "smollm2", "smollm2:latest",
+        "library/smollm2" and "registry.ollama.ai/library/smollm2:latest"."""
+        return name in self.names or name_key(name) in {name_key(n) for n in self.names}
 
     def require(self, name: str) -> None:
         """A ModelNotFoundError (HTTP 404, gRPC NOT_FOUND) unless this model answers to `name`."""

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common.gguf_metadata import is_gguf_file
 from coordinator.model import ServedModel
 from coordinator.tool_calls import supports_tools
 
@@ -56,10 +57,10 @@ def _parameter_count(model: ServedModel) -> int:
 def describe(model: ServedModel) -> ModelInfo:
     files = _files(model.path)
     mtime = max(f.stat().st_mtime for f in files)
-    is_gguf = model.path.is_file() and model.path.suffix == ".gguf"
+    is_gguf = model.path.is_file() and is_gguf_file(model.path)
     quant = _GGUF_QUANT.search(model.path.stem) if is_gguf else None
     return ModelInfo(
-        name=model.name, size=sum(f.stat().st_size for f in files),
+        name=model.listed_name, size=sum(f.stat().st_size for f in files),
         # Not the fingerprint itself: that is what a worker shows to register.
         digest=hashlib.sha256(f"tandem-digest:{model.fingerprint}".encode()).hexdigest(),
         format="gguf" if is_gguf else "safetensors",
@@ -85,7 +86,7 @@ def ps_entry(info: ModelInfo, expires_at: str | None = None) -> dict[str, Any]:
 
 def public_name(model: ServedModel) -> str:
     """The model's name as clients know it; its file name where that name is a path."""
-    return model.path.name if Path(model.name).expanduser().is_absolute() else model.name
+    return model.path.name if Path(model.name).expanduser().is_absolute() else model.listed_name
 
 
 def show_body(model: ServedModel, info: ModelInfo) -> dict[str, Any]:

@@ -46,11 +46,11 @@ class OpenAIRoutes:
         self.created = int(self.model.path.stat().st_mtime)
 
     async def models(self) -> JSONResponse:
-        return JSONResponse(oa.models_list(self.model.name, self.created))
+        return JSONResponse(oa.models_list(self.model.listed_name, self.created))
 
     async def one_model(self, name: str) -> JSONResponse:
         self.model.require(name)
-        return JSONResponse(oa.model_entry(self.model.name, self.created))
+        return JSONResponse(oa.model_entry(self.model.listed_name, self.created))
 
     async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()

@@ -185,9 +185,9 @@ def table(rows: list[Row]) -> str:
 def resolve_model(name: str, work: Path) -> Path:
     if name == "tiny":
         return tiny_model(work)
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
-    return ModelStore(default_home()).resolve(name)
+    return default_store().resolve(name)
 
 
 def tiny_model(root: Path) -> Path:

@@ -37,9 +37,9 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 
 
 def resolve_model(name: str) -> Path:
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
-    return ModelStore(default_home()).resolve(name)
+    return default_store().resolve(name)
 
 
 def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = None,

@@ -47,9 +47,9 @@ def test_run_interactive_keeps_the_conversation(api):
 def test_list_ps_show(api):
     r = tandem("list", host=api.url)
     assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:2] == ["NAME", "ID"]
-    assert r.stdout.splitlines()[1].split()[0] == MODEL
+    assert r.stdout.splitlines()[1].split()[0] == f"{MODEL}:latest"  # as `ollama list` shows it
     r = tandem("ps", host=api.url)
-    assert r.returncode == 0 and r.stdout.splitlines()[1].split()[0] == MODEL
+    assert r.returncode == 0 and r.stdout.splitlines()[1].split()[0] == f"{MODEL}:latest"
     r = tandem("show", MODEL, host=api.url)
     assert r.returncode == 0 and "architecture" in r.stdout and "llama" in r.stdout
     assert "completion" in r.stdout

@@ -134,7 +134,7 @@ def test_resolve(tmp_path):
 
     notes = tmp_path / "notes.txt"
     notes.write_text("hi")
-    with pytest.raises(ModelFormatError, match="expected a .gguf file"):
+    with pytest.raises(ModelFormatError, match="expected a GGUF file"):
         store.resolve(str(notes))
 
     dropped = tmp_path / "models" / "my-finetune.gguf"
@@ -288,7 +288,7 @@ def test_create_refusals(tmp_path, tiny_gguf, name, source, error, match):
 def test_create_refuses_what_is_not_a_model(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("hi")
-    with pytest.raises(ModelFormatError, match="expected a .gguf file"):
+    with pytest.raises(ModelFormatError, match="expected a GGUF file"):
         _store(tmp_path / "home").create("notes", notes)
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf at all")

@@ -75,7 +75,7 @@ def test_api_key_on_the_ollama_api_with_the_ollama_client(model, tokens):
     assert "missing API key" in refusals[0].error
     assert "invalid API key" in refusals[1].error and "invalid API key" in refusals[2].error
     assert "Authorization: Bearer KEY" in refusals[0].error
-    assert answer.message.content == TEXT and [m.model for m in tags.models] == ["tiny"]
+    assert answer.message.content == TEXT and [m.model for m in tags.models] == ["tiny:latest"]
     assert raw.status_code == 401 and set(raw.json()) == {"error"}  # Ollama's shape
     assert raw.headers["www-authenticate"].startswith("Bearer")
     assert lower.status_code == 200  # the scheme is case-insensitive
@@ -102,7 +102,7 @@ def test_api_key_on_the_openai_api_with_the_openai_client(model, tokens):
     wrong, models, answer, listed, bare = run(scenario())
     assert wrong.status_code == 401 and wrong.code == "invalid_api_key"
     assert "invalid API key" in wrong.message and models.status_code == 401
-    assert answer.choices[0].message.content == TEXT and [m.id for m in listed.data] == ["tiny"]
+    assert answer.choices[0].message.content == TEXT and [m.id for m in listed.data] == ["tiny:latest"]
     error = bare.json()["error"]  # OpenAI's nested shape
     assert bare.status_code == 401 and "missing API key" in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
@@ -128,7 +128,7 @@ def test_api_key_on_the_grpc_api(model, tokens):
     assert missing[:2] == ("SERVING", grpc.StatusCode.UNAUTHENTICATED)
     assert "missing API key" in missing[2] and "authorization: Bearer KEY" in missing[2]
     assert wrong[1] == grpc.StatusCode.UNAUTHENTICATED and "invalid API key" in wrong[2]
-    assert good == ("SERVING", TEXT, ["tiny"])
+    assert good == ("SERVING", TEXT, ["tiny:latest"])
 
 
 def test_the_tandem_cli_sends_its_key(model):
@@ -144,7 +144,7 @@ def test_the_tandem_cli_sends_its_key(model):
 
             return await asyncio.to_thread(both)
 
-    assert run(scenario()) == (True, ["tiny"])
+    assert run(scenario()) == (True, ["tiny:latest"])
 
 
 def test_without_a_key_every_api_is_open(model):

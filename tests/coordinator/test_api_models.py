@@ -15,9 +15,11 @@ import ollama
 import pytest
 
 from common.model_store import ModelStore, RegistryEntry
+from coordinator.model import load_served_model
 from tests.helpers.coordinator_fakes import (
     Script, coordinator_harness, load_model, make_tiny_model_dir, run,
 )
+from tests.helpers.foreign_stores import make_ollama_store
 from tests.helpers.wheel_index import MEMBER, WHEEL, pip_args, slow_index, write_wheel
 
 PAYLOAD = os.urandom(2 * (1 << 20) + 7)
@@ -148,7 +150,7 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
     assert out["copy"].status == "success"
     assert out["show_alias"].modelinfo["general.architecture"] == "llama"
     assert out["chat_alias"].done and out["chat_alias"].message.content == "Hi!"
-    assert [m.model for m in out["list"].models] == ["tiny"]  # /api/tags: the served model
+    assert [m.model for m in out["list"].models] == ["tiny:latest"]  # /api/tags: the served model
     for error, field in zip(out["refusals"], ("files", "quantize", "system", "template")):
         assert error.status_code == 400 and error.error.startswith(field), error
     assert out["no_from"].status_code == 400 and "from is required" in out["no_from"].error
@@ -163,7 +165,7 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
     assert out["shown_after"].status_code == 404
     assert tiny_gguf.is_file() and hf_dir.is_dir()  # registered in place, deleted by name only
     assert set(out["store"]) == {"team/hf"} and out["store"]["team/hf"].format == "safetensors"
-    assert [m["name"] for m in out["tags"]] == ["tiny"]
+    assert [m["name"] for m in out["tags"]] == ["tiny:latest"]
 
 
 def test_delete_refuses_the_served_file_but_not_a_copy_of_it(tiny_gguf, tmp_path):
@@ -224,3 +226,45 @@ def test_no_worker_within_the_load_timeout_is_503(served):
     r, took = run(scenario())
     assert r.status_code == 503 and "waited 0.3 s for one to load the model" in r.json()["error"]
     assert took >= 0.3
+
+
+def test_a_model_from_ollamas_store_is_listed_as_name_tag_and_answers_to_each_spelling(
+        tiny_gguf, tmp_path):
+    """Served from a fake Ollama store in place; LangChain's ChatOllama checks /api/tags for
+    the name it is given (validate_model_on_init) and then chats."""
+    from langchain_ollama import ChatOllama
+
+    store = ModelStore(tmp_path / "home", ollama_models=make_ollama_store(tmp_path / "o", tiny_gguf))
+    model = load_served_model(store.resolve("tiny"), "tiny")
+    tokens = model.tokenizer.encode("Hi!", add_special_tokens=False)
+
+    async def scenario():
+        async with coordinator_harness(model, store=store) as h:
+            await h.add_worker("c1", "colocated", Script(tokens=tokens))
+            c = ollama.Client(host=h.url, timeout=60)
+            get = lambda path: httpx.get(h.url + path).json()  # noqa: E731
+            out = {"tags": await in_thread(get, "/api/tags"),
+                   "ps": await in_thread(get, "/api/ps"),
+                   "v1": await in_thread(get, "/v1/models"),
+                   "show": await in_thread(c.show, "registry.ollama.ai/library/tiny:latest"),
+                   "chats": [(await in_thread(c.chat, model=name, messages=MESSAGES)).message.content
+                             for name in ("tiny", "tiny:latest", "library/tiny")],
+                   "other": await refusal(c.chat, model="tiny:7b", messages=MESSAGES)}
+            def langchain(name: str) -> str:  # validate_model_on_init reads /api/tags at once
+                chat = ChatOllama(model=name, base_url=h.url, validate_model_on_init=True)
+                return chat.invoke("Hello there").content
+
+            out["langchain"] = await in_thread(langchain, "tiny:latest")
+            with pytest.raises(ValueError, match="not found"):
+                await in_thread(langchain, "nope")
+            return out
+
+    out = run(scenario())
+    (entry,) = out["tags"]["models"]
+    assert entry["name"] == entry["model"] == "tiny:latest" and entry["details"]["format"] == "gguf"
+    assert [(m["name"], m["model"]) for m in out["ps"]["models"]] == [("tiny:latest",) * 2]
+    assert [m["id"] for m in out["v1"]["data"]] == ["tiny:latest"]
+    assert out["show"].modelfile.splitlines()[1] == "FROM tiny:latest"
+    assert "<|im_start|>" in out["show"].template  # the GGUF's own Jinja template
+    assert out["chats"] == ["Hi!"] * 3 and out["langchain"] == "Hi!"
+    assert out["other"].status_code == 404

@@ -93,13 +93,13 @@ def test_every_sampling_option_is_accepted(api):
 def test_list_show_ps_version_and_root(api):
     client = ollama.Client(host=api.url, timeout=30)
     (entry,) = client.list().models
-    assert entry.model == MODEL and entry.size > 0 and entry.details.family == "llama"
+    assert entry.model == f"{MODEL}:latest" and entry.size > 0 and entry.details.family == "llama"
     assert entry.modified_at is not None
     shown = client.show(f"{MODEL}:latest")
     assert shown.modelinfo["general.architecture"] == "llama"
     assert "completion" in shown.capabilities and shown.template
     (running,) = client.ps().models
-    assert running.model == MODEL and running.expires_at is not None
+    assert running.model == f"{MODEL}:latest" and running.expires_at is not None
     assert httpx.get(api.url + "/api/version").json()["version"]
     assert httpx.get(api.url + "/").text == "Ollama is running"
     head = httpx.head(api.url + "/")

@@ -55,7 +55,7 @@ def test_openai_completions_and_models(oai):
     streamed = list(oai.completions.create(model=MODEL, prompt="rivers", temperature=0,
                                            max_tokens=8, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
-    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert [m.id for m in oai.models.list().data] == [f"{MODEL}:latest"]
 
 
 def test_openai_errors_have_openai_shape(oai):
@@ -85,7 +85,7 @@ def test_grpc_streaming_generate_chat_and_list(api, ollama_answer):
         assert len(last.context) == f.prompt_eval_count + f.eval_count
         assert client.chat_text(MODEL, MESSAGES, options=GREEDY) == ollama_answer.message.content
         (model,) = client.list_models()
-        assert model.name == MODEL and model.context_length == 512
+        assert model.name == f"{MODEL}:latest" and model.context_length == 512
 
 
 @pytest.mark.parametrize("kwargs, code, message", [

@@ -86,7 +86,7 @@ def test_clients_reach_a_tls_coordinator_with_the_ca_and_plaintext_is_refused(mo
             async with httpx.AsyncClient(verify=trust) as http:
                 oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused",
                                          http_client=http, max_retries=0)
-                assert [m.id for m in (await oai.models.list()).data] == ["tiny"]
+                assert [m.id for m in (await oai.models.list()).data] == ["tiny:latest"]
             plain_url = h.url.replace("https://", "http://")
             async with httpx.AsyncClient(timeout=10) as plain:
                 with pytest.raises(httpx.HTTPError):
@@ -99,9 +99,9 @@ def test_clients_reach_a_tls_coordinator_with_the_ca_and_plaintext_is_refused(mo
                     await asyncio.to_thread(cli_calls, h.url))
 
     (names, text, refused), cli_names = run(scenario())
-    assert names == ["tiny"] and text == TEXT
+    assert names == ["tiny:latest"] and text == TEXT
     assert refused is grpc.StatusCode.UNAVAILABLE
-    assert cli_names == (["tiny"], 1, {"d1"})
+    assert cli_names == (["tiny:latest"], 1, {"d1"})
 
 
 def test_tandem_serve_hands_the_coordinator_its_tls_and_polls_it_over_https(tmp_path, monkeypatch,

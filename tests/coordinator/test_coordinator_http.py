@@ -474,7 +474,7 @@ def test_api_ps_lists_the_model_only_while_a_worker_serves_it(model, tokens):
 
     before, after = run(scenario())
     assert before == {"models": []}
-    assert [m["name"] for m in after["models"]] == ["tiny"]
+    assert [m["name"] for m in after["models"]] == ["tiny:latest"]
 
 
 def test_a_chat_longer_than_its_context_drops_its_oldest_messages(model, tokens):

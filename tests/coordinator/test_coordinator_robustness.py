@@ -209,7 +209,7 @@ def test_show_by_absolute_path_does_not_answer_with_the_path(model):
     r = run(scenario())
     assert r.status_code == 200
     assert str(model.path) not in r.text and str(model.path.parent) not in r.text
-    assert r.json()["modelfile"].splitlines()[1] == "FROM tiny"
+    assert r.json()["modelfile"].splitlines()[1] == "FROM tiny:latest"
     assert model.fingerprint not in r.text
 
 

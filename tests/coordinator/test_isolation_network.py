@@ -88,7 +88,7 @@ def test_a_keep_alive_out_of_range_is_a_400_and_ps_keeps_answering(model):
     for r in refused:
         assert r.status_code == 400 and "keep_alive" in r.json()["error"], r.text
     assert forever.status_code == 200 and year.status_code == 200
-    assert ps.status_code == 200 and [m["name"] for m in ps.json()["models"]] == ["tiny"]
+    assert ps.status_code == 200 and [m["name"] for m in ps.json()["models"]] == ["tiny:latest"]
 
 
 def test_keep_alive_bounds():
