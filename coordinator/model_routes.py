@@ -155,7 +155,12 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
         # --model-name): copy its path.
         path = await asyncio.to_thread(models.copy, str(served.path), name)
     else:  # a name: never looked up as a path (that would tell what files the host has)
-        path = await asyncio.to_thread(models.copy, source, name, False)
+        try:
+            path = await asyncio.to_thread(models.copy, source, name, False)
+        except ModelNotFoundError as exc:
+            # The store's message names the server's folders: the log's, not the client's.
+            log.info("/api/copy or /api/create from %r: %s", shown(source), exc)
+            raise ModelNotFoundError(f"model '{shown(source)}' not found") from None
     if served.answers_to(source) or _same(path, served.path):
         coordinator.add_model_name(normalize_name(name))
 

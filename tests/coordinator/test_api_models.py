@@ -268,3 +268,22 @@ def test_a_model_from_ollamas_store_is_listed_as_name_tag_and_answers_to_each_sp
     assert "<|im_start|>" in out["show"].template  # the GGUF's own Jinja template
     assert out["chats"] == ["Hi!"] * 3 and out["langchain"] == "Hi!"
     assert out["other"].status_code == 404
+
+
+def test_a_missing_source_names_no_server_folder(tmp_path):
+    """/api/copy of an unknown name is Ollama's 404; where the server looked is logged, not sent."""
+    from coordinator.model import load_served_model
+    from common.model_store import ModelStore
+    from tests.helpers.coordinator_fakes import coordinator_harness, make_tiny_model_dir, run
+
+    model = load_served_model(make_tiny_model_dir(tmp_path / "m"), "tiny")
+    store = ModelStore(tmp_path / "home")
+
+    async def scenario():
+        async with coordinator_harness(model, store) as h, httpx.AsyncClient(timeout=30) as client:
+            return await client.post(f"{h.url}/api/copy", json={"source": "nothere",
+                                                                 "destination": "b"})
+
+    r = run(scenario())
+    assert r.status_code == 404 and r.json() == {"error": "model 'nothere' not found"}
+    assert str(tmp_path) not in r.text
