@@ -223,3 +223,17 @@ def concurrency_limit(workers: Sequence[WorkerSnapshot], per_worker: int) -> int
         if w.role in ("decode", "colocated"):
             total += min(per_worker, w.load.num_blocks) if w.load.num_blocks > 0 else per_worker
     return total
+
+
+def choose_embedder(workers: Sequence[WorkerSnapshot], inputs: Sequence[Sequence[int]]
+                    ) -> WorkerSnapshot | None:
+    """Where an embedding request runs: the prefill worker with the least prefill ahead of it
+    (embeddings are compute-bound prompt passes that stall no decode batch there), else, with
+    no live prefill worker, the decode-capable worker choose_decode picks. No prefix overlap:
+    pooling reads no cached block."""
+    tokens = sum(map(len, inputs))
+    prefill = [w for w in workers if w.role == "prefill"]
+    if prefill:
+        return min(prefill, key=lambda w: (prefill_cost(w, tokens, 0), w.worker_id))
+    chosen = choose_decode(workers, Prompt(inputs[0]))
+    return None if chosen is None else chosen[0]

@@ -18,7 +18,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
-from coordinator.placement import Prompt, choose_decode, concurrency_limit
+from coordinator.placement import choose_embedder, concurrency_limit
 from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry
 from coordinator.residency import Residency
@@ -175,8 +175,9 @@ class Coordinator:
     async def embed(self, inputs: list[list[int]], normalize: bool,
                     timings: RequestTimings) -> list[list[float]]:
         """Pooled embeddings of `inputs` (token ids, each checked against the context by the
-        caller) from one decode worker's Embed RPC (proto/worker.proto), the least loaded.
-        A worker that is gone (UNAVAILABLE) is marked dead and the next one asked."""
+        caller) from one worker's Embed RPC (proto/worker.proto): a prefill worker's when one
+        is live, else a decode worker's (placement.choose_embedder). A worker that is gone
+        (UNAVAILABLE) is marked dead and the next one asked."""
         if self.open_requests >= self.config.max_streams:
             self.metrics.count_refusal("overloaded")
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
@@ -191,24 +192,27 @@ class Coordinator:
             await self.admission.acquire()
             admitted = True
             timings.admitted = time.monotonic()
-            # In local-prefill chunks: a long input costs a concurrent stream one short pass
-            # at a time, as a short prompt prefilled on the decode worker does.
-            request = pb.EmbedRequest(request_id=uuid.uuid4().hex, normalize=normalize,
-                                      inputs=[pb.TokenIds(token_ids=ids) for ids in inputs],
-                                      max_chunk_tokens=self.config.local_chunk_size)
             tried: list[str] = []
             while True:
-                workers = [w for w in self.registry.snapshots(DECODE_ROLES) if w.worker_id not in tried]
-                chosen = choose_decode(workers, Prompt(inputs[0]))
+                workers = [w for w in self.registry.snapshots() if w.worker_id not in tried]
+                chosen = choose_embedder(workers, inputs)
                 if chosen is None:
-                    raise NoWorkers("no live decode worker can compute embeddings now; retry once "
+                    raise NoWorkers("no live worker can compute embeddings now; retry once "
                                     "workers are up")
-                record = self.registry.get(chosen[0].worker_id)
+                record = self.registry.get(chosen.worker_id)
                 tried.append(record.worker_id)
                 self.registry.assign(record.worker_id, requests=1)
+                on_prefill = record.role == "prefill"
+                # The chunk plan of the worker's role: a decode worker takes a long input in
+                # local-prefill chunks, so a concurrent stream waits one short pass at a time.
+                request = pb.EmbedRequest(
+                    request_id=uuid.uuid4().hex, normalize=normalize,
+                    inputs=[pb.TokenIds(token_ids=ids) for ids in inputs],
+                    max_chunk_tokens=self.config.chunk_size if on_prefill
+                    else self.config.local_chunk_size)
+                stub = record.prefill_stub if on_prefill else record.decode_stub
                 try:
-                    result = await record.decode_stub.Embed(request,
-                                                            timeout=self.config.prefill_timeout_s)
+                    result = await stub.Embed(request, timeout=self.config.prefill_timeout_s)
                     return [list(e.values) for e in result.embeddings]
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
@@ -219,7 +223,7 @@ class Coordinator:
                         raise InvalidOptionError(exc.details()) from None
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise Overloaded(exc.details(), self.config.retry_after_s) from None
-                    raise WorkerError(f"decode worker {record.worker_id} at {record.address} "
+                    raise WorkerError(f"{record.role} worker {record.worker_id} at {record.address} "
                                       f"failed to embed: {code.name}: {exc.details()}") from None
                 finally:
                     self.registry.assign(record.worker_id, requests=-1)

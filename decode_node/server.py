@@ -8,7 +8,7 @@ import grpc
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from common.errors import ResidencyError, TandemError
-from worker.node_server import set_resident
+from worker.node_server import embed_rpc, set_resident
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.wire import logprobs_to_proto, sampling_from_proto
@@ -52,18 +52,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 self.worker.close_stream(job.request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResult:
-        inputs = [list(t.token_ids) for t in request.inputs]
-        if not inputs:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
-        try:
-            vectors = await self.worker.embed(inputs, request.normalize, request.max_chunk_tokens)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ResidencyError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return pb.EmbedResult(embeddings=[pb.Embedding(values=v) for v in vectors])
+        return await embed_rpc(self.worker, request, context)
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()

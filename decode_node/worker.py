@@ -36,12 +36,12 @@ A request's life cycle on this node:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import dataclass
 
 from decode_node.connector import DecodeConnector
-from worker.engine_loop import EngineLoop, settle
+from worker.embedder import Embedder
+from worker.engine_loop import EngineLoop
 from common.errors import TandemError
 from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
@@ -98,9 +98,7 @@ class DecodeWorker(EngineLoop):
         self.reserve_timeout_s = reserve_timeout_s
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
         self._first_event: set[str] = set()  # engine thread: remote requests not yet reported
-        self._embeds: dict[str, asyncio.Future] = {}  # asyncio thread: embedding request -> caller
-        self._embedding_ids: set[str] = set()  # engine thread: embedding requests in the engine
-        self._embed_batches = itertools.count()
+        self.embedder = Embedder(self)  # embedding inputs, pooled beside the decodes
         self._grammar_tasks: set[asyncio.Task] = set()  # requests whose grammar is compiling
 
     # -- asyncio side --------------------------------------------------------------------
@@ -129,36 +127,9 @@ class DecodeWorker(EngineLoop):
 
     async def embed(self, inputs: list[list[int]], normalize: bool = True,
                     max_chunk_tokens: int = 0) -> list[list[float]]:
-        """Pooled embeddings of `inputs` (engine/embedding.py): one embedding request per input,
-        scheduled by the engine like any prompt: chunked under the token budget beside the
-        running decodes, waiting in arrival order for blocks. ValueError for an empty or too
-        long input. Cancelled (the client left): the inputs still running are aborted and
-        their blocks freed, so no work outlives the caller. max_chunk_tokens: the largest
-        chunk of one input per pass (the coordinator's local chunk plan; 0 = the budget)."""
-        self.check_alive()
-        self.engine.require_resident()
-        limit = self.engine.context_length
-        for ids in inputs:
-            if not ids or len(ids) > limit:
-                raise ValueError(f"an input has {len(ids)} tokens; each needs 1 to {limit}")
-        batch = next(self._embed_batches)
-        futures = {f"embed-{batch}-{i}": self.loop.create_future() for i in range(len(inputs))}
-        self._embeds.update(futures)
-        jobs = list(zip(futures, inputs))
-        self.call(lambda: self._admit_embeddings(jobs, normalize, max_chunk_tokens))
-        try:
-            return list(await asyncio.gather(*futures.values()))
-        finally:
-            for request_id in futures:
-                self._embeds.pop(request_id, None)
-            pending = [rid for rid, f in futures.items() if not f.done() or f.cancelled()]
-            if pending:
-                self.call(lambda: [self._end(rid) for rid in pending])
-
-    def _embedding_done(self, request_id: str, vector: list[float] | None, error: str) -> None:
-        future = self._embeds.get(request_id)
-        if future is not None:
-            settle(future, vector, None if vector is not None else RuntimeError(error))
+        """Pooled embeddings of `inputs`, scheduled beside the running decodes
+        (worker/embedder.py)."""
+        return await self.embedder.embed(inputs, normalize, max_chunk_tokens)
 
     def close_stream(self, request_id: str) -> None:
         """The consumer is gone: abort whatever is left of the request."""
@@ -198,24 +169,6 @@ class DecodeWorker(EngineLoop):
             self._first_event.discard(job.request_id)
             self._emit(job.request_id, Tokens([], True, "error", str(exc)))
 
-    def _admit_embeddings(self, jobs: list[tuple[str, list[int]]], normalize: bool,
-                          max_chunk_tokens: int) -> None:
-        for request_id, ids in jobs:
-            try:
-                self.engine.require_resident()
-                request = self.engine.make_embedding_request(ids, normalize, request_id)
-                request.max_chunk_tokens = max(0, max_chunk_tokens)
-                self.engine.submit(request)
-            except (TandemError, ValueError) as exc:
-                self.post(self._embedding_failed, request_id, exc)
-                continue
-            self._embedding_ids.add(request_id)
-
-    def _embedding_failed(self, request_id: str, exc: BaseException) -> None:
-        future = self._embeds.get(request_id)
-        if future is not None:
-            settle(future, None, exc)
-
     def poll(self) -> None:
         """Remote requests still waiting for blocks past reserve_timeout_s fail: the pool has
         been full that long, and the coordinator can place them elsewhere."""
@@ -231,18 +184,12 @@ class DecodeWorker(EngineLoop):
 
     def _end(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self._first_event.discard(request_id)
-        self._embedding_ids.discard(request_id)
         if self.connector is not None:
             self.connector.expected_bytes.pop(request_id, None)
         self.engine.abort_request(request_id, status)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            if out.request_id in self._embedding_ids:
-                self._embedding_ids.discard(out.request_id)
-                self.post(self._embedding_done, out.request_id, out.embedding,
-                          out.error or f"embedding ended {out.status.value}")
-                continue
+        for out in self.embedder.take(outputs):
             reason = (out.status.done_reason or "") if out.finished else ""
             kv_bytes = 0
             if out.request_id in self._first_event:
@@ -258,6 +205,5 @@ class DecodeWorker(EngineLoop):
         def fail_all() -> None:
             for rid in list(self._streams):
                 self._deliver(rid, Tokens([], True, "error", f"decode engine failed: {exc}"))
-            for future in list(self._embeds.values()):
-                settle(future, None, RuntimeError(f"decode engine failed: {exc}"))
+            self.embedder.fail_all(exc)
         self.post(fail_all)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from common.errors import ResidencyError, TandemError
-from worker.node_server import set_resident
+from worker.node_server import embed_rpc, set_resident
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.wire import logprobs_to_proto, sampling_from_proto
@@ -47,6 +47,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                 prefill_seconds=outcome.seconds,
                                 logprobs=logprobs_to_proto(outcome.logprobs),
                                 prompt_logprobs=logprobs_to_proto(outcome.prompt_logprobs))
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResult:
+        return await embed_rpc(self.worker, request, context)
 
     async def Status(self, request, context) -> pb.WorkerStatus:
         return self.status_fn()

@@ -31,6 +31,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from worker.embedder import Embedder
 from worker.engine_loop import EngineLoop
 from common.errors import SamplingError, TandemError
 from engine.kv_transfer_state import KVTransferParams
@@ -73,6 +74,7 @@ class PrefillWorker(EngineLoop):
                                           engine.block_manager.block_table, on_transfer_end)
         engine.set_connector(self.connector)
         self._futures: dict[str, asyncio.Future] = {}  # asyncio thread only
+        self.embedder = Embedder(self)  # embedding inputs, chunked like prompts
         self._started: dict[str, float] = {}
 
     # -- asyncio side --------------------------------------------------------------------
@@ -130,7 +132,7 @@ class PrefillWorker(EngineLoop):
             self.post(self._resolve, job.request_id, exc)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
+        for out in self.embedder.take(outputs):
             if out.error:
                 self.post(self._resolve, out.request_id, SamplingError(out.error))
             elif out.new_token_ids:
@@ -144,4 +146,5 @@ class PrefillWorker(EngineLoop):
         def fail_all() -> None:
             for rid in list(self._futures):
                 self._resolve(rid, RuntimeError(f"prefill engine failed: {exc}"))
+            self.embedder.fail_all(exc)
         self.post(fail_all)

@@ -87,6 +87,23 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
                            (refused.refused.snapshot() if refused else {}).items())])
 
 
+async def embed_rpc(worker, request: pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EmbedResult:
+    """Embed of either worker service (proto/worker.proto), over its Embedder."""
+    inputs = [list(t.token_ids) for t in request.inputs]
+    if not inputs:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
+    try:
+        vectors = await worker.embedder.embed(inputs, request.normalize, request.max_chunk_tokens)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except ResidencyError as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return pb.EmbedResult(embeddings=[pb.Embedding(values=v) for v in vectors])
+
+
 async def set_resident(worker: EngineLoop, request: pb.ResidencyRequest,
                        context: grpc.aio.ServicerContext) -> pb.ResidencyResult:
     """SetResident of either worker service (proto/worker.proto), over its engine loop."""

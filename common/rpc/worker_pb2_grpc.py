@@ -49,6 +49,11 @@ class PrefillWorkerStub:
                 request_serializer=worker__pb2.ResidencyRequest.SerializeToString,
                 response_deserializer=worker__pb2.ResidencyResult.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.worker.PrefillWorker/Embed',
+                request_serializer=worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=worker__pb2.EmbedResult.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -72,6 +77,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """As DecodeWorker.Embed: a compute-bound job, so the coordinator sends it here when it can.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.SetResident,
                     request_deserializer=worker__pb2.ResidencyRequest.FromString,
                     response_serializer=worker__pb2.ResidencyResult.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=worker__pb2.EmbedRequest.FromString,
+                    response_serializer=worker__pb2.EmbedResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class PrefillWorker:
             '/tandem.worker.PrefillWorker/SetResident',
             worker__pb2.ResidencyRequest.SerializeToString,
             worker__pb2.ResidencyResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.PrefillWorker/Embed',
+            worker__pb2.EmbedRequest.SerializeToString,
+            worker__pb2.EmbedResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -200,3 +200,14 @@ def test_a_tenant_prompt_overlaps_only_that_tenant_s_cached_blocks():
     assert placement.Prompt(ids, b"salt-a").overlap(mine) == 64 // BS
     assert placement.Prompt(ids, b"salt-b").overlap(mine) == 0
     assert placement.Prompt(ids).overlap(mine) == 0
+
+
+def test_embeddings_go_to_the_least_loaded_prefill_worker_else_a_decode_worker():
+    from coordinator.placement import choose_embedder
+
+    inputs = [list(range(1, 40))]
+    d1, p1, p2 = worker("d1"), worker("p1", "prefill", queued=64), worker("p2", "prefill")
+    assert choose_embedder([d1, p1, p2], inputs).worker_id == "p2"
+    assert choose_embedder([d1, p1], inputs).worker_id == "p1"
+    assert choose_embedder([d1], inputs).worker_id == "d1"
+    assert choose_embedder([], inputs) is None

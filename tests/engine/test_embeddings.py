@@ -232,3 +232,26 @@ def test_the_coordinator_s_chunk_plan_caps_each_pass_of_an_input(model_dir, refe
     torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
                                reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
     check_pool(engine)
+
+
+def test_a_prefill_worker_embeds_with_its_own_engine(model_dir, reference):
+    """The coordinator prefers a prefill worker for embeddings: same vectors, every block freed."""
+    from prefill_node.worker import PrefillWorker
+
+    engine = LLMEngine.from_path(model_dir, EngineConfig(
+        role="prefill", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32)), load_tokenizer=False)
+    inputs = [list(range(40, 110)), [7, 8, 9]]
+
+    async def body(loop):
+        worker = PrefillWorker(engine, loop)
+        worker.start()
+        try:
+            return await asyncio.wait_for(worker.embedder.embed(inputs), 60)
+        finally:
+            worker.stop()
+
+    for ids, v in zip(inputs, run(body)):
+        torch.testing.assert_close(torch.tensor(v, dtype=torch.float64),
+                                   reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+    check_pool(engine)
