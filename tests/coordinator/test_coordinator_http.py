@@ -515,3 +515,23 @@ def test_a_chat_longer_than_its_context_drops_its_oldest_messages(model, tokens)
     assert fitted["prompt_eval_count"] == len(sent) < num_ctx
     assert refused.status_code == 400 and "context" in refused.json()["error"]
     assert overflow.status_code == 400
+
+
+def test_embeddings_go_to_a_prefill_worker_when_one_is_live(model, tokens):
+    """Compute-bound prompt passes stall no decode batch on a prefill worker; with none live,
+    the decode worker embeds in local-prefill chunks."""
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                alone = await client.post(f"{h.url}/api/embed", json={"model": "tiny", "input": "hi"})
+                p1 = await h.add_worker("p1", "prefill", Script(tokens=tokens))
+                both = await client.post(f"{h.url}/api/embed", json={"model": "tiny", "input": "hi"})
+            return d1, p1, alone, both, h.coordinator.config
+
+    d1, p1, alone, both, config = run(scenario())
+    assert alone.status_code == both.status_code == 200
+    [on_decode] = [r for r in d1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
+    [on_prefill] = [r for r in p1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
+    assert on_decode.max_chunk_tokens == config.local_chunk_size
+    assert on_prefill.max_chunk_tokens == config.chunk_size

@@ -158,7 +158,7 @@ def test_a_live_worker_s_id_from_another_address_is_refused_while_it_answers(mod
     first, second, refused, held_by, metrics, accepted, record = run(scenario())
     assert not refused.accepted and "in use" in refused.reason and first.address in refused.reason
     assert held_by == first.address
-    assert ('tandem_grpc_refused_calls{method="/tandem.worker.Registry/Register",'
+    assert ('tandem_grpc_refused_calls_total{method="/tandem.worker.Registry/Register",'
             'process="coordinator",reason="id_in_use"} 1.0') in metrics
     assert accepted.accepted and record.address == second.address and record.alive
 

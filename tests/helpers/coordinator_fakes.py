@@ -265,18 +265,22 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
         return await self.w.set_resident(request, context)
 
     async def Embed(self, request: pb.EmbedRequest, context):
-        """A vector of EMBED_SIZE (make_tiny_model_dir's hidden size) per input: its token
-        count, then zeros (unit length when normalize)."""
-        self.w.requests.append(request)
-        await self.w.refuse_unloaded(context)
-        return pb.EmbedResult(embeddings=[
-            pb.Embedding(values=[1.0 if request.normalize else float(len(ids.token_ids))]
-                         + [0.0] * (EMBED_SIZE - 1)) for ids in request.inputs])
+        return await fake_embed(self.w, request, context)
 
     async def Status(self, request, context):
         if not self.w.status_answers:
             await asyncio.sleep(DEADLINE_S)  # hung: the probe's deadline ends it
         return self.w.status
+
+
+async def fake_embed(w: FakeWorker, request: pb.EmbedRequest, context) -> pb.EmbedResult:
+    """Either fake worker's Embed: a vector of EMBED_SIZE (make_tiny_model_dir's hidden size)
+    per input: its token count, then zeros (unit length when normalize)."""
+    w.requests.append(request)
+    await w.refuse_unloaded(context)
+    return pb.EmbedResult(embeddings=[
+        pb.Embedding(values=[1.0 if request.normalize else float(len(ids.token_ids))]
+                     + [0.0] * (EMBED_SIZE - 1)) for ids in request.inputs])
 
 
 class _Prefill(pb_grpc.PrefillWorkerServicer):
@@ -301,6 +305,9 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
                                 num_cached_tokens=self.w.script.num_cached_tokens,
                                 logprobs=self.w.script.logprobs_for(request, 0),
                                 prompt_logprobs=self.w.script.prompt_logprobs_for(request))
+
+    async def Embed(self, request: pb.EmbedRequest, context):
+        return await fake_embed(self.w, request, context)
 
     async def SetResident(self, request, context):
         return await self.w.set_resident(request, context)
