@@ -204,12 +204,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _named_ports(args: tuple[str, ...]) -> set[int]:
+    """The values of `--*-port N` flags the caller gives the coordinator (its gRPC API port)."""
+    return {int(v) for flag, v in zip(args, args[1:]) if flag.endswith("-port") and v.isdigit()}
+
+
 def plan(t: Topology, port_picker: Callable[[], int] = free_port
          ) -> tuple[list[ProcessSpec], Readiness]:
     # A port picked free is free only until its owner binds it: two picks (the caller's HTTP
     # port, this registry port) can return the same one, and then one bind fails.
+    taken = {t.port, *_named_ports(t.coordinator_args)}
     registry_port = port_picker()
-    while registry_port == t.port:
+    while registry_port in taken:
         registry_port = port_picker()
     coordinator = [sys.executable, "-m", "coordinator", "--model", t.model,
                    "--host", t.host, "--port", str(t.port),
@@ -230,7 +236,9 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         index = counters[role] = counters.get(role, -1) + 1
         name = f"{role}-{index}"
         argv = [sys.executable, "-m", module, "--model", str(t.model_path),
-                "--host", WORKER_HOST, "--port", str(port_picker()),
+                # Port 0: each worker binds one the kernel picks and registers it, so a worker
+                # never races another bind for a port picked free here.
+                "--host", WORKER_HOST, "--port", "0",
                 "--coordinator", f"{WORKER_HOST}:{registry_port}",
                 "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role),
                 *t.auth_args]

@@ -81,7 +81,7 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", required=True, help="model name, GGUF file or HF directory")
     p.add_argument("--host", default=w.host, help=f"address of the gRPC server (default {w.host})")
-    p.add_argument("--port", type=int, required=True, help="port of the gRPC server")
+    p.add_argument("--port", type=int, required=True, help="port of the gRPC server (0: any free one, registered with the coordinator)")
     p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
     p.add_argument("--coordinator-retry", type=float, default=w.coordinator_retry_s,

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -259,6 +259,10 @@ async def run_node(config: WorkerConfig, service_name: str,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = bind(lambda address: auth.add_port(server, address), f"{config.host}:{config.port}",
                 f"the {identity.role} node")
+    if config.port == 0:
+        # The kernel chose the port at bind, so no other process can take it between a pick and
+        # this bind (a launcher that picks ports for its workers races every other bind).
+        identity = replace(identity, address=f"{config.advertised}:{port}")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -42,7 +42,7 @@ def test_plan_disaggregated(tmp_path):
         assert argv[argv.index("--max-batched-tokens") + 1] == "256"
         worker_ports.add(argv[argv.index("--port") + 1])
         assert spec.log_path == tmp_path / "logs" / f"{spec.name}.log"
-    assert len(worker_ports) == 3
+    assert worker_ports == {"0"}  # each binds a port the kernel picks and registers it
     assert specs[3].argv[-2:] == ["--role", "decode"]
     assert ready.url == "http://127.0.0.1:11434"
     assert ready.expected == {"prefill": 2, "decode": 1}
@@ -345,3 +345,12 @@ def test_tandem_serve_refuses_bad_engine_flags_before_starting(tmp_path):
     quant = serve("--decode-quant", "w8a8")
     assert quant.returncode == 2 and "invalid choice: 'w8a8'" in quant.stderr
     assert not (tmp_path / "logs").exists()  # nothing started
+
+
+def test_plan_keeps_the_registry_port_off_the_ports_the_caller_names(tmp_path):
+    # A caller's --grpc-port, picked free before the plan, is not free to the plan's picker.
+    t = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, port=11434,
+                 coordinator_args=("--grpc-port", "20000"))
+    specs, _ = plan(t, iter([11434, 20000, 20001]).__next__)
+    coord = specs[0].argv
+    assert coord[coord.index("--registry-port") + 1] == "20001"
