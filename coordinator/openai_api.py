@@ -358,8 +358,9 @@ def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[
             "choices": [], "usage": usage_}
 
 
-def models_list(name: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(name, created)]}
+def models_list(models: list[tuple[str, int]]) -> dict[str, Any]:
+    """/v1/models: (name, created) of every model served."""
+    return {"object": "list", "data": [model_entry(name, created) for name, created in models]}
 
 
 def model_entry(name: str, created: int) -> dict[str, Any]:

@@ -41,16 +41,17 @@ class OpenAIRoutes:
     def __init__(self, coordinator: Coordinator, ollama: OllamaRoutes) -> None:
         self.coordinator = coordinator
         self.ollama = ollama
-        self.model = coordinator.model  # as served at start
         self.limits = coordinator.config
-        self.created = int(self.model.path.stat().st_mtime)
+        # Each served model's file time, as OpenAI's `created`, read once at start.
+        self.created = {m.fingerprint: int(m.path.stat().st_mtime) for m in coordinator.models}
 
     async def models(self) -> JSONResponse:
-        return JSONResponse(oa.models_list(self.model.listed_name, self.created))
+        return JSONResponse(oa.models_list([(m.listed_name, self.created[m.fingerprint])
+                                            for m in self.coordinator.models]))
 
     async def one_model(self, name: str) -> JSONResponse:
-        self.model.require(name)
-        return JSONResponse(oa.model_entry(self.model.listed_name, self.created))
+        model = self.coordinator.models.get(name)
+        return JSONResponse(oa.model_entry(model.listed_name, self.created[model.fingerprint]))
 
     async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()
@@ -62,7 +63,7 @@ class OpenAIRoutes:
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
         # tool_choice makes the whole output the call.
-        template = self.model.tokenizer.chat_template
+        template = self.coordinator.models.get(req.model).tokenizer.chat_template
         calls = (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
                  if req.tools or req.tool_choice.forced else None)
         if req.stream:
@@ -80,13 +81,14 @@ class OpenAIRoutes:
                                                _chat_logprobs(generation)))
 
     async def completions(self, request: Request) -> Response:
-        timings, model = RequestTimings(), self.model
+        timings = RequestTimings()
         req = oa.parse_completion(await read_json_body(request, self.limits.max_body_bytes))
-        self.coordinator.model.require(req.model)
+        model = self.coordinator.models.get(req.model)
         prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
                                     req.params.context_limit(model.context_len))
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   cache_salt=request_salt(request, req.cache_salt))
+                                                   cache_salt=request_salt(request, req.cache_salt),
+                                                   model=model)
         rid = oa.new_id("cmpl")
         echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
         if req.stream:
