@@ -99,9 +99,11 @@ def _without_shared_path_names(models: list[ServedModel]) -> list[ServedModel]:
     derived = [{name_key(n) for n in _path_names(m)} for m in models]
     shared = {k for i, keys in enumerate(derived) for j, other in enumerate(derived)
               if i != j for k in keys & other}
-    return [dataclasses.replace(m, names=frozenset(
-        n for n in m.names if not (n in _path_names(m) and name_key(n) in shared)))
-            for m in models]
+    out = []
+    for m in models:
+        names = frozenset(n for n in m.names if not (n in _path_names(m) and name_key(n) in shared))
+        out.append(m if names == m.names else dataclasses.replace(m, names=names))
+    return out
 
 
 def _shared_name(a: ServedModel, b: ServedModel) -> str | None:
