@@ -151,21 +151,27 @@ class OllamaRoutes:
         if not req.prompt and not req.context:
             await self.coordinator.preload(req.keep_alive, model)
             return JSONResponse(generate_load(model.name, req.unload))
+        # think (coordinator/thinking.py): as on /api/chat; the <think> block is `thinking`.
+        args = template_args(req.think, model.tokenizer.chat_template, req.model)
         prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
-                                    req.context, req.params.context_limit(model.context_len))
+                                    req.context, req.params.context_limit(model.context_len),
+                                    args)
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
                                                    req.keep_alive, request_salt(request), model)
+        thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
+                    if req.think else None)
 
         def context() -> list[int] | None:
             return None if req.raw else prompt_ids + generation.output_ids
 
         if req.stream:
-            return WatchedStream(_stream_generate(model.name, generation, context),
+            return WatchedStream(_stream_generate(model.name, generation, context, thinking),
                                  generation.close)
         text = await collect(request, generation)
         if text is None:
             return Response(status_code=499)
-        return JSONResponse(generate_final(model.name, generation, text, context()))
+        thought, text = thinking.split(text) if thinking is not None else ("", text)
+        return JSONResponse(generate_final(model.name, generation, text, context(), thought))
 
 
 async def _stream_chat(name: str, generation: Generation, calls: ToolCallParser | None = None,
@@ -192,10 +198,12 @@ async def _stream_chat(name: str, generation: Generation, calls: ToolCallParser 
     yield ndjson(chat_final(name, generation))
 
 
-async def _stream_generate(name: str, generation: Generation, context) -> AsyncIterator[bytes]:
+async def _stream_generate(name: str, generation: Generation, context,
+                           thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
     try:
-        async for piece in generation.pieces():
-            yield ndjson(generate_chunk(name, piece, generation))
+        async for thought, piece, _ in split_thinking(generation.pieces(), thinking, None):
+            if thought or piece or thinking is None:  # no chunk for a tag held back
+                yield ndjson(generate_chunk(name, piece, generation, thought))
     except WorkerError as exc:
         yield ndjson(error_body(str(exc)))
         return
