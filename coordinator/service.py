@@ -54,7 +54,7 @@ class Coordinator:
         self._worker_waiters: set[asyncio.Future[None]] = set()  # requests awaiting a worker
         self.registry.add_listener(self._wake_worker_waiters)
         self._residency_tasks: list[asyncio.Task] = []
-        self.metrics = Metrics(self.models.default.name)
+        self.metrics = Metrics([m.name for m in self.models])  # model_name: each model's own
         # Set by listening() once the transports bound (coordinator/server.py).
         self.registry_port: int | None = None  # the Registry gRPC service, for workers
         self.grpc_port: int | None = None  # the client-facing gRPC API
@@ -188,7 +188,8 @@ class Coordinator:
                 self.metrics.count_refusal("overloaded")
             raise
         timings.admitted = time.monotonic()
-        return Generation(request, timings, pool.flow, model.tokenizer, self.metrics,
+        return Generation(request, timings, pool.flow, model.tokenizer,
+                          self.metrics.of(model.name),
                           lambda: self._release(pool, keep_alive_s))
 
     async def preload(self, keep_alive_s: float | None,
@@ -324,9 +325,11 @@ class Coordinator:
 
     def render_metrics(self) -> bytes:
         pools = self.pools.values()
+        per_model = {m.name: (self.pool(m).admission.queue_depth, self.pool(m).admission.running,
+                              m.fingerprint) for m in self.models}
         return self.metrics.render(self.registry.all(), sum(p.admission.queue_depth for p in pools),
                                    sum(p.admission.running for p in pools),
-                                   self.config.cluster_auth.refused.snapshot())
+                                   self.config.cluster_auth.refused.snapshot(), per_model)
 
     def workers_report(self) -> dict:
         return {"model": self.model.name, "model_fingerprint": self.model.fingerprint,

@@ -4,6 +4,8 @@ listings, and the 404s of a model it does not serve."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import ollama
 import openai
@@ -146,6 +148,7 @@ def test_each_request_reaches_only_its_models_workers(two_models):
             out["ps_after"] = [m.model for m in (await oc.ps()).models]
             async with httpx.AsyncClient(base_url=h.url, timeout=30) as http:
                 out["health"] = (await http.get("/health")).json()["status"]
+                out["metrics"] = (await http.get("/metrics")).text
             return out
 
     out = run(scenario())
@@ -159,6 +162,11 @@ def test_each_request_reaches_only_its_models_workers(two_models):
     assert out["requests"] == {"a-p": 2, "a-d": 2, "b-p": 2, "b-d": 2}
     assert out["residency"] == {"a-p": [False], "a-d": [False], "b-p": [], "b-d": []}
     assert out["ps_after"] == ["beta:latest"] and out["health"] == "ok"
+    # Each request counts under its own model's model_name (vLLM's label).
+    for name in ("alpha", "beta"):
+        assert re.search(rf'^vllm:e2e_request_latency_seconds_count\{{model_name="{name}"\}} 2\.0$',
+                         out["metrics"], re.M), name
+        assert f'vllm:num_requests_running{{model_name="{name}"}} 0.0' in out["metrics"]
 
 
 def test_a_model_without_workers_is_refused_while_the_other_serves(two_models):
