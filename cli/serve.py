@@ -1,5 +1,7 @@
 """`tandem serve`: the coordinator and its workers on this host (Ollama API). Like `ollama
-serve`, it listens at $OLLAMA_HOST unless --host/--port say otherwise, and logs to stderr."""
+serve`, it listens at $OLLAMA_HOST unless --host/--port say otherwise, and logs to stderr.
+`--model` repeats: each model gets its own workers (--prefill/--decode of them, or one
+--colocated), one coordinator serves them all and routes each request by its model."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ def register(subparsers) -> None:
     from coordinator.api_tls import add_api_tls_args  # torch-free
 
     p = subparsers.add_parser("serve", help="serve a model: coordinator + prefill and decode workers")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name (pulled if missing), GGUF file or Hugging Face directory")
+    p.add_argument("--model", action="append",
+                   help="model name (pulled if missing), GGUF file or Hugging Face directory; "
+                        "repeat it to serve several models, each with its own workers "
+                        f"(default {DEFAULT_MODEL})")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
                                   "as `ollama serve`, else 127.0.0.1)")
@@ -34,8 +38,9 @@ def register(subparsers) -> None:
                         "the variable: ps shows flags). Browser origins: $OLLAMA_ORIGINS")
     p.add_argument("--grpc-port", type=int, default=50051,
                    help="port of the gRPC client API (0 = any free port; default 50051)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers of each model (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers of each model (default 1)")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
     add_kv_backend_flag(p)
@@ -72,9 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # $TANDEM_CLUSTER_SECRET or one made for this cluster; every process gets it in its
     # environment (a worker that lacks it cannot register and receive prompts).
     secret, _ = cluster_secret(os.environ)
+    models = args.model or [DEFAULT_MODEL]
     try:
-        # Checked before the model is resolved (or pulled) and before anything starts.
-        topology = Topology(model=args.model, model_path=Path(args.model), log_dir=log_dir,
+        # Checked before the models are resolved (or pulled) and before anything starts.
+        topology = Topology(model=models[0], model_path=Path(models[0]),
+                            more_models=tuple((m, Path(m)) for m in models[1:]), log_dir=log_dir,
                             host=host, port=port, api_key=api_key, prefill=args.prefill,
                             decode=args.decode, colocated=args.colocated,
                             kv_backend=args.kv_backend, chunk_size=args.chunk_size,
@@ -91,7 +98,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them
     except ValueError as exc:
         raise TandemError(str(exc)) from None
-    topology = dataclasses.replace(topology, model_path=resolve_or_pull(args.model))
+    topology = dataclasses.replace(
+        topology, model_path=resolve_or_pull(models[0]),
+        more_models=tuple((m, resolve_or_pull(m)) for m in models[1:]))
     return serve(topology, start_timeout_s=args.start_timeout, out=_log,
                  lock_dir=default_home() / "run", more_ports=(args.grpc_port,))
 

@@ -5,10 +5,12 @@ registry). It never imports torch.
     The core (no transport):
     config.py             CoordinatorConfig
     model.py              ServedModel: config + tokenizer + fingerprint, no weights
-    registry.py           workers, Registry gRPC servicer, liveness
+    model_catalog.py      the models served, by every name a request may use
+    registry.py           workers, Registry gRPC servicer, liveness; a view per model
     placement.py          which decode worker, which prefill worker or none (pure)
     admission.py          bounded queue and concurrency limit (503 when full)
     residency.py          keep_alive: when the workers drop the model's weights, and reloading
+    model_pool.py         one model's workers, admission, request flow and keep_alive
     request_flow.py       one request through the workers, as token ids
     text_stream.py        token ids -> text (detokenizer, stop strings)
     generation.py         one admitted request at the text level, timed
@@ -19,7 +21,7 @@ registry). It never imports torch.
 
     Shared by the APIs:
     prompts.py            requests -> prompt token ids (chat template, raw, context)
-    model_info.py         what tags/show/ps/ListModels say about the model
+    model_info.py         what tags/show/ps/ListModels say about each model
     tool_calls.py         tool-capable templates, call formats, the call parser
     structured_output.py  the APIs' format / response_format -> the workers' GrammarSpec
     access.py             the API key, the Host names served and the browser origins (CORS)

@@ -1,4 +1,7 @@
-"""`python -m coordinator --model PATH_OR_NAME [--host H] [--port P] [--registry-port P] ...`
+"""`python -m coordinator --model PATH_OR_NAME [--model ...] [--host H] [--port P] ...`
+
+One coordinator serves every --model given (the first is the default); workers of each register
+with their model's fingerprint and serve only that model's requests.
 
 The process entry: flags and the environment (read here only) -> config -> serve.
 Environment: TANDEM_HOME (the model store); TANDEM_API_KEY (the client APIs' key: an
@@ -46,8 +49,12 @@ CONNECTION_FLAGS = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coordinator",
                                 description="tandem coordinator: HTTP front door and scheduler")
-    p.add_argument("--model", required=True, help="model name in the store, GGUF file or HF dir")
-    p.add_argument("--model-name", help="name clients use (default: --model as given)")
+    p.add_argument("--model", required=True, action="append",
+                   help="model name in the store, GGUF file or HF dir (repeatable: one "
+                        "coordinator serves every model given; the first is the default)")
+    p.add_argument("--model-name", action="append", default=[],
+                   help="name clients use, the n-th for the n-th --model (default: --model "
+                        "as given)")
     p.add_argument("--host", default=DEFAULTS.host)
     p.add_argument("--port", type=int, default=DEFAULTS.port)
     p.add_argument("--registry-host", default=DEFAULTS.registry_host,
@@ -156,12 +163,21 @@ def main(argv: list[str] | None = None) -> int:
             allowed_hosts=_allowed_hosts(args.allowed_hosts),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
+        if len(args.model_name) > len(args.model):
+            raise ValueError(f"{len(args.model_name)} --model-name for {len(args.model)} "
+                             "--model: give at most one name per model")
         store = default_store()
-        path = store.resolve(args.model)
-        entry = store.entry(args.model)
-        # Every store name of the same file answers too (copies made by /api/copy).
-        aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
-        model = load_served_model(path, args.model_name or args.model, aliases)
+        models = []
+        for i, given in enumerate(args.model):
+            path = store.resolve(given)
+            entry = store.entry(given)
+            # Every store name of the same file answers too (copies made by /api/copy).
+            aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
+            name = args.model_name[i] if i < len(args.model_name) else given
+            models.append(load_served_model(path, name, aliases))
+        from coordinator.model_catalog import ModelCatalog
+
+        models = ModelCatalog(models)  # refuses one file twice, or one name for two models
     except (TandemError, ValueError) as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1
@@ -181,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             "the Registry listens on %s without a cluster secret: anyone who reaches it can "
             "register as a worker and receive users' prompts (set $TANDEM_CLUSTER_SECRET or "
             "--cluster-secret-file on every process)", config.registry_host)
-    serve(config, model, store)
+    serve(config, models, store)
     return 0
 
 

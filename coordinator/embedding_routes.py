@@ -39,12 +39,12 @@ def _check_count(items: list, limit: int) -> None:
                            f"got {len(items)}")
 
 
-def _model_name(body: dict[str, Any], coordinator: Coordinator) -> str:
+def _model(body: dict[str, Any], coordinator: Coordinator) -> tuple[str, ServedModel]:
+    """The request's model name as given, and the served model it names (a 404 if none)."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise RequestError("model is required")
-    coordinator.model.require(name)
-    return name
+    return name, coordinator.models.get(name)
 
 
 def _texts(value: Any, field: str, tokens_allowed: bool) -> list[str | list[int]]:
@@ -127,32 +127,28 @@ def _ns(seconds: float) -> int:
 class EmbeddingRoutes:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.model = coordinator.model  # as served at start
         self.limits = coordinator.config
-        self.hidden = self.model.config.hidden_size
-        # Inputs per request: MAX_EMBED_INPUTS, and fewer for a model whose vectors would not
-        # fit the worker's reply (each float ~5 bytes in protobuf, plus framing per vector).
-        self.max_inputs = max(1, min(MAX_EMBED_INPUTS,
-                                     MAX_REPLY_BYTES // (self.hidden * 5 + 16)))
 
-    async def _vectors(self, request: Request, items: list, context: int, truncate: bool,
-                       normalize: bool, timings: RequestTimings) -> tuple[list[list[float]], int]:
-        """The inputs' vectors, computed by a decode worker; ClientGone (the work cancelled on
-        every worker) when the client leaves first."""
-        _check_count(items, self.max_inputs)
-        ids = await off_loop(_token_ids, self.coordinator.model, items, context, truncate)
+    async def _vectors(self, request: Request, model: ServedModel, items: list, context: int,
+                       truncate: bool, normalize: bool,
+                       timings: RequestTimings) -> tuple[list[list[float]], int]:
+        """The inputs' vectors, computed by a worker of `model`; ClientGone (the work
+        cancelled on every worker) when the client leaves first."""
+        _check_count(items, _max_inputs(model))
+        ids = await off_loop(_token_ids, model, items, context, truncate)
         count = sum(map(len, ids))
         timings.prompt_tokens = count
-        vectors = await until_disconnected(request, self.coordinator.embed(ids, normalize, timings))
+        vectors = await until_disconnected(
+            request, self.coordinator.embed(ids, normalize, timings, model))
         return vectors, count
 
     async def embed(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        name = _model_name(body, self.coordinator)
+        name, model = _model(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=False)
-        _check_dimensions(body, self.hidden)
-        embeddings, count = await self._vectors(request, items, _context(body, self.model),
+        _check_dimensions(body, model.config.hidden_size)
+        embeddings, count = await self._vectors(request, model, items, _context(body, model),
                                                 _truncate(body), True, timings)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
@@ -163,31 +159,37 @@ class EmbeddingRoutes:
         # Ollama's first embedding route: one `prompt`, one vector, not normalized.
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        _model_name(body, self.coordinator)
+        _, model = _model(body, self.coordinator)
         items = _texts(body.get("prompt"), "prompt", tokens_allowed=False)
         if len(items) != 1:
             raise RequestError("prompt must be a string")
-        embeddings, _ = await self._vectors(request, items, _context(body, self.model), True, False,
-                                            timings)
+        embeddings, _ = await self._vectors(request, model, items, _context(body, model), True,
+                                            False, timings)
         return JSONResponse({"embedding": embeddings[0]})
 
     async def openai_embeddings(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        name = _model_name(body, self.coordinator)
+        name, model = _model(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=True)
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
-        _check_dimensions(body, self.hidden)
+        _check_dimensions(body, model.config.hidden_size)
         # OpenAI refuses an input over the context; it never truncates.
-        embeddings, count = await self._vectors(request, items, self.model.context_len, False, True,
-                                                timings)
+        embeddings, count = await self._vectors(request, model, items, model.context_len, False,
+                                                True, timings)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}
                 for i, v in enumerate(embeddings)]
         return JSONResponse({"object": "list", "data": data, "model": name,
                              "usage": {"prompt_tokens": count, "total_tokens": count}})
+
+
+def _max_inputs(model: ServedModel) -> int:
+    """Inputs per request: MAX_EMBED_INPUTS, and fewer for a model whose vectors would not
+    fit the worker's reply (each float ~5 bytes in protobuf, plus framing per vector)."""
+    return max(1, min(MAX_EMBED_INPUTS, MAX_REPLY_BYTES // (model.config.hidden_size * 5 + 16)))
 
 
 def _check_dimensions(body: dict[str, Any], hidden: int) -> None:

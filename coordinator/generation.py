@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from coordinator.logprobs import completion_logprobs, content_entries, prompt_completion_logprobs
-from coordinator.metrics import Metrics, RequestTimings
+from coordinator.metrics import ModelMetrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, RequestFlow, WorkerError
 from coordinator.text_stream import TextStream
 from common.logprobs import TokenLogprob
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class Generation:
     def __init__(self, request: FlowRequest, timings: RequestTimings, flow: RequestFlow,
-                 tokenizer: Tokenizer, metrics: Metrics, release: Callable[[], None]) -> None:
+                 tokenizer: Tokenizer, metrics: ModelMetrics, release: Callable[[], None]) -> None:
         self.request = request
         self.timings = timings
         self.outcome = FlowOutcome()

@@ -25,7 +25,6 @@ from coordinator.metrics import RequestTimings
 from coordinator.ollama_request import check_messages
 from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
-from coordinator.registry import DECODE_ROLES
 from coordinator.request_flow import NoWorkers, WorkerError
 from common.rpc import tandem_pb2 as pb
 from common.rpc import tandem_pb2_grpc as pb_grpc
@@ -76,7 +75,7 @@ def _figures(g: Generation) -> pb.Figures:
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.info = model_info.describe(coordinator.model)
+        self.infos = [model_info.describe(m) for m in coordinator.models]
         self.keys = coordinator.config.api_keys()  # tenants, for the prefix cache's salt
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -87,20 +86,20 @@ class TandemServicer(pb_grpc.TandemServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         timings = RequestTimings()
-        name = self.coordinator.model.name
         try:
-            self.coordinator.model.require(request.model)
+            model = self.coordinator.models.get(request.model)
+            name = model.name
             params = options_to_params(request.options)
             if not request.prompt and not request.context:
                 yield pb.GenerateResponse(model=name, done=True, done_reason="load")
                 return
-            model = self.coordinator.model
             prompt_ids = await off_loop(generate_prompt_ids, model, request.prompt,
                                         request.system or None, request.raw,
                                         list(request.context),
                                         params.context_limit(model.context_len))
             generation = await self.coordinator.submit(
-                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context))
+                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context),
+                model=model)
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return
@@ -119,9 +118,8 @@ class TandemServicer(pb_grpc.TandemServicer):
     async def Chat(self, request: pb.ChatRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
         timings = RequestTimings()
-        model = self.coordinator.model
         try:
-            self.coordinator.model.require(request.model)
+            model = self.coordinator.models.get(request.model)
             params = options_to_params(request.options)
             messages = check_messages([{"role": m.role, "content": m.content}
                                        for m in request.messages],
@@ -133,7 +131,8 @@ class TandemServicer(pb_grpc.TandemServicer):
             prompt_ids = await off_loop(chat_prompt_ids, model, messages, None,
                                         params.context_limit(model.context_len))
             generation = await self.coordinator.submit(
-                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context))
+                prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context),
+                model=model)
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return
@@ -151,15 +150,15 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        i = self.info
         return pb.ListModelsResponse(models=[pb.Model(
             name=i.name, size=i.size, digest=i.digest, format=i.format, family=i.family,
             parameter_size=i.parameter_size, quantization_level=i.quantization_level,
-            context_length=i.context_length, modified_at=i.modified_at)])
+            context_length=i.context_length, modified_at=i.modified_at) for i in self.infos])
 
 
 class _Health(health.aio.HealthServicer):
-    """SERVING while a decode (or colocated) worker is live, for the server ("") and Tandem."""
+    """SERVING while a decode (or colocated) worker is live for every model served, for the
+    server ("") and Tandem."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         super().__init__()
@@ -168,7 +167,7 @@ class _Health(health.aio.HealthServicer):
     async def Check(self, request, context):
         if request.service not in ("", SERVICE_NAME):
             return await super().Check(request, context)
-        live = bool(self.coordinator.registry.live(DECODE_ROLES))
+        live = all(p.has_decode_worker() for p in self.coordinator.pools.values())
         status = (health_pb2.HealthCheckResponse.SERVING if live
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         return health_pb2.HealthCheckResponse(status=status)

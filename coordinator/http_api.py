@@ -78,7 +78,8 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
 
     @app.exception_handler(ModelNotFoundError)
     async def _not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return _error(request, 404, str(exc))
+        # OpenAI's code for a model it does not serve (its clients read it); /v1/ only.
+        return error_response(request.url.path, 404, str(exc), code="model_not_found")
 
     @app.exception_handler(TandemError)
     async def _user_error(request: Request, exc: TandemError) -> JSONResponse:

@@ -5,8 +5,9 @@ Definitions (DESIGN.md): TTFT = arrival -> first content token leaving the coord
 TPOT = (end-to-end - TTFT) / (output tokens - 1); ITL = gaps between consecutive output tokens;
 queue time = arrival -> admission slot granted.
 
-The request series carry vLLM's names, types, `model_name` label and bucket boundaries (vLLM
-v1's vllm/v1/metrics/loggers.py), so vLLM's Grafana dashboard, llm-d's scheduler and the
+The request series carry vLLM's names, types, `model_name` label (one per model served: each
+request counts under its own model, each model's queue, running count and KV usage over its
+own workers) and bucket boundaries (vLLM v1's vllm/v1/metrics/loggers.py), so vLLM's Grafana dashboard, llm-d's scheduler and the
 production-stack router read tandem as they read vLLM. As in vLLM v1,
 vllm:time_per_output_token_seconds and vllm:inter_token_latency_seconds observe every gap
 between tokens; vllm:request_time_per_output_token_seconds observes each request's TPOT. Prefix
@@ -26,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -111,50 +112,78 @@ class RequestTimings:
         return self.last_token - self.first_token
 
 
-class Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r, m = self.registry, ["model_name"]
-        self.model_name = model_name
+class _ModelSeries:
+    """vLLM's request series of one model: each family's child labelled with its model_name
+    (one coordinator serves several models, each a model_name, as vLLM's router expects)."""
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, m, registry=r, buckets=buckets).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, m, registry=r).labels(model_name)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, m, registry=r).labels(model_name)
-
-        # ---- vLLM's series -------------------------------------------------------------------
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Time to first token in seconds", _TTFT_BUCKETS)
-        self.tpot_gaps = histogram("vllm:time_per_output_token_seconds",
-                                   "Time per output token in seconds (every gap, as vLLM v1)",
-                                   _TOKEN_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Gap between consecutive output tokens in seconds", _TOKEN_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Each request's time per output token after the first",
-                              _TOKEN_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Request arrival to last byte in seconds", _REQUEST_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Time waiting for admission in seconds", _REQUEST_BUCKETS)
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for admission")
-        self.running = gauge("vllm:num_requests_running", "Requests admitted and running")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
-                              "KV blocks in use over the live workers' pools (1 = 100 percent)")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in prompt tokens")
-        self.prefix_hits = counter("vllm:prefix_cache_hits",
-                                   "Prefix cache hits, in prompt tokens found cached")
-        success = Counter("vllm:request_success", "Requests finished, by vLLM's finished_reason",
-                          [*m, "finished_reason"], registry=r)
+    def __init__(self, families: dict, success: Counter, model_name: str) -> None:
+        for attr, family in families.items():
+            setattr(self, attr, family.labels(model_name))
         self.success = {reason: success.labels(model_name, reason)
                         for reason in set(FINISHED_REASONS.values())}
+
+
+class ModelMetrics:
+    """What a Generation records, for one model's series (Metrics.of)."""
+
+    def __init__(self, metrics: Metrics, model_name: str) -> None:
+        self.metrics, self.model_name = metrics, model_name
+
+    def observe_request(self, timings: RequestTimings, outcome: str) -> None:
+        self.metrics.observe_request(timings, outcome, self.model_name)
+
+    def observe_transfer(self, decode_worker: str, kv_bytes: int, remote: bool,
+                         migrations: int) -> None:
+        self.metrics.observe_transfer(decode_worker, kv_bytes, remote, migrations)
+
+
+class Metrics:
+    def __init__(self, model_names: str | Iterable[str]) -> None:
+        """model_names: every model served (the first is the default)."""
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = names[0]
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, m, registry=r, buckets=buckets)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, m, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=r)
+
+        # ---- vLLM's series, one child per model ----------------------------------------------
+        families = {
+            "ttft": histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds", _TTFT_BUCKETS),
+            "tpot_gaps": histogram("vllm:time_per_output_token_seconds",
+                                   "Time per output token in seconds (every gap, as vLLM v1)",
+                                   _TOKEN_BUCKETS),
+            "itl": histogram("vllm:inter_token_latency_seconds",
+                             "Gap between consecutive output tokens in seconds", _TOKEN_BUCKETS),
+            "tpot": histogram("vllm:request_time_per_output_token_seconds",
+                              "Each request's time per output token after the first",
+                              _TOKEN_BUCKETS),
+            "e2e": histogram("vllm:e2e_request_latency_seconds",
+                             "Request arrival to last byte in seconds", _REQUEST_BUCKETS),
+            "queue_time": histogram("vllm:request_queue_time_seconds",
+                                    "Time waiting for admission in seconds", _REQUEST_BUCKETS),
+            "waiting": gauge("vllm:num_requests_waiting", "Requests waiting for admission"),
+            "running": gauge("vllm:num_requests_running", "Requests admitted and running"),
+            "kv_usage": gauge("vllm:kv_cache_usage_perc",
+                              "KV blocks in use over the live workers' pools (1 = 100 percent)"),
+            "prompt_tokens": counter("vllm:prompt_tokens", "Prompt tokens of finished requests"),
+            "generation_tokens": counter("vllm:generation_tokens", "Tokens generated"),
+            "prefix_queries": counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens"),
+            "prefix_hits": counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in prompt tokens found cached"),
+        }
+        success = Counter("vllm:request_success", "Requests finished, by vLLM's finished_reason",
+                          [*m, "finished_reason"], registry=r)
+        self._series = {name: _ModelSeries(families, success, name) for name in names}
 
         # ---- tandem's own ----------------------------------------------------------------------
         self.queue_depth = Gauge("tandem_queue_depth", "Requests waiting for admission "
@@ -191,24 +220,33 @@ class Metrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
 
-    def observe_request(self, timings: RequestTimings, outcome: str) -> None:
+    def of(self, model_name: str) -> ModelMetrics:
+        """The recorder of one model's requests (a name given to Metrics)."""
+        if model_name not in self._series:
+            raise KeyError(f"no series for model {model_name!r}")
+        return ModelMetrics(self, model_name)
+
+    def observe_request(self, timings: RequestTimings, outcome: str,
+                        model_name: str | None = None) -> None:
+        """model_name: the model it was for (None: the default)."""
+        s = self._series[model_name or self.model_name]
         self.requests.labels(outcome).inc()
         if outcome in FINISHED_REASONS:
-            self.success[FINISHED_REASONS[outcome]].inc()
-        self.prompt_tokens.inc(timings.prompt_tokens)
-        self.generation_tokens.inc(timings.output_tokens)
-        self.prefix_queries.inc(timings.prompt_tokens)
-        self.prefix_hits.inc(timings.cached_tokens)
-        self.e2e.observe(timings.e2e)
+            s.success[FINISHED_REASONS[outcome]].inc()
+        s.prompt_tokens.inc(timings.prompt_tokens)
+        s.generation_tokens.inc(timings.output_tokens)
+        s.prefix_queries.inc(timings.prompt_tokens)
+        s.prefix_hits.inc(timings.cached_tokens)
+        s.e2e.observe(timings.e2e)
         if timings.admitted is not None:
-            self.queue_time.observe(timings.queue_time)
+            s.queue_time.observe(timings.queue_time)
         if timings.ttft is not None:
-            self.ttft.observe(timings.ttft)
+            s.ttft.observe(timings.ttft)
         if timings.tpot is not None:
-            self.tpot.observe(timings.tpot)
+            s.tpot.observe(timings.tpot)
         for gap in timings.itl:
-            self.itl.observe(gap)
-            self.tpot_gaps.observe(gap)
+            s.itl.observe(gap)
+            s.tpot_gaps.observe(gap)
 
     def observe_transfer(self, decode_worker: str, kv_bytes: int, remote: bool,
                          migrations: int) -> None:
@@ -223,17 +261,28 @@ class Metrics:
         self.requests.labels(outcome).inc()
 
     def render(self, workers: list[WorkerRecord], queue_depth: int, running: int,
-               refused: dict[tuple[str, str], int] | None = None) -> bytes:
+               refused: dict[tuple[str, str], int] | None = None,
+               per_model: dict[str, tuple[int, int, str]] | None = None) -> bytes:
         """The exposition text, with the gauges refreshed from the registry first. `refused`:
-        the coordinator's own refused internal calls, (method, reason) -> count."""
-        self.waiting.set(queue_depth)
+        the coordinator's own refused internal calls, (method, reason) -> count. per_model:
+        model name -> (its queue depth, its requests running, its fingerprint), for the
+        model_name gauges; None: all of `workers` and both counts are the default model's."""
         self.queue_depth.set(queue_depth)
-        self.running.set(running)
         live_workers = [w for w in workers if w.alive]
+        if per_model is None:
+            per_model = {self.model_name: (queue_depth, running, None)}
+        for name, (waiting, admitted, fingerprint) in per_model.items():
+            s = self._series[name]
+            s.waiting.set(waiting)
+            s.running.set(admitted)
+            pools = [w.load for w in live_workers if w.load.num_blocks > 0
+                     and (fingerprint is None or w.model_fingerprint == fingerprint)]
+            blocks = sum(p.num_blocks for p in pools)
+            s.kv_usage.set(sum(p.num_blocks - p.num_free_blocks for p in pools) / blocks
+                           if blocks else 0.0)
         live = dict.fromkeys(ROLES, 0)
         for gauge in self._worker_gauges:
             gauge.clear()
-        blocks = used = 0
         for w in live_workers:
             live[w.role] += 1
             load = w.load
@@ -243,9 +292,6 @@ class Metrics:
             if load.num_blocks > 0:
                 self.kv_used.labels(w.worker_id).set(load.num_blocks - load.num_free_blocks)
                 self.kv_free.labels(w.worker_id).set(load.num_free_blocks)
-                blocks += load.num_blocks
-                used += load.num_blocks - load.num_free_blocks
-        self.kv_usage.set(used / blocks if blocks else 0.0)
         for role, count in live.items():
             self.live_workers.labels(role).set(count)
         self._relayed.workers, self._relayed.refused = live_workers, dict(refused or {})

@@ -17,9 +17,9 @@ uploaded to /api/blobs, which tandem does not keep: name the file with `from`), 
 `template`, `system`, `parameters`, `messages`, `license` (tandem serves a model's own chat
 template and takes options per request; a stored override would never be applied).
 
-The served model is fixed when the coordinator starts: the workers loaded it and keep it. So a
-pulled or created model is served by `tandem serve --model NAME`; a copy of the served model
-answers under its new name at once; a name whose files the workers hold (the served model's
+The served models are fixed when the coordinator starts: the workers loaded them and keep them.
+So a pulled or created model is served by `tandem serve --model NAME`; a copy of a served model
+answers under its new name at once; a name whose files the workers hold (a served model's
 name, or a name that would delete its file) is not deleted: 409. Store work (pip, hashing, hard
 links, reading a GGUF header) runs on threads, never on the event loop.
 
@@ -124,15 +124,15 @@ class ModelRoutes:
     async def delete(self, request: Request) -> Response:
         body = await read_json_body(request, self.limits.max_body_bytes)
         name, models = _model_field(body), self.store()
-        served = self.coordinator.model
+        served = list(self.coordinator.models)
         try:
             files = await asyncio.to_thread(models.removes, name)
         except ModelNotFoundError:
-            if served.answers_to(name):
+            if self.coordinator.models.find(name) is not None:
                 raise _in_use(name) from None
             raise
-        if normalize_name(name) == normalize_name(served.name) or any(
-                _holds(served.path, f) for f in files):
+        if any(normalize_name(name) == normalize_name(m.name) or any(
+                _holds(m.path, f) for f in files) for m in served):
             raise _in_use(name)
         await asyncio.to_thread(models.delete, name)
         self.coordinator.drop_model_name(name)
@@ -142,15 +142,15 @@ class ModelRoutes:
 
 async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, source: str) -> None:
     """/api/copy and /api/create: `name` for the model `source` (a name, or a path to register);
-    the served model answers to `name` too when `source` is the served model."""
+    a served model answers to `name` too when `source` is that model."""
     if normalize_name(source) == normalize_name(name):
         raise RequestError(f"source and destination are the same model '{shown(name)}'")
-    served = coordinator.model
-    if served.answers_to(name):
+    if coordinator.models.find(name) is not None:
         raise _in_use(name)
+    served = None if source.startswith(("/", "~", ".")) else coordinator.models.find(source)
     if source.startswith(("/", "~", ".")):
         path = await _create_from_path(models, name, source)
-    elif served.answers_to(source):
+    elif served is not None:
         # The served model may not be in the store at all (served from a path, named by
         # --model-name): copy its path.
         path = await asyncio.to_thread(models.copy, str(served.path), name)
@@ -161,8 +161,10 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
             # The store's message names the server's folders: the log's, not the client's.
             log.info("/api/copy or /api/create from %r: %s", shown(source), exc)
             raise ModelNotFoundError(f"model '{shown(source)}' not found") from None
-    if served.answers_to(source) or _same(path, served.path):
-        coordinator.add_model_name(normalize_name(name))
+    if served is None:
+        served = next((m for m in coordinator.models if _same(path, m.path)), None)
+    if served is not None:
+        coordinator.add_model_name(normalize_name(name), served)
 
 
 async def _create_from_path(models: ModelStore, name: str, source: str) -> Path:

@@ -58,6 +58,7 @@ class GenerateRequest:
     params: SamplingParams
     unload: bool = False
     keep_alive: float | None = None  # as in ChatRequest
+    think: bool | str | None = None  # as in ChatRequest: the thinking is the answer's `thinking`
 
 
 MAX_JSON_DEPTH = 64  # nesting of objects and arrays in a request body (tools schemas included)
@@ -223,9 +224,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     prompt = _optional_str(body, "prompt") or ""
     system = _optional_str(body, "system")
     _unsupported(body, model)
-    if _think(body) not in (None, False):
-        raise RequestError("think is served on /api/chat only (message.thinking); "
-                           "/api/generate does not split thinking yet")
+    think = _think(body)
     if _optional_str(body, "suffix"):
         raise RequestError(f'"{model}" does not support insert')
     if _optional_str(body, "template"):
@@ -242,7 +241,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     keep_alive = _keep_alive(body)
     return GenerateRequest(model=model, prompt=prompt, system=system, raw=raw, context=context,
                            stream=stream_flag(body), params=params, unload=keep_alive == 0,
-                           keep_alive=keep_alive)
+                           keep_alive=keep_alive, think=think)
 
 
 def parse_show(body: dict[str, Any]) -> str:

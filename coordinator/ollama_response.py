@@ -104,16 +104,19 @@ def _with_done_reason(reason: str | None) -> str:
     return reason or "stop"
 
 
-def generate_chunk(model: str, text: str, g: Generation | None = None) -> dict[str, Any]:
-    return {"model": model, "created_at": created_at(), "response": text, "done": False,
-            **_logprobs(g)}
+def generate_chunk(model: str, text: str, g: Generation | None = None,
+                   thinking: str = "") -> dict[str, Any]:
+    """`thinking`: Ollama's field beside `response`, only where there is some."""
+    return {"model": model, "created_at": created_at(), "response": text,
+            **({"thinking": thinking} if thinking else {}), "done": False, **_logprobs(g)}
 
 
 def generate_final(model: str, g: Generation, text: str = "",
-                   context: list[int] | None = None) -> dict[str, Any]:
+                   context: list[int] | None = None, thinking: str = "") -> dict[str, Any]:
     """`context` (prompt + output token ids) lets a client continue; None in raw mode."""
     g.timings.finish()
     body: dict[str, Any] = {"model": model, "created_at": created_at(), "response": text,
+                            **({"thinking": thinking} if thinking else {}),
                             "done": True, "done_reason": _with_done_reason(g.done_reason),
                             **_logprobs(g)}
     if context is not None:

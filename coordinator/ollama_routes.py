@@ -21,6 +21,7 @@ from coordinator.access import request_salt
 from coordinator.generation import Generation
 from coordinator.http_stream import WatchedStream, collect, read_json_body
 from coordinator.metrics import RequestTimings
+from coordinator.model import ServedModel
 from coordinator.ollama_request import parse_chat, parse_generate, parse_show
 from coordinator.ollama_response import (
     chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
@@ -57,9 +58,13 @@ OLLAMA_API_VERSION = "0.12.10"
 class OllamaRoutes:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.model = coordinator.model  # as served at start (copies add names, not weights)
-        self.info = model_info.describe(self.model)
+        # Each served model's description, computed once (copies add names, not weights).
+        self.infos = {m.fingerprint: model_info.describe(m) for m in coordinator.models}
         self.limits = coordinator.config
+
+    def _model(self, name: str) -> ServedModel:
+        """The served model a request names, as it stands now; a 404 for any other."""
+        return self.coordinator.models.get(name)
 
     async def root(self) -> PlainTextResponse:
         return PlainTextResponse("Ollama is running")
@@ -68,19 +73,23 @@ class OllamaRoutes:
         return JSONResponse({"version": OLLAMA_API_VERSION, "tandem": tandem_version()})
 
     async def tags(self) -> JSONResponse:
-        return JSONResponse({"models": [model_info.tags_entry(self.info)]})
+        return JSONResponse({"models": [model_info.tags_entry(self.infos[m.fingerprint])
+                                        for m in self.coordinator.models]})
 
     async def ps(self) -> JSONResponse:
-        # Loaded while a worker that serves it is alive and keep_alive has not unloaded it.
-        residency = self.coordinator.residency
-        loaded = residency.resident and any(self.coordinator.registry.live_counts().values())
-        entry = model_info.ps_entry(self.info, residency.expires_at_iso())
-        return JSONResponse({"models": [entry] if loaded else []})
+        # A model is loaded while a worker of it is alive and keep_alive has not unloaded it.
+        entries = []
+        for model in self.coordinator.models:
+            pool = self.coordinator.pool(model)
+            if pool.residency.resident and any(pool.workers.live_counts().values()):
+                entries.append(model_info.ps_entry(self.infos[model.fingerprint],
+                                                   pool.residency.expires_at_iso()))
+        return JSONResponse({"models": entries})
 
     async def show(self, request: Request) -> JSONResponse:
         name = parse_show(await read_json_body(request, self.limits.max_body_bytes))
-        self.coordinator.model.require(name)
-        return JSONResponse(model_info.show_body(self.model, self.info))
+        model = self._model(name)
+        return JSONResponse(model_info.show_body(model, self.infos[model.fingerprint]))
 
     async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
                          params: SamplingParams, timings: RequestTimings,
@@ -90,8 +99,7 @@ class OllamaRoutes:
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
         /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
-        model = self.model
-        self.coordinator.model.require(name)
+        model = self._model(name)
         require_tool_support(tools, model.tokenizer.chat_template, name)
         args = template_args(think, model.tokenizer.chat_template, name)
         context = params.context_limit(model.context_len)
@@ -102,25 +110,26 @@ class OllamaRoutes:
             timings.truncated_tokens = fitted.dropped_tokens
         else:
             prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context, args)
-        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
+        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
+                                             model)
 
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()
         req = parse_chat(await read_json_body(request, self.limits.max_body_bytes),
                          self.limits.max_messages)
-        name = self.model.name
+        model = self._model(req.model)
+        name = model.name
         if not req.messages:
-            self.coordinator.model.require(req.model)
-            await self.coordinator.preload(req.keep_alive)
+            await self.coordinator.preload(req.keep_alive, model)
             return JSONResponse(chat_load(name, req.unload))
         generation = await self.start_chat(req.model, req.messages, req.tools, req.params,
                                            timings, req.keep_alive, request_salt(request),
                                            truncate=req.truncate, think=req.think)
         # With tools, the output is parsed into message.tool_calls (coordinator/tool_calls.py).
-        template = self.model.tokenizer.chat_template
+        template = model.tokenizer.chat_template
         calls = ToolCallParser(call_format(template), req.tools) if req.tools else None
         # With think, the <think> block is message.thinking (coordinator/thinking.py).
-        thinking = (ThinkSplitter(started=opens_thinking(self.model.tokenizer, generation))
+        thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
                     if req.think else None)
         if req.stream:
             return WatchedStream(_stream_chat(name, generation, calls, thinking),
@@ -136,27 +145,33 @@ class OllamaRoutes:
                                        thought))
 
     async def generate(self, request: Request) -> Response:
-        timings, model = RequestTimings(), self.model
+        timings = RequestTimings()
         req = parse_generate(await read_json_body(request, self.limits.max_body_bytes))
-        self.coordinator.model.require(req.model)
+        model = self._model(req.model)
         if not req.prompt and not req.context:
-            await self.coordinator.preload(req.keep_alive)
+            await self.coordinator.preload(req.keep_alive, model)
             return JSONResponse(generate_load(model.name, req.unload))
+        # think (coordinator/thinking.py): as on /api/chat; the <think> block is `thinking`.
+        args = template_args(req.think, model.tokenizer.chat_template, req.model)
         prompt_ids = await off_loop(generate_prompt_ids, model, req.prompt, req.system, req.raw,
-                                    req.context, req.params.context_limit(model.context_len))
+                                    req.context, req.params.context_limit(model.context_len),
+                                    args)
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   req.keep_alive, request_salt(request))
+                                                   req.keep_alive, request_salt(request), model)
+        thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
+                    if req.think else None)
 
         def context() -> list[int] | None:
             return None if req.raw else prompt_ids + generation.output_ids
 
         if req.stream:
-            return WatchedStream(_stream_generate(model.name, generation, context),
+            return WatchedStream(_stream_generate(model.name, generation, context, thinking),
                                  generation.close)
         text = await collect(request, generation)
         if text is None:
             return Response(status_code=499)
-        return JSONResponse(generate_final(model.name, generation, text, context()))
+        thought, text = thinking.split(text) if thinking is not None else ("", text)
+        return JSONResponse(generate_final(model.name, generation, text, context(), thought))
 
 
 async def _stream_chat(name: str, generation: Generation, calls: ToolCallParser | None = None,
@@ -183,10 +198,12 @@ async def _stream_chat(name: str, generation: Generation, calls: ToolCallParser 
     yield ndjson(chat_final(name, generation))
 
 
-async def _stream_generate(name: str, generation: Generation, context) -> AsyncIterator[bytes]:
+async def _stream_generate(name: str, generation: Generation, context,
+                           thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
     try:
-        async for piece in generation.pieces():
-            yield ndjson(generate_chunk(name, piece, generation))
+        async for thought, piece, _ in split_thinking(generation.pieces(), thinking, None):
+            if thought or piece or thinking is None:  # no chunk for a tag held back
+                yield ndjson(generate_chunk(name, piece, generation, thought))
     except WorkerError as exc:
         yield ndjson(error_body(str(exc)))
         return

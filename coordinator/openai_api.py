@@ -66,7 +66,9 @@ _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "only /v1/completions repeats the prompt"),  # parse_completion honours it
     "best_of": ((None, 1), "tandem generates one completion per request"),
     "suffix": ((None, ""), "the served model does not support insert"),
-    "reasoning_effort": ((None, "none"), "the served model does not think"),
+    # honoured on /v1/chat/completions (reasoning_effort below)
+    "reasoning_effort": ((None, "none", "minimal"),
+                         "reasoning is served on /v1/chat/completions (reasoning_content)"),
     "modalities": ((None, ["text"]), "the served model answers in text only"),
     "audio": ((None,), "the served model answers in text only"),
     "prediction": ((None,), "tandem does no predicted-output decoding"),
@@ -90,6 +92,9 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     score_only: bool = False  # completions, echo with max_tokens 0: the prompt alone
     cache_salt: str | None = None  # vLLM's: this request's own prefix-cache partition
+    # reasoning_effort as Ollama's `think` (coordinator/thinking.py): None (unset), False
+    # ("none", "minimal"), or "low" | "medium" | "high".
+    think: bool | str | None = None
 
 
 def _text_content(index: int, content: Any) -> Any:
@@ -246,8 +251,24 @@ def parse_messages(body: dict[str, Any], max_messages: int
     return messages, tools
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def reasoning_effort(body: dict[str, Any]) -> bool | str | None:
+    """OpenAI's reasoning_effort as Ollama's `think`: "none" and "minimal" turn thinking off
+    (a model without thinking answers as usual), a level turns it on at that level."""
+    value = body.get("reasoning_effort")
+    if value is None:
+        return None
+    if value not in REASONING_EFFORTS:
+        raise RequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                           f"got {json.dumps(value)[:60]}")
+    return False if value in ("none", "minimal") else value
+
+
 def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
-    model, stream, usage = _common(body)
+    model, stream, usage = _common(body, honoured=frozenset({"reasoning_effort"}))
+    think = reasoning_effort(body)
     messages, tools = parse_messages(body, max_messages)
     # Tool calls (coordinator/tool_calls.py): a forced tool_choice is a grammar; "none"
     # renders no tools, so the model cannot call one.
@@ -264,7 +285,7 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
         params = replace(params, grammar=forced_grammar(tools, choice, parallel))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
                          messages=messages, tools=(tools or None) if choice.mode != "none" else None,
-                         tool_choice=choice, cache_salt=_cache_salt(body))
+                         tool_choice=choice, cache_salt=_cache_salt(body), think=think)
 
 
 def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
@@ -316,13 +337,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def chat_completion(rid: str, model: str, content: str, reason: str | None,
                     usage_: dict[str, Any],
                     tool_calls: list[ToolCall] | None = None,
-                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`logprobs`: coordinator/logprobs.py's content entries, None when not asked for."""
+                    logprobs: list[dict[str, Any]] | None = None,
+                    reasoning: str | None = None) -> dict[str, Any]:
+    """`logprobs`: coordinator/logprobs.py's content entries, None when not asked for.
+    `reasoning`: the answer's thinking, as vLLM's message.reasoning_content (None: not asked)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:  # OpenAI: content null when the answer is only calls
         message = {"role": "assistant", "content": content or None,
                    "tool_calls": openai_tool_calls(tool_calls)}
         reason = "tool_calls"
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning or None
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
             "choices": [{"index": 0, "message": message,
@@ -358,8 +383,9 @@ def usage_chunk(rid: str, model: str, obj: str, usage_: dict[str, Any]) -> dict[
             "choices": [], "usage": usage_}
 
 
-def models_list(name: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(name, created)]}
+def models_list(models: list[tuple[str, int]]) -> dict[str, Any]:
+    """/v1/models: (name, created) of every model served."""
+    return {"object": "list", "data": [model_entry(name, created) for name, created in models]}
 
 
 def model_entry(name: str, created: int) -> dict[str, Any]:

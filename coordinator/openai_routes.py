@@ -22,7 +22,8 @@ from coordinator.ollama_routes import OllamaRoutes
 from coordinator.prompts import completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
 from coordinator.service import Coordinator
-from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls, split_calls
+from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking
+from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls
 
 
 def _usage(g: Generation) -> dict[str, Any]:
@@ -41,16 +42,17 @@ class OpenAIRoutes:
     def __init__(self, coordinator: Coordinator, ollama: OllamaRoutes) -> None:
         self.coordinator = coordinator
         self.ollama = ollama
-        self.model = coordinator.model  # as served at start
         self.limits = coordinator.config
-        self.created = int(self.model.path.stat().st_mtime)
+        # Each served model's file time, as OpenAI's `created`, read once at start.
+        self.created = {m.fingerprint: int(m.path.stat().st_mtime) for m in coordinator.models}
 
     async def models(self) -> JSONResponse:
-        return JSONResponse(oa.models_list(self.model.listed_name, self.created))
+        return JSONResponse(oa.models_list([(m.listed_name, self.created[m.fingerprint])
+                                            for m in self.coordinator.models]))
 
     async def one_model(self, name: str) -> JSONResponse:
-        self.model.require(name)
-        return JSONResponse(oa.model_entry(self.model.listed_name, self.created))
+        model = self.coordinator.models.get(name)
+        return JSONResponse(oa.model_entry(model.listed_name, self.created[model.fingerprint]))
 
     async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()
@@ -58,35 +60,44 @@ class OpenAIRoutes:
                                        self.limits.max_messages)
         generation = await self.ollama.start_chat(req.model, req.messages, req.tools,
                                                   req.params, timings,
-                                                  cache_salt=request_salt(request, req.cache_salt))
+                                                  cache_salt=request_salt(request, req.cache_salt),
+                                                  think=req.think)
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
         # tool_choice makes the whole output the call.
-        template = self.model.tokenizer.chat_template
+        model = self.coordinator.models.get(req.model)
+        template = model.tokenizer.chat_template
         calls = (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
                  if req.tools or req.tool_choice.forced else None)
+        # reasoning_effort on: the <think> block is reasoning_content (coordinator/thinking.py).
+        thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
+                    if req.think else None)
         if req.stream:
             return WatchedStream(_stream_chat(rid, req.model, generation, req.include_usage,
-                                              calls),
+                                              calls, thinking),
                                  generation.close, media_type=SSE)
         content = await collect(request, generation)
         if content is None:
             return Response(status_code=499)
+        reasoning = None
+        if thinking is not None:
+            reasoning, content = thinking.split(content)
         found = []
         if calls is not None:
             content, found = calls.split(content)
         return JSONResponse(oa.chat_completion(rid, req.model, content, generation.done_reason,
                                                _usage(generation), found,
-                                               _chat_logprobs(generation)))
+                                               _chat_logprobs(generation), reasoning))
 
     async def completions(self, request: Request) -> Response:
-        timings, model = RequestTimings(), self.model
+        timings = RequestTimings()
         req = oa.parse_completion(await read_json_body(request, self.limits.max_body_bytes))
-        self.coordinator.model.require(req.model)
+        model = self.coordinator.models.get(req.model)
         prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
                                     req.params.context_limit(model.context_len))
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   cache_salt=request_salt(request, req.cache_salt))
+                                                   cache_salt=request_salt(request, req.cache_salt),
+                                                   model=model)
         rid = oa.new_id("cmpl")
         echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
         if req.stream:
@@ -137,7 +148,8 @@ class _Echo:
 
 
 async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
-                       calls: ToolCallParser | None = None) -> AsyncIterator[bytes]:
+                       calls: ToolCallParser | None = None,
+                       thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
     made = 0  # tool calls sent so far (their indexes)
 
     def chunks(content: str, found: list) -> list[bytes]:
@@ -152,7 +164,9 @@ async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
 
     yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
     try:
-        async for content, found in split_calls(g.pieces(), calls):
+        async for thought, content, found in split_thinking(g.pieces(), thinking, calls):
+            if thought:  # vLLM's delta for reasoning
+                yield oa.sse(oa.chat_chunk(rid, name, {"reasoning_content": thought}))
             for chunk in chunks(content, found):
                 yield chunk
     except WorkerError as exc:

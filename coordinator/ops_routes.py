@@ -25,18 +25,24 @@ class OpsRoutes:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(self) -> JSONResponse:
-        """200 while the model can be served end to end: a decode or colocated worker is live
-        (it prefills too, so no prefill worker is needed); a 503 saying why otherwise, for
-        load balancers and readiness probes. A model that keep_alive unloaded is healthy: the
-        next request reloads it."""
+        """200 while every model served can be served end to end: a decode or colocated worker
+        of it is live (it prefills too, so no prefill worker is needed); a 503 naming the
+        models that cannot otherwise, for load balancers and readiness probes. A model that
+        keep_alive unloaded is healthy: the next request reloads it."""
         c = self.coordinator
         live = c.registry.live_counts()
-        body = {"model": c.model.name, "live_workers": live}
-        if any(live[role] for role in DECODE_ROLES):
+        per_model = {m.name: c.registry.live_counts(m.fingerprint) for m in c.models}
+        body = {"model": c.model.name, "live_workers": live,
+                "models": [{"name": name, "live_workers": counts}
+                           for name, counts in per_model.items()]}
+        down = [(name, counts) for name, counts in per_model.items()
+                if not any(counts[role] for role in DECODE_ROLES)]
+        if not down:
             return JSONResponse({"status": "ok", **body})
-        reason = (f"no live decode or colocated worker serves {c.model.name}"
-                  + (f" ({live['prefill']} prefill worker(s) live, which cannot decode)"
-                     if live["prefill"] else ""))
+        reason = "; ".join(
+            f"no live decode or colocated worker serves {name}"
+            + (f" ({counts['prefill']} prefill worker(s) live, which cannot decode)"
+               if counts["prefill"] else "") for name, counts in down)
         return JSONResponse({"status": "unavailable", "reason": reason, **body},
                             status_code=503)
 

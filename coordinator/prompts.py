@@ -118,14 +118,18 @@ def fit_chat(model: ServedModel, messages: list[dict], tools: list[dict] | None,
 
 def generate_prompt_ids(model: ServedModel, prompt: str, system: str | None = None,
                         raw: bool = False, context: list[int] | None = None,
-                        context_window: int | None = None) -> list[int]:
+                        context_window: int | None = None,
+                        template_args: dict | None = None) -> list[int]:
+    """`template_args`: variables for the chat template (coordinator/thinking.py's); a raw
+    prompt is sent as given, without the template."""
     tokenizer = model.tokenizer
     if raw:
         text = prompt
     else:
         messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": prompt})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **(template_args or {}))
     room = None if context_window is None else context_window - len(context or [])
     room = room if room is None or room > 0 else None  # no room at all: prepare() says so
     ids = encode(tokenizer, text, add_special_tokens=not context, context=room)

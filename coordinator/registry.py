@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -116,6 +116,7 @@ class WorkerRecord:
             "worker_id": self.worker_id, "role": self.role, "address": self.address,
             "alive": self.alive, "dead_reason": self.dead_reason or None,
             "kv_endpoint": self.kv_endpoint, "kv_backend": self.kv_backend,
+            "model_fingerprint": self.model_fingerprint,
             "kv_layout_fingerprint": self.kv_layout_fingerprint,
             "num_blocks": load.num_blocks, "num_free_blocks": load.num_free_blocks,
             "num_running": load.num_running, "num_waiting": load.num_waiting,
@@ -128,10 +129,15 @@ class WorkerRecord:
 
 
 class WorkerRegistry:
-    def __init__(self, config: CoordinatorConfig, model_fingerprint: str,
+    def __init__(self, config: CoordinatorConfig, model_fingerprints: str | Iterable[str],
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """model_fingerprints: the models served (one fingerprint, or several); a worker of
+        any other model is refused. `view(fingerprint)` is one model's part of the registry."""
         self.config = config
-        self.model_fingerprint = model_fingerprint
+        self.model_fingerprints = frozenset(
+            (model_fingerprints,) if isinstance(model_fingerprints, str) else model_fingerprints)
+        if not self.model_fingerprints:
+            raise ValueError("a registry needs at least one model fingerprint")
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -253,14 +259,17 @@ class WorkerRegistry:
             return f"role {info.role!r} is not one of {', '.join(ROLES)}"
         if not info.address:
             return "address is empty"
-        if info.model_fingerprint != self.model_fingerprint:
+        if info.model_fingerprint not in self.model_fingerprints:
+            served = ", ".join(repr(f) for f in sorted(self.model_fingerprints))
             return (f"model fingerprint {info.model_fingerprint!r} does not match the "
-                    f"coordinator's {self.model_fingerprint!r}: the worker serves a different "
-                    "model or a different file of it")
+                    f"coordinator's {served}: the worker serves a different model or a "
+                    "different file of it")
         # Refuse at registration, not at the first request: a worker whose KV layout differs
-        # from the live workers' on the same backend could never pair with them.
+        # from the live workers' of its model on the same backend could never pair with them
+        # (workers of different models never pair, whatever their layouts).
         layouts = {r.kv_layout_fingerprint for r in self._workers.values()
-                   if r.alive and r.worker_id != info.worker_id and r.kv_backend == info.kv_backend}
+                   if r.alive and r.worker_id != info.worker_id and r.kv_backend == info.kv_backend
+                   and r.model_fingerprint == info.model_fingerprint}
         if layouts and info.kv_layout_fingerprint not in layouts:
             return (f"KV layout fingerprint {info.kv_layout_fingerprint!r} differs from the live "
                     f"workers' ({', '.join(sorted(layouts))}): prefill and decode could not pair")
@@ -353,21 +362,31 @@ class WorkerRegistry:
             record.assigned_requests = max(0, record.assigned_requests + requests)
             record.assigned_prefill_tokens = max(0, record.assigned_prefill_tokens + prefill_tokens)
 
-    def live(self, roles: tuple[str, ...] = ROLES) -> list[WorkerRecord]:
-        return [r for r in self._workers.values() if r.role in roles and self._check_alive(r)]
+    def live(self, roles: tuple[str, ...] = ROLES, model: str | None = None) -> list[WorkerRecord]:
+        """Live workers of `roles`; of the model with fingerprint `model` only, when given."""
+        return [r for r in self._workers.values() if r.role in roles
+                and (model is None or r.model_fingerprint == model) and self._check_alive(r)]
 
-    def snapshots(self, roles: tuple[str, ...] = ROLES) -> list[WorkerSnapshot]:
-        return [r.snapshot() for r in self.live(roles)]
+    def snapshots(self, roles: tuple[str, ...] = ROLES,
+                  model: str | None = None) -> list[WorkerSnapshot]:
+        return [r.snapshot() for r in self.live(roles, model)]
 
-    def all(self) -> list[WorkerRecord]:
+    def all(self, model: str | None = None) -> list[WorkerRecord]:
         self.sweep()
-        return list(self._workers.values())
+        return [r for r in self._workers.values() if model is None or r.model_fingerprint == model]
 
-    def live_counts(self) -> dict[str, int]:
+    def live_counts(self, model: str | None = None) -> dict[str, int]:
         counts = dict.fromkeys(ROLES, 0)
-        for record in self.live():
+        for record in self.live(model=model):
             counts[record.role] += 1
         return counts
+
+    def view(self, model: str) -> RegistryView:
+        """The workers of one served model, with the queries placement, the request flow and
+        keep_alive use: what they see of the registry never holds another model's worker."""
+        if model not in self.model_fingerprints:
+            raise ValueError(f"model fingerprint {model!r} is not served by this registry")
+        return RegistryView(self, model)
 
     # ---- change notification (admission wakes its waiters) --------------------------------------
 
@@ -382,6 +401,45 @@ class WorkerRegistry:
         for record in self._workers.values():
             await record.channel.close()
         self._workers.clear()
+
+
+class RegistryView:
+    """One served model's part of a WorkerRegistry (WorkerRegistry.view): the same queries,
+    filtered by the model's fingerprint, so that a request is only ever placed on, migrated to,
+    loaded or unloaded on workers of its own model. Updates (assign, mark_dead) go to the
+    registry; a worker id of another model is not found here."""
+
+    def __init__(self, registry: WorkerRegistry, model_fingerprint: str) -> None:
+        self.registry = registry
+        self.model_fingerprint = model_fingerprint
+        self.config = registry.config
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        record = self.registry.get(worker_id)
+        return record if record is not None and record.model_fingerprint == self.model_fingerprint else None
+
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
+        if self.get(worker_id) is not None:
+            self.registry.assign(worker_id, requests, prefill_tokens)
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        if self.get(worker_id) is not None:
+            self.registry.mark_dead(worker_id, reason)
+
+    def live(self, roles: tuple[str, ...] = ROLES) -> list[WorkerRecord]:
+        return self.registry.live(roles, self.model_fingerprint)
+
+    def snapshots(self, roles: tuple[str, ...] = ROLES) -> list[WorkerSnapshot]:
+        return self.registry.snapshots(roles, self.model_fingerprint)
+
+    def all(self) -> list[WorkerRecord]:
+        return self.registry.all(self.model_fingerprint)
+
+    def live_counts(self) -> dict[str, int]:
+        return self.registry.live_counts(self.model_fingerprint)
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self.registry.add_listener(listener)
 
 
 def _close_later(channel: grpc.aio.Channel) -> None:

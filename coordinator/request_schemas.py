@@ -81,16 +81,14 @@ class _OllamaGeneration(_Body):
     format: Format = None
     options: Options | None = None
     keep_alive: KeepAlive = None
-    think: Literal[False] | None = None  # /api/generate: thinking is split on /api/chat only
+    # coordinator/thinking.py: true/false or a level, for a template that can think
+    think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatRequest(_OllamaGeneration):
     """POST /api/chat. No messages: load the model (keep_alive 0: unload)."""
-
-    # coordinator/thinking.py: true/false or a level, for a template that can think
-    think: bool | Literal["low", "medium", "high"] | None = None
 
     messages: list[OllamaMessage] | None = None
     tools: list[Tool] | None = None
@@ -254,6 +252,9 @@ class ChatCompletionRequest(_OpenAIGeneration):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs
+    # As Ollama's think (coordinator/thinking.py): "none"/"minimal" off, a level on; the
+    # thinking is message.reasoning_content
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_OpenAIGeneration):

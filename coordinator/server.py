@@ -25,6 +25,7 @@ from coordinator.connection_limits import protocol_for
 from coordinator.grpc_api import start_client_api
 from coordinator.http_api import create_app
 from coordinator.model import ServedModel
+from coordinator.model_catalog import ModelCatalog
 from coordinator.registry import start_registry_server
 from coordinator.service import Coordinator
 from common.model_store import ModelStore
@@ -69,7 +70,7 @@ def build_app(coordinator: Coordinator) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await transports.start()
         log.info("tandem coordinator serving %s on %s://%s:%d (registry port %d)",
-                 coordinator.model.name, "https" if coordinator.config.api_tls else "http",
+                 ", ".join(m.listed_name for m in coordinator.models), "https" if coordinator.config.api_tls else "http",
                  coordinator.config.host, coordinator.config.port, coordinator.registry_port)
         try:
             yield
@@ -91,6 +92,8 @@ def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
         timeout_graceful_shutdown=graceful_timeout_s, **tls))
 
 
-def serve(config: CoordinatorConfig, model: ServedModel, store: ModelStore | None = None) -> None:
-    """Blocks until SIGINT/SIGTERM. `store`: the model store the model routes manage."""
-    uvicorn_server(Coordinator(config, model, store)).run()
+def serve(config: CoordinatorConfig, models: ServedModel | ModelCatalog | list[ServedModel],
+          store: ModelStore | None = None) -> None:
+    """Blocks until SIGINT/SIGTERM. models: the first is the default. `store`: the model
+    store the model routes manage."""
+    uvicorn_server(Coordinator(config, models, store)).run()

@@ -1,15 +1,17 @@
-"""The coordinator as one object: model, worker registry, admission, request flow, metrics and
-its background tasks. It starts no transport: coordinator/server.py serves the Registry gRPC
+"""The coordinator as one object: the models it serves (coordinator/model_catalog.py), one pool
+per model (coordinator/model_pool.py: its workers, admission, request flow and keep_alive), the
+worker registry they share, metrics and its background tasks. A request names its model; every
+step after that (limits, tokenizer, admission, placement, keep_alive) is that model's. It starts no transport: coordinator/server.py serves the Registry gRPC
 service, the client gRPC API and the HTTP app around it. The API layers talk only to this."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 
 import grpc
 
@@ -18,9 +20,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
-from coordinator.placement import choose_embedder, concurrency_limit
+from coordinator.model_catalog import ModelCatalog
+from coordinator.model_pool import ModelPool
+from coordinator.placement import choose_embedder
 from coordinator.prompts import off_loop
-from coordinator.registry import DECODE_ROLES, WorkerRegistry
+from coordinator.registry import WorkerRegistry
 from coordinator.residency import Residency
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
 from common.errors import ContextLengthError, InvalidOptionError
@@ -33,33 +37,52 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, model: ServedModel,
+    def __init__(self, config: CoordinatorConfig,
+                 models: ServedModel | ModelCatalog | Iterable[ServedModel],
                  store: ModelStore | None = None) -> None:
-        """store: the model store behind /api/pull, /api/copy, /api/create and /api/delete
+        """models: the model(s) served, the first being the default (`model`). store: the
+        model store behind /api/pull, /api/copy, /api/create and /api/delete
         (coordinator/model_routes.py); None answers those with a 501."""
         self.config = config
-        self.model = model
+        if isinstance(models, ServedModel):
+            models = (models,)
+        self.models = models if isinstance(models, ModelCatalog) else ModelCatalog(models)
         self.store = store
-        self.registry = WorkerRegistry(config, model.fingerprint)
-        self.admission = Admission(self._capacity, config.max_queue, config.queue_timeout_s,
-                                   config.retry_after_s)
-        self.registry.add_listener(self.admission.wake)
+        self.registry = WorkerRegistry(config, self.models.fingerprints)
+        # One pool per model: its workers, admission queue, request flow and keep_alive.
+        self.pools = {f: ModelPool(self.registry, f, config) for f in self.models.fingerprints}
         self._worker_waiters: set[asyncio.Future[None]] = set()  # requests awaiting a worker
         self.registry.add_listener(self._wake_worker_waiters)
-        self.flow = RequestFlow(self.registry, config)
-        # keep_alive: loads the model on the workers before a request, drops it after expiry.
-        self.residency = Residency(self.registry, config.keep_alive_s, config.prefill_timeout_s)
-        self._residency_task: asyncio.Task | None = None
-        self.metrics = Metrics(model.name)
+        self._residency_tasks: list[asyncio.Task] = []
+        self.metrics = Metrics([m.name for m in self.models])  # model_name: each model's own
         # Set by listening() once the transports bound (coordinator/server.py).
         self.registry_port: int | None = None  # the Registry gRPC service, for workers
         self.grpc_port: int | None = None  # the client-facing gRPC API
         self.open_requests = 0  # queued or running, on every API (config.max_streams)
         self._sweeper: asyncio.Task | None = None
 
-    def _capacity(self) -> int:
-        return concurrency_limit(self.registry.snapshots(DECODE_ROLES),
-                                 self.config.max_running_per_worker)
+    # ---- the models served ----------------------------------------------------------------------
+
+    @property
+    def model(self) -> ServedModel:
+        """The default model (the first served): what a caller that names none means."""
+        return self.models.default
+
+    def pool(self, model: ServedModel | None = None) -> ModelPool:
+        return self.pools[(model or self.models.default).fingerprint]
+
+    # The default model's pool, for callers that serve one model.
+    @property
+    def admission(self) -> Admission:
+        return self.pool().admission
+
+    @property
+    def flow(self) -> RequestFlow:
+        return self.pool().flow
+
+    @property
+    def residency(self) -> Residency:
+        return self.pool().residency
 
     # ---- life cycle (inside the serving event loop) ---------------------------------------------
 
@@ -67,7 +90,8 @@ class Coordinator:
         """The background tasks: the registry's sweeper and keep_alive's residency. The
         transports around this object are started by coordinator/server.py."""
         self._sweeper = asyncio.create_task(self.registry.run_sweeper())
-        self._residency_task = asyncio.create_task(self.residency.run())
+        self._residency_tasks = [asyncio.create_task(p.residency.run())
+                                 for p in self.pools.values()]
 
     def listening(self, registry_port: int, grpc_port: int) -> None:
         """Where the transports bound (coordinator/server.py): the registry's and the client
@@ -76,7 +100,7 @@ class Coordinator:
 
     async def stop(self) -> None:
         """Cancels the background tasks (the transports are stopped by coordinator/server.py)."""
-        for task in (self._sweeper, self._residency_task):
+        for task in (self._sweeper, *self._residency_tasks):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -85,12 +109,14 @@ class Coordinator:
     # ---- requests -------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams,
-                cache_salt: bytes = b"") -> FlowRequest:
-        """Check a request against the model's limits; raises a TandemError naming the limit.
-        cache_salt: the caller's prefix-cache tenant (coordinator/tenants.py).
+                cache_salt: bytes = b"", model: ServedModel | None = None) -> FlowRequest:
+        """Check a request against its model's limits (model None: the default model); raises
+        a TandemError naming the limit. cache_salt: the caller's prefix-cache tenant
+        (coordinator/tenants.py).
 
         A prompt longer than the context window is an error, never silently truncated."""
-        limit = self.model.context_len
+        model = model or self.model
+        limit = model.context_len
         if params.num_ctx is not None and params.num_ctx > limit:
             raise InvalidOptionError(f"option 'num_ctx' is {params.num_ctx}, above the model's "
                                      f"context length of {limit} tokens")
@@ -98,7 +124,7 @@ class Coordinator:
         if params.num_predict > context:
             raise InvalidOptionError(f"option 'num_predict' is {params.num_predict}, more than "
                                      f"the {context}-token context window")
-        vocab = self.model.config.vocab_size
+        vocab = model.config.vocab_size
         named = [("token id", prompt_ids), ("stop_token_ids", params.stop_token_ids),
                  ("logit_bias", [t for t, _ in params.logit_bias])]
         for what, ids in named:
@@ -108,13 +134,13 @@ class Coordinator:
                                          f"(0..{vocab - 1})")
         if not prompt_ids:
             raise InvalidOptionError("the prompt is empty")
-        max_tokens = params.max_tokens_for(len(prompt_ids), self.model.context_len)
+        max_tokens = params.max_tokens_for(len(prompt_ids), model.context_len)
         if max_tokens <= 0:
             raise ContextLengthError(f"the prompt is {len(prompt_ids)} tokens, which leaves no "
                                      f"room in the {context}-token context window")
         # The stop set both workers get: the model's end-of-text tokens unless ignore_eos,
         # and the client's stop_token_ids.
-        model_stops = frozenset() if params.ignore_eos else self.model.tokenizer.stop_token_ids
+        model_stops = frozenset() if params.ignore_eos else model.tokenizer.stop_token_ids
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
                            stop_token_ids=model_stops | frozenset(params.stop_token_ids),
@@ -122,22 +148,27 @@ class Coordinator:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings, keep_alive_s: float | None = None,
-                     cache_salt: bytes = b"") -> Generation:
+                     cache_salt: bytes = b"", model: ServedModel | None = None) -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
         A grammar that does not compile is refused here (InvalidOptionError: a 400).
         keep_alive_s: how long the model stays loaded after this request (None = the
-        server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant."""
+        server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant.
+        model: the model the request named (None: the default model)."""
         timings.prompt_tokens = len(prompt_ids)
-        request = self.prepare(prompt_ids, params, cache_salt)
+        request = self.prepare(prompt_ids, params, cache_salt, model)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)
-        return await self.begin(request, timings, keep_alive_s)
+        return await self.begin(request, timings, keep_alive_s, model)
 
     async def begin(self, request: FlowRequest, timings: RequestTimings,
-                    keep_alive_s: float | None = None) -> Generation:
-        """Admit the request (waiting for a live decode worker, for the model to load on the
-        workers, then in the queue, if need be). Raises NoWorkers or Overloaded."""
+                    keep_alive_s: float | None = None,
+                    model: ServedModel | None = None) -> Generation:
+        """Admit the request among its model's workers (waiting for a live decode worker of
+        it, for the model to load on them, then in its queue, if need be). Raises NoWorkers
+        or Overloaded."""
+        model = model or self.model
+        pool = self.pool(model)
         if self.open_requests >= self.config.max_streams:
             self.metrics.count_refusal("overloaded")
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
@@ -145,35 +176,39 @@ class Coordinator:
         self.open_requests += 1
         held = False  # counted in flight by residency
         try:
-            await self._wait_for_decode_worker(timings)
-            timings.load_wait += await self.residency.acquire()
+            await self._wait_for_decode_worker(timings, pool)
+            timings.load_wait += await pool.residency.acquire()
             held = True
-            await self.admission.acquire()
+            await pool.admission.acquire()
         except BaseException as exc:  # NoWorkers, Overloaded, or the client left while waiting
             self.open_requests -= 1
             if held:
-                self.residency.release(keep_alive_s)
+                pool.residency.release(keep_alive_s)
             if isinstance(exc, (NoWorkers, Overloaded)):
                 self.metrics.count_refusal("overloaded")
             raise
         timings.admitted = time.monotonic()
-        return Generation(request, timings, self.flow, self.model.tokenizer, self.metrics,
-                          lambda: self._release(keep_alive_s))
+        return Generation(request, timings, pool.flow, model.tokenizer,
+                          self.metrics.of(model.name),
+                          lambda: self._release(pool, keep_alive_s))
 
-    async def preload(self, keep_alive_s: float | None) -> None:
-        """A request with no prompt (Ollama's load/unload): keep_alive 0 unloads the model
-        from the workers now (or once the requests in flight end); any other value loads it
-        and sets its expiry."""
+    async def preload(self, keep_alive_s: float | None,
+                      model: ServedModel | None = None) -> None:
+        """A request with no prompt (Ollama's load/unload) for `model` (None: the default):
+        keep_alive 0 unloads it from its workers now (or once its requests in flight end);
+        any other value loads it and sets its expiry. Other models stay as they are."""
+        pool = self.pool(model)
         if keep_alive_s == 0:
-            await self.residency.unload()
+            await pool.residency.unload()
             return
-        if not self.residency.resident:  # else nothing to wait for: only the expiry moves
-            await self._wait_for_decode_worker(RequestTimings())
-        await self.residency.acquire()
-        self.residency.release(keep_alive_s)
+        if not pool.residency.resident:  # else nothing to wait for: only the expiry moves
+            await self._wait_for_decode_worker(RequestTimings(), pool)
+        await pool.residency.acquire()
+        pool.residency.release(keep_alive_s)
 
     async def embed(self, inputs: list[list[int]], normalize: bool,
-                    timings: RequestTimings) -> list[list[float]]:
+                    timings: RequestTimings,
+                    model: ServedModel | None = None) -> list[list[float]]:
         """Pooled embeddings of `inputs` (token ids, each checked against the context by the
         caller) from one worker's Embed RPC (proto/worker.proto): a prefill worker's when one
         is live, else a decode worker's (placement.choose_embedder). A worker that is gone
@@ -183,23 +218,25 @@ class Coordinator:
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
+        pool = self.pool(model)
+        workers_of_model = pool.workers
         held = admitted = False
         try:
-            await self._wait_for_decode_worker(timings)
-            timings.load_wait += await self.residency.acquire()
+            await self._wait_for_decode_worker(timings, pool)
+            timings.load_wait += await pool.residency.acquire()
             held = True
             # Admitted like a prompt: an embedding holds a running slot while it computes.
-            await self.admission.acquire()
+            await pool.admission.acquire()
             admitted = True
             timings.admitted = time.monotonic()
             tried: list[str] = []
             while True:
-                workers = [w for w in self.registry.snapshots() if w.worker_id not in tried]
+                workers = [w for w in workers_of_model.snapshots() if w.worker_id not in tried]
                 chosen = choose_embedder(workers, inputs)
                 if chosen is None:
                     raise NoWorkers("no live worker can compute embeddings now; retry once "
                                     "workers are up")
-                record = self.registry.get(chosen.worker_id)
+                record = workers_of_model.get(chosen.worker_id)
                 tried.append(record.worker_id)
                 self.registry.assign(record.worker_id, requests=1)
                 on_prefill = record.role == "prefill"
@@ -230,28 +267,30 @@ class Coordinator:
         finally:
             self.open_requests -= 1
             if admitted:
-                self.admission.release()
+                pool.admission.release()
             if held:
-                self.residency.release(None)
+                pool.residency.release(None)
 
-    async def _wait_for_decode_worker(self, timings: RequestTimings) -> None:
-        """Return once a decode worker is live, waiting up to config.load_timeout_s.
+    async def _wait_for_decode_worker(self, timings: RequestTimings, pool: ModelPool) -> None:
+        """Return once a decode worker of the pool's model is live, waiting up to
+        config.load_timeout_s.
 
         Workers register only after loading their model, so this wait is the time the request
         spent waiting for a model load (a worker starting, or restarted after a crash): Ollama's
         load_duration (timings.load_wait). It stays exactly 0.0 when a worker was live. A reload
         after keep_alive expired is residency.acquire's wait, added to the same figure."""
-        if self.registry.live(DECODE_ROLES):
+        if pool.has_decode_worker():
             return
         start = time.monotonic()
         deadline = start + self.config.load_timeout_s
-        while not self.registry.live(DECODE_ROLES):
+        while not pool.has_decode_worker():
             left = deadline - time.monotonic()
             if left <= 0:
                 waited = (f" (waited {self.config.load_timeout_s:g} s for one to load the model)"
                           if self.config.load_timeout_s > 0 else "")
-                raise NoWorkers(f"no live decode worker is registered{waited}; retry once "
-                                "workers are up")
+                name = self.models.by_fingerprint(pool.fingerprint).name
+                raise NoWorkers(f"no live decode worker of {name} is registered{waited}; "
+                                "retry once workers are up")
             waiter = asyncio.get_running_loop().create_future()
             self._worker_waiters.add(waiter)
             try:
@@ -268,31 +307,35 @@ class Coordinator:
             if not waiter.done():
                 waiter.set_result(None)
 
-    # ---- the served model's names (/api/copy, /api/create, /api/delete) -------------------------
+    # ---- the served models' names (/api/copy, /api/create, /api/delete) ------------------------
 
-    def add_model_name(self, name: str) -> None:
-        """Requests may name the served model `name` too (a copy of it was made)."""
-        self.model = dataclasses.replace(self.model, names=self.model.names | {name})
+    def add_model_name(self, name: str, model: ServedModel | None = None) -> None:
+        """Requests may name `model` (None: the default) `name` too (a copy of it was made)."""
+        self.models.add_name(model or self.model, name)
 
     def drop_model_name(self, name: str) -> None:
-        """`name` was deleted from the store. The names the model was served under (its name,
+        """`name` was deleted from the store. The names a model was served under (its name,
         its path, the path's file name and stem) stay."""
-        path = self.model.path
-        if name not in (self.model.name, str(path), path.name, path.stem):
-            self.model = dataclasses.replace(self.model, names=self.model.names - {name})
+        self.models.drop_name(name)
 
-    def _release(self, keep_alive_s: float | None = None) -> None:
+    def _release(self, pool: ModelPool, keep_alive_s: float | None = None) -> None:
         self.open_requests -= 1
-        self.admission.release()
-        self.residency.release(keep_alive_s)
+        pool.admission.release()
+        pool.residency.release(keep_alive_s)
 
     def render_metrics(self) -> bytes:
-        return self.metrics.render(self.registry.all(), self.admission.queue_depth,
-                                   self.admission.running,
-                                   self.config.cluster_auth.refused.snapshot())
+        pools = self.pools.values()
+        per_model = {m.name: (self.pool(m).admission.queue_depth, self.pool(m).admission.running,
+                              m.fingerprint) for m in self.models}
+        return self.metrics.render(self.registry.all(), sum(p.admission.queue_depth for p in pools),
+                                   sum(p.admission.running for p in pools),
+                                   self.config.cluster_auth.refused.snapshot(), per_model)
 
     def workers_report(self) -> dict:
         return {"model": self.model.name, "model_fingerprint": self.model.fingerprint,
+                "models": [{"name": m.name, "model_fingerprint": m.fingerprint,
+                            "live": self.registry.live_counts(m.fingerprint)}
+                           for m in self.models],
                 "grpc_port": self.grpc_port,
                 "live": self.registry.live_counts(),
                 "workers": [w.describe() for w in self.registry.all()]}

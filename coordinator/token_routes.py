@@ -78,16 +78,15 @@ class TokenRoutes:
         self.coordinator = coordinator
         self.limits = coordinator.config
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request) -> tuple[dict[str, Any], ServedModel]:
+        """The request's body and the served model it names (a 404 for any other)."""
         body = await read_json_body(request, self.limits.max_body_bytes)
-        self.coordinator.model.require(_model_name(body))
-        return body
+        return body, self.coordinator.models.get(_model_name(body))
 
     async def tokenize(self, request: Request) -> JSONResponse:
-        body = await self._body(request)
-        return JSONResponse(await off_loop(tokenize, self.coordinator.model, body,
-                                           self.limits.max_messages))
+        body, model = await self._body(request)
+        return JSONResponse(await off_loop(tokenize, model, body, self.limits.max_messages))
 
     async def detokenize(self, request: Request) -> JSONResponse:
-        body = await self._body(request)
-        return JSONResponse(await off_loop(detokenize, self.coordinator.model, body))
+        body, model = await self._body(request)
+        return JSONResponse(await off_loop(detokenize, model, body))

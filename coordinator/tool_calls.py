@@ -280,16 +280,6 @@ class ToolCallParser:
         return (content if content.strip() or not calls else ""), calls
 
 
-async def split_calls(pieces: AsyncIterator[str], calls: ToolCallParser | None
-                      ) -> AsyncIterator[tuple[str, list[ToolCall]]]:
-    """A streamed output as (content, calls completed) parts: each piece as it is without a
-    parser; through `calls` (push, then finish) with one. Both APIs' chat streams read this."""
-    async for piece in pieces:
-        yield (piece, []) if calls is None else calls.push(piece)
-    if calls is not None:
-        yield calls.finish()
-
-
 def _partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that is a proper beginning of `marker`."""
     if not marker:

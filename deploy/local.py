@@ -1,6 +1,8 @@
 """Start a tandem topology on this host: a coordinator and its workers, one process each.
 
     topology = Topology(model="smollm2", model_path=path, prefill=1, decode=1)
+    # several models: the same worker counts for each, one coordinator for all
+    topology = Topology(model="smollm2", model_path=path, more_models=(("qwen3", path2),))
     specs, ready = plan(topology)          # argv of every process, ports chosen here
     with LocalCluster(specs, ready) as cluster:
         cluster.start()                     # waits until the coordinator reports the workers
@@ -26,6 +28,13 @@ the coordinator's ports first (deploy/ports.py): a second cluster on them fails 
 
 Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
 
+Several models (`more_models`): one coordinator gets `--model` for each (the first is the
+default), and each model gets its own workers, `prefill` and `decode` of them (or one colocated
+worker), with the engine flags above. The first model's workers keep the names of a
+single-model topology (`decode-0`); another model's carry its name before them
+(`qwen3-decode-0`), so every worker id in the cluster is distinct. Ready means every worker,
+by name, is live.
+
 Engine flags, each to the processes that use it (None leaves that process's own default):
 prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
 format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -111,8 +121,27 @@ class Topology:
     # The client APIs' TLS (coordinator/api_tls.py): (cert, key) PEM paths, or None = plaintext.
     # The coordinator alone gets them, and the readiness poll then speaks https.
     api_tls: tuple[str, str] | None = None
+    # More models served by the same cluster: (name as the user gave it, resolved path), each
+    # with workers of its own (the module docstring). Empty: one model, `model`.
+    more_models: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def models(self) -> tuple[tuple[str, Path], ...]:
+        """(name, path) of every model served, the default (`model`) first."""
+        return ((self.model, self.model_path), *self.more_models)
+
+    def worker_prefix(self, index: int) -> str:
+        """What the names of the `index`-th model's workers start with ("" for the first)."""
+        if index == 0:
+            return ""
+        slugs = [_slug(name) for name, _ in self.models]
+        # A slug two models share gets the model's position too (plan() checks the result).
+        return f"{slugs[index]}-" if slugs.count(slugs[index]) == 1 else f"{slugs[index]}-{index}-"
 
     def __post_init__(self) -> None:
+        names = [n for n, _ in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a model is named twice: {', '.join(names)}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, "
                              f"got {self.kv_backend!r}")
@@ -149,9 +178,11 @@ class Topology:
                              f"it runs on")
 
     def expected_workers(self) -> dict[str, int]:
+        """Live workers by role, over every model."""
+        n = len(self.models)
         if self.colocated:
-            return {"colocated": 1}
-        return {"prefill": self.prefill, "decode": self.decode}
+            return {"colocated": n}
+        return {"prefill": self.prefill * n, "decode": self.decode * n}
 
     def coordinator_flags(self) -> list[str]:
         flags = ["--chunk-size", str(self.chunk_size)]
@@ -198,6 +229,11 @@ class Readiness:
     worker_ids: tuple[str, ...] = ()  # these workers must be live too (named launches)
 
 
+def _slug(name: str) -> str:
+    """A model's name as part of a worker id: `qwen3:0.6b` -> `qwen3-0-6b`."""
+    return re.sub(r"[^a-z0-9]+", "-", Path(name).name.lower()).strip("-") or "model"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((WORKER_HOST, 0))
@@ -217,7 +253,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
     registry_port = port_picker()
     while registry_port in taken:
         registry_port = port_picker()
-    coordinator = [sys.executable, "-m", "coordinator", "--model", t.model,
+    coordinator = [sys.executable, "-m", "coordinator",
+                   *(a for name, _ in t.models for a in ("--model", name)),
                    "--host", t.host, "--port", str(t.port),
                    "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
                    *t.coordinator_flags(), *t.auth_args]
@@ -231,11 +268,13 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         roles = [("colocated", "decode_node")]
     else:
         roles = [("prefill", "prefill_node")] * t.prefill + [("decode", "decode_node")] * t.decode
-    counters: dict[str, int] = {}
-    for role, module in roles:
-        index = counters[role] = counters.get(role, -1) + 1
-        name = f"{role}-{index}"
-        argv = [sys.executable, "-m", module, "--model", str(t.model_path),
+    workers = [(i, path, role, module) for i, (_, path) in enumerate(t.models)
+               for role, module in roles]
+    counters: dict[tuple[int, str], int] = {}
+    for model_index, model_path, role, module in workers:
+        index = counters[model_index, role] = counters.get((model_index, role), -1) + 1
+        name = f"{t.worker_prefix(model_index)}{role}-{index}"
+        argv = [sys.executable, "-m", module, "--model", str(model_path),
                 # Port 0: each worker binds one the kernel picks and registers it, so a worker
                 # never races another bind for a port picked free here.
                 "--host", WORKER_HOST, "--port", "0",
@@ -249,7 +288,13 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
     scheme = "https" if t.api_tls else "http"
-    return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers())
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two workers would have one name ({', '.join(names[1:])}): give the "
+                         "models names that differ in their letters and digits")
+    # With several models, counts by role could be met by one model's workers: name them all.
+    named = tuple(names[1:]) if t.more_models else ()
+    return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers(), named)
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -510,7 +555,7 @@ def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None
                            env=worker_env(topology.threads or 1))
 
     def on_ready() -> None:
-        out(f"tandem is serving {topology.model} at {ready.url}  (Ollama API: "
+        out(f"tandem is serving {', '.join(n for n, _ in topology.models)} at {ready.url}  (Ollama API: "
             f"{ready.url}/api/chat, metrics: {ready.url}/metrics); Ctrl-C stops it")
         for spec in specs[1:]:
             out(f"  {spec.name}: {' '.join(spec.argv[2:])}")

@@ -208,3 +208,19 @@ def test_pull_of_the_default_model_shows_its_progress(default_gguf, tmp_path):
     assert r.stdout == f"smollm2: {tmp_path / 'models' / entry.filename}\n"
     assert f"verifying {entry.filename}: 100%" in r.stderr and r.stderr.endswith("success\n")
     assert (tmp_path / "models" / entry.filename).stat().st_size == default_gguf.stat().st_size
+
+
+def test_serve_takes_several_models_each_resolved(tmp_path, monkeypatch):
+    import cli.main
+    import deploy.local
+    from tests.helpers.coordinator_fakes import make_tiny_model_dir
+
+    a, b = make_tiny_model_dir(tmp_path / "a"), make_tiny_model_dir(tmp_path / "b")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = []
+    monkeypatch.setattr(deploy.local, "serve", lambda topology, **kw: seen.append(topology) or 0)
+    assert cli.main.main(["serve", "--model", str(a), "--model", str(b), "--decode", "2",
+                          "--log-dir", str(tmp_path / "logs")]) == 0
+    (topology,) = seen
+    assert topology.models == ((str(a), a), (str(b), b))
+    assert topology.expected_workers() == {"prefill": 2, "decode": 4}

@@ -1,6 +1,7 @@
 """Ollama's `think` (coordinator/thinking.py): a template that can think is rendered with
-enable_thinking, its answer's <think> block comes back as message.thinking, streamed or not;
-a template that cannot think answers think: true with Ollama's 400."""
+enable_thinking, its answer's <think> block comes back as message.thinking (/api/chat) or
+`thinking` (/api/generate), streamed or not, and OpenAI's reasoning_effort does the same with
+vLLM's reasoning_content; a template that cannot think answers think: true with Ollama's 400."""
 
 from __future__ import annotations
 
@@ -114,3 +115,102 @@ def test_a_template_that_cannot_think_refuses_think_true(plain):
     yes, no = asyncio.run(scenario())
     assert yes.status_code == 400 and yes.json()["error"] == '"tiny" does not support thinking'
     assert no.status_code == 200 and no.json()["message"]["content"] == "Hello"
+
+
+def test_think_on_generate_splits_the_response_streamed_or_not(thinker, plain):
+    tokens = thinker.tokenizer.encode(ANSWER, add_special_tokens=False)
+
+    def generate(url: str, client: httpx.AsyncClient, **body):
+        return client.post(f"{url}/api/generate", json={"model": "tiny", "prompt": "Hi", **body})
+
+    async def scenario():
+        async with coordinator_harness(thinker) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                whole = (await generate(h.url, client, stream=False, think="high")).json()
+                async with client.stream("POST", f"{h.url}/api/generate", json={
+                        "model": "tiny", "prompt": "Hi", "think": True}) as r:
+                    lines = [json.loads(line) async for line in r.aiter_lines()]
+                off = (await generate(h.url, client, stream=False, think=False)).json()
+        async with coordinator_harness(plain) as h:
+            await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                refused = await generate(h.url, client, stream=False, think=True)
+                plain_off = (await generate(h.url, client, stream=False, think=False)).json()
+        return d1, whole, lines, off, refused, plain_off
+
+    d1, whole, lines, off, refused, plain_off = asyncio.run(scenario())
+    assert (whole["thinking"], whole["response"]) == ("The user greets me.\n", "Hello there!")
+    assert "".join(x.get("thinking", "") for x in lines) == "The user greets me.\n"
+    assert "".join(x["response"] for x in lines) == "Hello there!" and lines[-1]["done"]
+    assert not any("<think>" in x["response"] or "</think>" in x["response"] for x in lines)
+    # The context continues from the whole output, the block included.
+    assert thinker.tokenizer.decode(whole["context"]).endswith(ANSWER)
+    prompts = [thinker.tokenizer.decode(list(r.prompt_token_ids)) for r in d1.requests]
+    assert "</think>" not in prompts[0] and prompts[2].rstrip().endswith("<think>\n\n</think>")
+    assert "thinking" not in off and off["response"] == ANSWER
+    assert refused.status_code == 400 and refused.json()["error"] == '"tiny" does not support thinking'
+    assert "thinking" not in plain_off and plain_off["response"] == ANSWER
+
+
+def test_reasoning_effort_is_think_with_reasoning_content(thinker, plain):
+    import openai
+
+    tokens = thinker.tokenizer.encode(ANSWER, add_special_tokens=False)
+
+    async def scenario():
+        out = {}
+        async with coordinator_harness(thinker) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x",
+                                          max_retries=0) as oai:
+                done = await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                         reasoning_effort="low")
+                out["whole"] = done.choices[0].message.model_dump()
+                stream = await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                           reasoning_effort="medium", stream=True)
+                out["deltas"] = [c.choices[0].delta.model_dump() async for c in stream
+                                 if c.choices]
+                done = await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                         reasoning_effort="minimal")
+                out["off"] = done.choices[0].message.model_dump()
+                try:
+                    await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                      extra_body={"reasoning_effort": "max"})
+                except openai.BadRequestError as exc:
+                    out["bad"] = exc.message
+                try:
+                    await oai.completions.create(model="tiny", prompt="Hi",
+                                                 extra_body={"reasoning_effort": "high"})
+                except openai.BadRequestError as exc:
+                    out["completions"] = exc.message
+            out["prompts"] = [thinker.tokenizer.decode(list(r.prompt_token_ids))
+                              for r in d1.requests]
+        async with coordinator_harness(plain) as h:
+            await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x",
+                                          max_retries=0) as oai:
+                done = await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                         reasoning_effort="none")
+                out["plain_none"] = done.choices[0].message.content
+                try:
+                    await oai.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                      reasoning_effort="high")
+                except openai.BadRequestError as exc:
+                    out["plain_high"] = exc.message
+        return out
+
+    out = asyncio.run(scenario())
+    assert out["whole"]["content"] == "Hello there!"
+    assert out["whole"]["reasoning_content"] == "The user greets me.\n"
+    reasoning = "".join(d.get("reasoning_content") or "" for d in out["deltas"])
+    content = "".join(d.get("content") or "" for d in out["deltas"])
+    assert (reasoning, content) == ("The user greets me.\n", "Hello there!")
+    # Low and medium reach the template as Ollama's levels do; minimal turns thinking off.
+    assert "</think>" not in out["prompts"][0] and "</think>" not in out["prompts"][1]
+    assert out["prompts"][2].rstrip().endswith("<think>\n\n</think>")
+    assert out["off"]["content"] == ANSWER and out["off"].get("reasoning_content") is None
+    assert "reasoning_effort must be one of" in out["bad"]
+    assert "reasoning is served on /v1/chat/completions" in out["completions"]
+    assert out["plain_none"] == ANSWER
+    assert "does not support thinking" in out["plain_high"]

@@ -354,3 +354,44 @@ def test_plan_keeps_the_registry_port_off_the_ports_the_caller_names(tmp_path):
     specs, _ = plan(t, iter([11434, 20000, 20001]).__next__)
     coord = specs[0].argv
     assert coord[coord.index("--registry-port") + 1] == "20001"
+
+
+def test_plan_gives_each_model_its_own_workers_and_one_coordinator_all_models(tmp_path):
+    from coordinator.__main__ import build_parser as coordinator_parser
+
+    t = Topology(model="smollm2", model_path=tmp_path / "a.gguf", log_dir=tmp_path, prefill=1,
+                 decode=2, decode_quant="int8",
+                 more_models=(("qwen3:0.6b", tmp_path / "b.gguf"), ("/models/Qwen3", tmp_path / "c")))
+    specs, ready = plan(t, ports())
+    coord = coordinator_parser().parse_args(specs[0].argv[3:])
+    assert coord.model == ["smollm2", "qwen3:0.6b", "/models/Qwen3"]
+    workers = {s.name: s for s in specs[1:]}
+    # The first model's workers keep their single-model names; the others carry their model's.
+    assert list(workers) == ["prefill-0", "decode-0", "decode-1",
+                             "qwen3-0-6b-prefill-0", "qwen3-0-6b-decode-0", "qwen3-0-6b-decode-1",
+                             "qwen3-prefill-0", "qwen3-decode-0", "qwen3-decode-1"]
+    for name, path in (("decode-1", "a.gguf"), ("qwen3-0-6b-prefill-0", "b.gguf"),
+                       ("qwen3-decode-0", "c")):
+        args = parsed_worker(workers[name])
+        assert (args.model, args.worker_id) == (str(tmp_path / path), name)
+    assert parsed_worker(workers["qwen3-decode-1"]).decode_quant == "int8"
+    assert ready.expected == {"prefill": 3, "decode": 6}
+    assert ready.worker_ids == tuple(workers)  # ready only once each one, by name, is live
+
+    colocated = Topology(model="a", model_path=tmp_path, log_dir=tmp_path, colocated=True,
+                         more_models=(("b", tmp_path / "b"),))
+    specs, ready = plan(colocated, ports())
+    assert [s.name for s in specs[1:]] == ["colocated-0", "b-colocated-0"]
+    assert ready.expected == {"colocated": 2}
+    # A single-model topology is as it was: no names required beyond the counts.
+    assert plan(Topology(model="a", model_path=tmp_path, log_dir=tmp_path), ports())[1].worker_ids == ()
+
+
+def test_plan_refuses_a_model_twice_and_names_that_would_clash(tmp_path):
+    with pytest.raises(ValueError, match="named twice"):
+        Topology(model="a", model_path=tmp_path, log_dir=tmp_path, more_models=(("a", tmp_path),))
+    # Two slugs alike get the model's position; the first model's names are its own.
+    t = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, colocated=True,
+                 more_models=(("b:1", tmp_path), ("b.1", tmp_path)))
+    assert [s.name for s in plan(t, ports())[0][1:]] == [
+        "colocated-0", "b-1-1-colocated-0", "b-1-2-colocated-0"]

@@ -47,12 +47,17 @@ def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", pre
                     chunk_size: int = 256, prefill_threshold: int | None = None,
                     worker_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
                     start_timeout_s: float = 120.0, cluster_secret: str | None = None,
-                    auth_args: tuple[str, ...] = ()):
+                    auth_args: tuple[str, ...] = (),
+                    more_models: tuple[tuple[str, Path], ...] = ()):
+    """more_models: (name clients use, path) of more models served by the same cluster, each
+    with workers of its own (deploy/local.py), as `tandem serve --model A --model B` runs."""
+    names = tuple(a for name, _ in more_models for a in ("--model-name", name))
     topology = Topology(model=str(model_path), model_path=model_path,
+                        more_models=tuple((str(path), path) for _, path in more_models),
                         log_dir=log_dir, port=free_port(), prefill=prefill, decode=decode,
                         colocated=colocated, kv_backend=kv_backend, chunk_size=chunk_size,
                         prefill_threshold=prefill_threshold, worker_args=worker_args,
-                        coordinator_args=("--model-name", model, *coordinator_args),
+                        coordinator_args=("--model-name", model, *names, *coordinator_args),
                         cluster_secret=cluster_secret, auth_args=auth_args)
     log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)

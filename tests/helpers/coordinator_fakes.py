@@ -343,10 +343,12 @@ DEFAULT_TEST_CONFIG = dict(heartbeat_interval_s=0.1, heartbeat_misses=30, queue_
 
 
 @contextlib.asynccontextmanager
-async def coordinator_harness(model: ServedModel, store: ModelStore | None = None,
+async def coordinator_harness(model: ServedModel | list[ServedModel], store: ModelStore | None = None,
                               **overrides) -> AsyncIterator[Harness]:
     """The real coordinator (HTTP on uvicorn + Registry gRPC) on free ports, in this loop;
-    `store` backs its model routes (/api/pull, /api/copy, ...)."""
+    `store` backs its model routes (/api/pull, /api/copy, ...). A list of models: one
+    coordinator serving each (the first is the default; add_worker(fingerprint=) places a
+    fake worker with another)."""
     config = CoordinatorConfig(port=free_port(), registry_port=0,
                                **{**DEFAULT_TEST_CONFIG, **overrides})
     coordinator = Coordinator(config, model, store)
