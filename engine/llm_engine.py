@@ -419,6 +419,8 @@ class LLMEngine:
             width = 1 + len(c.draft_token_ids)
             if not c.draft_token_ids:
                 plain.append(row)
+            elif c.request_id not in self.scheduler.requests:
+                pass  # aborted while the pass ran: nothing to verify, its blocks are free
             else:
                 request = c.request
                 seed = request.sampling_params.seed
