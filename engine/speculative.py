@@ -12,8 +12,9 @@
                            temperature, seed per position
       update_from_output   appends the run up to a stop, rolls back the rejected slots
 
-Who speculates: decodes (the request's last token is its only uncomputed one) without a
-grammar, logprobs, prompt logprobs or penalties: each of those depends on the tokens before it
+Who speculates: decodes (the request's last token is its only uncomputed one) that did not opt
+out (SamplingParams.speculative false) without a grammar, logprobs, prompt logprobs or
+penalties: each of those depends on the tokens before it
 in ways a batch of rows cannot see cheaply, so they decode one token a step as before.
 """
 
@@ -55,7 +56,7 @@ def speculates(request: Request) -> bool:
     p = request.sampling_params
     penalised = p.repeat_last_n != 0 and (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0
                                           or p.presence_penalty != 0.0)
-    return (request.status is RequestStatus.RUNNING and not request.pooling
+    return (p.speculative and request.status is RequestStatus.RUNNING and not request.pooling
             and request.num_output_tokens > 0
             and request.num_computed_tokens == request.num_tokens - 1
             and p.grammar is None and p.logprobs is None and p.prompt_logprobs is None

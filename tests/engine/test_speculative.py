@@ -219,3 +219,14 @@ def test_drafts_count_against_the_token_budget(model):
     assert widest == 2  # 1 token + 2 drafts fill a budget of 3
     assert req.status is RequestStatus.FINISHED_LENGTH
     assert_pool_full(engine)
+
+
+def test_a_request_that_opts_out_never_speculates(model):
+    (prompt,) = prompts_of([30])
+    engine = make_engine(model, SPEC)
+    off = SamplingParams(temperature=0.0, num_predict=30, speculative=False)
+    (out,), (sizes,), _ = run(engine, [prompt], off)
+    assert engine.spec_stats.num_steps == 0 and set(sizes) == {1}
+    (spec,), _, _ = run(engine, [prompt], GREEDY)
+    assert spec == out and engine.spec_stats.num_steps > 0
+    assert_pool_full(engine)
