@@ -230,3 +230,34 @@ def test_a_request_that_opts_out_never_speculates(model):
     (spec,), _, _ = run(engine, [prompt], GREEDY)
     assert spec == out and engine.spec_stats.num_steps > 0
     assert_pool_full(engine)
+
+
+@pytest.mark.parametrize("pick", ["argmin", "argmax"])
+def test_verified_tokens_follow_the_requests_own_sampling_distribution(pick):
+    # The verification applies the request's logit_bias, top_k and temperature to each row
+    # before rejection sampling: the first token of the run must be distributed as the token
+    # a plain step would draw from row 0 (chi-square on a fixed seed).
+    from engine.request import Request
+    from engine.sampler import Sampler, apply_logit_bias, probabilities
+    from engine.speculative import SpeculativeDecoder
+
+    vocab, n = 8, 4000
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=1.0, logit_bias=((6, 1.5),))
+    request = Request("r", [1, 2, 3, 1, 2], params, max_tokens=10)
+    request.append_token(3)
+    request.num_computed_tokens, request.status = 5, RequestStatus.RUNNING
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(11)) * 2
+    decoder = SpeculativeDecoder(SPEC, Sampler())
+    gen = torch.Generator().manual_seed(5)
+    # argmin: a draft top_k removes, always rejected and resampled; argmax: mostly accepted.
+    draft = [int(getattr(logits[0], pick)())]
+    firsts = [decoder.verify(request, draft, logits, lambda i: gen)[0] for _ in range(n)]
+    expected = probabilities(apply_logit_bias(logits[:1], [params]), [params])[0].double()
+    observed = torch.bincount(torch.tensor(firsts), minlength=vocab).double()
+    support = expected > 0
+    assert set(torch.nonzero(observed).flatten().tolist()) <= set(torch.nonzero(support).flatten().tolist())
+    chi2 = float(((observed[support] - n * expected[support]) ** 2 / (n * expected[support])).sum())
+    assert chi2 < 20.5  # 4 degrees of freedom (5 tokens kept by top_k): the 99.96% quantile
+    stats = decoder.stats
+    assert stats.num_steps == n and stats.num_draft_tokens == n
+    assert stats.num_accepted_tokens == sum(f == draft[0] for f in firsts)
