@@ -385,9 +385,9 @@ class LLMEngine:
                 self._forget(request_id)
             request = by_id[request_id]
             if request_id in runs:
-                # What update_from_output appended: the run up to a stop (all of it when the
-                # request was aborted while the pass ran, as a plain token is reported then).
-                new_tokens = request.token_ids[lengths[request_id]:] or list(token)
+                # What update_from_output appended: the run up to a stop. (A request aborted
+                # while the pass ran has no run: _verify_drafts skips it.)
+                new_tokens = request.token_ids[lengths[request_id]:]
                 self.speculator.record_emitted(len(new_tokens))
             else:
                 new_tokens = [token]
