@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from common.errors import TandemError
 from cli.common_args import add_server_args, resolve_or_pull, server
 from worker.flags import add_engine_flags
 
@@ -116,9 +117,15 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
     from worker.runtime import configure_process
 
     # Checked before the model is resolved (or pulled) and loaded.
+    from engine.speculative_config import parse_speculative
+
+    try:
+        speculative = parse_speculative(args.speculative)
+    except ValueError as exc:
+        raise TandemError(str(exc)) from None
     config = EngineConfig.for_role("colocated", args.decode_quant, args.prefill_quant,
                                    cache=CacheConfig(kv_dtype=args.kv_dtype), device=args.device,
-                                   cuda_graphs=not args.no_cuda_graphs)
+                                   cuda_graphs=not args.no_cuda_graphs, speculative=speculative)
     configure_process(args.threads)
     params = SamplingParams.from_options(_options(args))
     path = resolve_or_pull(args.model)

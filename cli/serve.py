@@ -89,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
                             threads=args.threads, num_blocks=args.num_blocks,
                             kv_dtype=args.kv_dtype, local_chunk_size=args.local_chunk_size,
+                            speculative=args.speculative,
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
                             coordinator_args=("--grpc-port", str(args.grpc_port)),

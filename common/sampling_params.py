@@ -35,6 +35,10 @@ arithmetic overflow, and every integer fits the worker protocol's fields):
 - logit_bias (OpenAI's): at most MAX_LOGIT_BIAS token ids, each bias in -100..100, added to the
   logits before the penalties; whether each id is in the vocabulary is Coordinator.prepare's
   check (it knows the model).
+- speculative: true or false (a tandem extension, in Ollama's `options` and as an OpenAI
+  body field): false opts the request out of speculative decoding on a worker started with
+  `--speculative`; greedy output is the same either way, sampled output has the same
+  distribution.
 - stop_token_ids (vLLM's): at most MAX_STOP_TOKEN_IDS ids, added to the model's stop tokens;
   ignore_eos (vLLM's): the model's end-of-text tokens do not stop the request. Both decide the
   stop set that the coordinator sends (coordinator/service.py prepare); workers never see them.
@@ -161,6 +165,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens, sorted
     ignore_eos: bool = False  # the model's own stop tokens do not stop the request
+    # False: this request never speculates, even on a worker started with --speculative
+    # (engine/speculative.py). Greedy answers are the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -304,6 +311,12 @@ def _to_float(name: str, value: Any) -> float:
     return result
 
 
+def _to_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"option {name!r} must be true or false, got {_show(value)}")
+    return value
+
+
 def _to_stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -362,7 +375,7 @@ def _token_id(name: str, value: Any) -> int:
 
 
 _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
-    "int": _to_int, "float": _to_float, "stop": _to_stop}
+    "int": _to_int, "float": _to_float, "stop": _to_stop, "bool": _to_bool}
 
 
 def _kind(annotation: str) -> str:
@@ -370,6 +383,8 @@ def _kind(annotation: str) -> str:
         return "int"
     if annotation == "float":
         return "float"
+    if annotation == "bool":
+        return "bool"
     return "stop"
 
 

@@ -14,7 +14,8 @@ _INT_FIELDS = ("top_k", "repeat_last_n", "num_predict", "min_tokens")
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     msg = pb.SamplingOptions(**{f: getattr(params, f) for f in _FLOAT_FIELDS + _INT_FIELDS},
-                             num_ctx=params.num_ctx or 0, logit_bias=dict(params.logit_bias))
+                             num_ctx=params.num_ctx or 0, logit_bias=dict(params.logit_bias),
+                             no_speculation=not params.speculative)
     if params.seed is not None:
         msg.seed = params.seed
     if params.grammar is not None:
@@ -34,6 +35,7 @@ def sampling_from_proto(msg: pb.SamplingOptions) -> SamplingParams:
     return SamplingParams(**values, seed=msg.seed if msg.HasField("seed") else None,
                           num_ctx=msg.num_ctx or None, grammar=grammar,
                           logit_bias=tuple(msg.logit_bias.items()),
+                          speculative=not msg.no_speculation,
                           logprobs=msg.logprobs if msg.HasField("logprobs") else None,
                           prompt_logprobs=(msg.prompt_logprobs if msg.HasField("prompt_logprobs")
                                            else None))

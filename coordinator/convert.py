@@ -41,6 +41,25 @@ class KVCounters:
     auth_rejected: int = 0  # KV frames/handshakes refused for want of the cluster secret
 
 
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """A worker's speculative decoding counters since it started (WorkerStatus.spec_decode)."""
+
+    num_steps: int = 0  # verifications: a request's pass that carried a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted + the target's own token, per verification
+
+
+def spec_from_status(status: pb.WorkerStatus) -> SpecDecodeCounters | None:
+    """None when the worker does not speculate."""
+    if not status.HasField("spec_decode"):
+        return None
+    s = status.spec_decode
+    return SpecDecodeCounters(s.num_steps, s.num_draft_tokens, s.num_accepted_tokens,
+                              s.num_emitted_tokens)
+
+
 def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
     return WorkerLoad(
         num_blocks=status.num_blocks,

@@ -325,6 +325,15 @@ class _RelayedCounters:
                          "KV blocks not moved because the receiver had them cached", kv_labels)
         rejected = family("tandem_worker_kv_auth_rejected", "KV frames and handshakes the "
                           "worker refused for want of the cluster secret", kv_labels)
+        # vLLM's names (vllm:spec_decode_*_total), per worker.
+        spec_labels = ["worker", "role"]
+        accepted = family("vllm:spec_decode_num_accepted_tokens",
+                          "Draft tokens the target model accepted", spec_labels)
+        drafted = family("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", spec_labels)
+        drafts = family("vllm:spec_decode_num_drafts", "Verification passes of a request with "
+                        "a draft", spec_labels)
+        emitted = family("tandem_spec_decode_num_emitted_tokens", "Tokens the verification "
+                         "passes emitted (accepted drafts + the target's own token)", spec_labels)
         calls = family("tandem_grpc_refused_calls", "Internal gRPC calls refused for want of a "
                        "valid cluster proof", ["process", "method", "reason"])
         for (method, reason), count in self.refused.items():
@@ -339,6 +348,12 @@ class _RelayedCounters:
                 seconds.add_metric(labels, w.kv.transfer_seconds)
                 skipped.add_metric(labels, w.kv.skipped_blocks)
                 rejected.add_metric(labels, w.kv.auth_rejected)
+            if w.spec is not None:
+                accepted.add_metric([w.worker_id, w.role], w.spec.num_accepted_tokens)
+                drafted.add_metric([w.worker_id, w.role], w.spec.num_draft_tokens)
+                drafts.add_metric([w.worker_id, w.role], w.spec.num_steps)
+                emitted.add_metric([w.worker_id, w.role], w.spec.num_emitted_tokens)
             for (method, reason), count in w.refused.items():
                 calls.add_metric([w.worker_id, method, reason], count)
-        yield from (sent, received, transfers, seconds, skipped, rejected, calls)
+        yield from (sent, received, transfers, seconds, skipped, rejected, accepted, drafted,
+                    drafts, emitted, calls)

@@ -51,7 +51,8 @@ import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import (
-    KVCounters, WorkerLoad, kv_from_status, load_from_status, refused_from_status,
+    KVCounters, SpecDecodeCounters, WorkerLoad, kv_from_status, load_from_status,
+    refused_from_status, spec_from_status,
 )
 from common.cluster_auth import PROOF_HEADER, REGISTER_METHOD, REGISTER_REPLY, request_bytes
 from common.rpc import worker_pb2 as pb
@@ -95,6 +96,7 @@ class WorkerRecord:
     assigned_prefill_tokens: int = 0
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
+    spec: SpecDecodeCounters | None = None  # its speculative decoding counters, as last reported
     # Internal calls it refused, (method, reason) -> count, as last reported.
     refused: dict[tuple[str, str], int] = field(default_factory=dict)
     resident: bool = True  # it holds the model's weights, as last reported (keep_alive)
@@ -125,6 +127,7 @@ class WorkerRecord:
             "assigned_requests": self.assigned_requests,
             "assigned_prefill_tokens": self.assigned_prefill_tokens, "resident": self.resident,
             "kv": asdict(self.kv) if self.kv is not None else None,
+            "spec_decode": asdict(self.spec) if self.spec is not None else None,
         }
 
 
@@ -215,6 +218,7 @@ class WorkerRegistry:
             kv_layout_fingerprint=info.kv_layout_fingerprint, channel=channel,
             load=load_from_status(info.status), last_heartbeat=self.responsive_now(),
             registrations=old.registrations + 1 if old else 1, kv=kv_from_status(info.status),
+            spec=spec_from_status(info.status),
             refused=refused_from_status(info.status),
             resident=not info.status.unloaded, identity=identity,
         )
@@ -237,6 +241,7 @@ class WorkerRegistry:
         if request.HasField("status"):
             record.load = load_from_status(request.status)
             record.kv = kv_from_status(request.status)
+            record.spec = spec_from_status(request.status)
             record.refused = refused_from_status(request.status)
             record.resident = not request.status.unloaded
         self._notify()
@@ -332,6 +337,7 @@ class WorkerRegistry:
             record.last_heartbeat = self.responsive_now()
             record.load = load_from_status(status)
             record.kv = kv_from_status(status)
+            record.spec = spec_from_status(status)
             record.refused = refused_from_status(status)
             self.probes_answered += 1
             self._notify()

@@ -50,6 +50,7 @@ class Options(_Body):
     num_batch: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     num_thread: int | None = Count
     min_tokens: int | None = Count  # tandem's extension (vLLM's name)
+    speculative: bool | None = None  # tandem's: false opts out of speculative decoding
 
 
 KeepAlive = Union[str, float, None]  # a Go duration ("5m"), or seconds; 0 unloads
@@ -230,6 +231,7 @@ class _OpenAIGeneration(_Body):
     # vLLM's extras (common/sampling_params.py)
     min_tokens: int | None = Count
     ignore_eos: bool | None = None
+    speculative: bool | None = None  # tandem's: false opts out of speculative decoding
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # vLLM's structured output; one grammar source per request, response_format included
     structured_outputs: StructuredOutputs | None = None

@@ -37,7 +37,7 @@ by name, is live.
 
 Engine flags, each to the processes that use it (None leaves that process's own default):
 prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
-format), both to a colocated worker; threads and num_blocks to every worker; kv_dtype to every
+format), both to a colocated worker; speculative to decode and colocated workers only; threads and num_blocks to every worker; kv_dtype to every
 worker, always (prefill and decode must agree on it: one value for the whole topology);
 device (and --no-cuda-graphs when cuda_graphs is False) to every worker, always;
 chunk_size (the per-pass token budget) to every worker as --max-batched-tokens and to the
@@ -71,6 +71,7 @@ from pathlib import Path
 
 from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig
 from engine.device import DEFAULT_DEVICE, check_device_spec
+from engine.speculative_config import parse_speculative
 from common.errors import TandemError
 from common.lifeline import Lifeline, death_signal
 from common.shm_segments import reclaim_orphans
@@ -105,6 +106,7 @@ class Topology:
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
     kv_dtype: str = CacheConfig.kv_dtype  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
+    speculative: str | None = None  # --speculative of decode and colocated workers (None = off)
     device: str = DEFAULT_DEVICE  # every worker's --device (engine/device.py); each worker resolves it
     cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
@@ -164,6 +166,7 @@ class Topology:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_device_spec(self.device)
+        parse_speculative(self.speculative)  # ValueError naming what is wrong
         if self.api_key is not None and not (self.api_key and all(
                 "!" <= c <= "~" for c in self.api_key)):  # as coordinator/config.py checks it
             raise ValueError("the API key must be a non-empty string of visible ASCII "
@@ -197,10 +200,13 @@ class Topology:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
         flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype,
                  "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
+        # Speculation is decoding's: prefill workers never get --speculative.
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
-                  "decode": [("--decode-quant", self.decode_quant)],
+                  "decode": [("--decode-quant", self.decode_quant),
+                             ("--speculative", self.speculative)],
                   "colocated": [("--prefill-quant", self.prefill_quant),
-                                ("--decode-quant", self.decode_quant)]}[role]
+                                ("--decode-quant", self.decode_quant),
+                                ("--speculative", self.speculative)]}[role]
         for flag, value in quants + [("--threads", self.threads), ("--num-blocks", self.num_blocks)]:
             if value is not None:
                 flags += [flag, str(value)]

@@ -189,15 +189,19 @@ class BlockManager:
         self._roots.pop(owner, None)
         if table is None:
             return
-        # Tail first: a table's later blocks then become least recently freed, so they are
-        # evicted before the prefix blocks they depend on (a tail is useless without its head).
-        for block in reversed(table):
-            self._refcount[block] -= 1
-            if self._refcount[block] == 0:
-                if block in self._block_to_hash:
-                    self._free_cached[block] = None
-                else:
-                    self._free_plain[block] = None
+        self._release(table)
+
+    def trim(self, owner: str, num_tokens: int) -> list[int]:
+        """Shrink the owner's table to the blocks that `num_tokens` slots need, freeing the
+        tail: a speculative step's blocks allocated for draft tokens that were rejected.
+        Returns the freed block ids. Committed (registered) blocks are never trimmed: their
+        tokens are part of the sequence. KeyError for an unknown owner."""
+        table = self._tables[owner]
+        keep = max(self._blocks_for(num_tokens), len(self._hashes[owner]))
+        freed = table[keep:]
+        del table[keep:]
+        self._release(freed)
+        return freed
 
     def reset_prefix_cache(self) -> None:
         """Forget every registration (e.g. after new weights are loaded). Blocks in use keep
@@ -260,6 +264,18 @@ class BlockManager:
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks` (a table or its tail)."""
+        # Tail first: a table's later blocks then become least recently freed, so they are
+        # evicted before the prefix blocks they depend on (a tail is useless without its head).
+        for block in reversed(blocks):
+            self._refcount[block] -= 1
+            if self._refcount[block] == 0:
+                if block in self._block_to_hash:
+                    self._free_cached[block] = None
+                else:
+                    self._free_plain[block] = None
 
     def _take(self, block: int) -> None:
         """Add a reference to a registered block, pulling it off the free list if idle."""

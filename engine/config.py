@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig, positive
 from engine.device import check_device_spec
+from engine.speculative_config import SpeculativeConfig
 
 # Element types of the paged KV cache. The attention kernels read either (queries stay fp32);
 # bf16 halves the cache and the bytes of every KV transfer. Prefill and decode workers that
@@ -113,6 +114,9 @@ class EngineConfig:
     # there (CUDA only, engine/cuda_graphs.py).
     device: str = "cpu"
     cuda_graphs: bool = True
+    # Speculative decoding (engine/speculative_config.py); None = off. Decode and colocated
+    # engines only: a prefill engine samples one token per request, nothing to speculate on.
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def for_role(cls, role: str, decode_format: str, prefill_format: str | None = None,
@@ -133,6 +137,9 @@ class EngineConfig:
         if self.prefill_weight_format is not None and self.role != "colocated":
             raise ValueError(f"prefill_weight_format is for colocated engines only: a {self.role} "
                              f"engine runs every pass in weight_format")
+        if self.speculative is not None and self.role == "prefill":
+            raise ValueError("speculative decoding is for decode and colocated engines; a "
+                             "prefill engine samples only each request's first token")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

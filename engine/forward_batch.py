@@ -10,7 +10,8 @@ prefill chunks any number):
     seq_lens      [B]    context length after this pass (cached prefix + new tokens)
     block_tables  [B, M] each sequence's block ids, padded with 0 (never read past seq_lens)
     logits_indices[S]    rows whose hidden state becomes logits (last token of sequences
-                         that sample in this pass)
+                         that sample in this pass; a speculative verification's last token
+                         and each of its draft tokens)
     has_decode           whether any sequence is in its decode phase (feeds back a generated
                          token) rather than a prompt chunk; a colocated model holding two
                          weight formats picks its copy by it (engine/models/llama.py)

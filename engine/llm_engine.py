@@ -35,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class LLMEngine:
         # an engine that never does (colocated, `tandem run`).
         self.connector: KVConnector | None = None
         self.sampler = Sampler()
+        # Speculative decoding (engine/speculative.py), when the config asks for it.
+        self.speculator: SpeculativeDecoder | None = (
+            SpeculativeDecoder(config.speculative, self.sampler)
+            if config.speculative is not None else None)
         # Structured output (engine/grammar.py): llguidance's vocabulary is built at the first
         # grammar request, from `tokenizer` or else from tokenizer_path (workers load none).
         self.grammars = GrammarBackend(config.model.vocab_size, tokenizer, tokenizer_path)
@@ -305,8 +310,19 @@ class LLMEngine:
         """Ends a request in any state; its blocks are freed now or, if a transfer may still
         touch them, once the connector reports them released."""
         self.scheduler.finish_request(request_id, status)
-        self._generators.pop(request_id, None)
+        self._forget(request_id)
         self._pooled.pop(request_id, None)
+
+    def _forget(self, request_id: str) -> None:
+        """Drops a finished request's per-request sampling state."""
+        self._generators.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters; None when this engine does not speculate."""
+        return self.speculator.stats if self.speculator is not None else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -322,15 +338,20 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self.connector is not None:
             outputs.extend(self._apply_transfers(self.connector.get_finished()))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.last_step_ran = not plan.is_empty
         if plan.is_empty:
             return outputs
         # A chunk at or past the first generated token is a decode (ForwardBatch.has_decode);
         # a prompt chunk (first prefill, or a recompute after preemption from inside the
-        # prompt) is not.
-        chunks = [SequenceChunk(c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
+        # prompt) is not. A chunk with drafts computes them after its token, with a logit row
+        # for each (engine/speculative.py).
+        chunks = [SequenceChunk([*c.request.token_ids[c.start_pos:c.start_pos + c.num_tokens],
+                                 *c.draft_token_ids],
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
+                                num_logits=1 + len(c.draft_token_ids),
                                 is_decode=c.start_pos >= c.request.num_prompt_tokens,
                                 prompt_logits=_prompt_logit_rows(c.request, c.start_pos, c.num_tokens),
                                 pool_hidden=c.request.pooling)
@@ -343,25 +364,37 @@ class LLMEngine:
         for index, total in (pooled or {}).items():
             request_id = plan.chunks[index].request_id
             self._pooled[request_id] = self._pooled.get(request_id, 0) + total
-        sampling = [c.request for c in plan.chunks if c.samples]
-        if logits.shape[0] > len(sampling):  # prompt logprob rows follow the sampling rows
-            self._add_prompt_logprobs(plan.chunks, chunks, logits[len(sampling):])
-            logits = logits[:len(sampling)]
+        sampling_chunks = [c for c in plan.chunks if c.samples]
+        num_rows = sum(1 + len(c.draft_token_ids) for c in sampling_chunks)
+        if logits.shape[0] > num_rows:  # prompt logprob rows follow the sampling rows
+            self._add_prompt_logprobs(plan.chunks, chunks, logits[num_rows:])
+            logits = logits[:num_rows]
+        logits, runs, spec_failed = self._verify_drafts(sampling_chunks, logits)
+        sampling = [c.request for c in sampling_chunks if not c.draft_token_ids]
         sampled, failed = self._sample(sampling, logits)
+        failed.update(spec_failed)
         logprobs = self._logprobs(sampling, logits, sampled)
-        ended = self.scheduler.update_from_output(plan, sampled)
+        lengths = {c.request_id: c.request.num_tokens for c in sampling_chunks}
+        ended = self.scheduler.update_from_output(plan, {**sampled, **runs})
         finished = {r.request_id for r in ended}
         outputs.extend(self._embedding(r) for r in ended if r.pooling)
         by_id = {c.request_id: c.request for c in plan.chunks}
-        for request_id, token in sampled.items():
+        for request_id, token in [*sampled.items(), *runs.items()]:
             done = request_id in finished
             if done:
-                self._generators.pop(request_id, None)
+                self._forget(request_id)
             request = by_id[request_id]
+            if request_id in runs:
+                # What update_from_output appended: the run up to a stop. (A request aborted
+                # while the pass ran has no run: _verify_drafts skips it.)
+                new_tokens = request.token_ids[lengths[request_id]:]
+                self.speculator.record_emitted(len(new_tokens))
+            else:
+                new_tokens = [token]
             entry = logprobs.get(request_id)
             prompt = (request.prompt_logprobs if request.sampling_params.prompt_logprobs is not None
                       and request.num_output_tokens == 1 else None)
-            outputs.append(StepOutput(request_id, [token], done, request.status, request.num_cached_tokens,
+            outputs.append(StepOutput(request_id, new_tokens, done, request.status, request.num_cached_tokens,
                                       logprobs=None if entry is None else [entry],
                                       prompt_logprobs=prompt))
         for request_id, reason in failed.items():
@@ -372,6 +405,43 @@ class LLMEngine:
             outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
                                       by_id[request_id].num_cached_tokens, error=reason))
         return outputs
+
+    def _verify_drafts(self, chunks: list, logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, dict[str, list[int]], dict[str, str]]:
+        """Splits the sampling rows (in chunk order, 1 + drafts rows per chunk): returns the
+        rows of chunks without drafts, each drafted request's verified run, and the drafted
+        requests that got no token (their first row had no valid distribution)."""
+        if not any(c.draft_token_ids for c in chunks):
+            return logits, {}, {}
+        plain, runs, failed = [], {}, {}
+        row = 0
+        for c in chunks:
+            width = 1 + len(c.draft_token_ids)
+            if not c.draft_token_ids:
+                plain.append(row)
+            elif c.request_id not in self.scheduler.requests:
+                pass  # aborted while the pass ran: nothing to verify, its blocks are free
+            else:
+                request = c.request
+                seed = request.sampling_params.seed
+                generators = (seeded_row_generators(seed, request.num_tokens) if seed is not None
+                              else lambda i, g=self._generators[request.request_id]: g)
+                try:
+                    run = self.speculator.verify(request, c.draft_token_ids,
+                                                 logits[row:row + width], generators)
+                except Exception as exc:  # noqa: BLE001 - this request ends with the error
+                    log.exception("verifying the draft of %s failed", request.request_id)
+                    run, why = [], f"sampling failed: {type(exc).__name__}: {exc}"
+                else:
+                    why = ("sampling failed: this request's options leave no finite "
+                           "probabilities to draw from (check temperature and the penalties)")
+                if run:
+                    runs[request.request_id] = run
+                else:
+                    failed[request.request_id] = why
+            row += width
+        index = torch.tensor(plain, dtype=torch.int64, device=logits.device)
+        return logits[index], runs, failed
 
     def _embedding(self, request: Request) -> StepOutput:
         """The finish of an embedding request whose whole prompt is computed."""

@@ -34,6 +34,9 @@ class SequenceChunk:
     start_pos: int  # position of token_ids[0]; tokens before it are already cached
     block_table: Sequence[int]  # covers start_pos + len(token_ids) slots
     needs_logits: bool  # True when this pass reaches the sequence's last token
+    # With needs_logits: how many trailing tokens' rows become logits. 1 but for a speculative
+    # verification (engine/speculative.py): the last real token and each draft token.
+    num_logits: int = 1
     # The sequence is past its prompt (feeds back a generated token): set by the engine.
     # None: unknown, a one-token chunk counts as a decode.
     is_decode: bool | None = None
@@ -99,7 +102,9 @@ class ModelRunner:
             seq_lens.append(end)
             tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
             if c.needs_logits:
-                logits_indices.append(cu[-1] - 1)
+                if not 1 <= c.num_logits <= n:
+                    raise ValueError(f"num_logits {c.num_logits} must be in 1..{n}, the chunk's tokens")
+                logits_indices.extend(range(cu[-1] - c.num_logits, cu[-1]))
             prompt_indices.extend(cu[-2] + i for i in c.prompt_logits)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -116,8 +121,8 @@ class ModelRunner:
     def execute(self, chunks: Sequence[SequenceChunk],
                 on_layer_done: Callable[[int], None] | None = None,
                 pooled: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Runs one forward pass; returns fp32 logits [number of chunks needing logits, vocab],
-        in chunk order, followed by the rows of every chunk's prompt_logits, in chunk order
+        """Runs one forward pass; returns fp32 logits [sum of num_logits over the chunks needing
+        logits, vocab], in chunk order (a chunk's rows in token order), followed by the rows of every chunk's prompt_logits, in chunk order
         (none unless a chunk asks). `pooled`, when given, receives chunk index -> the fp64 sum
         of that chunk's final hidden states [hidden], for every chunk with pool_hidden."""
         if (self.graphs is not None and on_layer_done is None and pooled is None and self.graphs.accepts(

@@ -88,6 +88,10 @@ class Request:
     # The prefix-cache tenant (common/block_hash.py): the request reuses and registers only
     # blocks of the same salt. b"": the shared cache.
     cache_salt: bytes = b""
+    # Speculative decoding (engine/speculative.py): tokens proposed to follow token_ids, set
+    # by the engine before a step and consumed by that step's schedule; never part of
+    # token_ids until the target model accepts them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

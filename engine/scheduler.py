@@ -22,6 +22,7 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -144,10 +145,20 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _chunk(request: Request, n: int) -> ScheduledChunk:
+    def _chunk(request: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(request, start, n,
-                              samples=start + n == request.num_tokens and not request.pooling)
+                              samples=start + n == request.num_tokens and not request.pooling,
+                              draft_token_ids=draft)
+
+    @staticmethod
+    def _draft_for(request: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The request's draft tokens for this pass, consumed (a draft is proposed for one
+        schedule only): only behind its last token, and cut to the budget left after n."""
+        draft, request.draft_token_ids = request.draft_token_ids, []
+        if not draft or request.num_computed_tokens + n != request.num_tokens:
+            return ()
+        return tuple(draft[:max(0, budget - n)])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -163,10 +174,17 @@ class Scheduler:
 
         # 1. Running requests, oldest first. The victim of a preemption is the newest running
         #    request that is not yet scheduled in this pass (possibly the request itself).
+        #    A request with draft tokens (speculative decoding) costs 1 + its drafts, which
+        #    are cut to the budget left and dropped first when the pool is short: they are
+        #    optional, preempting another request for them is not.
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             n = min(request.num_tokens - request.num_computed_tokens, self._chunk_limit(budget, request))
+            draft = self._draft_for(request, n, budget)
+            if draft and bm.allocate(request.request_id, request.token_ids,
+                                     request.num_computed_tokens + n + len(draft)) is None:
+                draft = ()
             while bm.allocate(request.request_id, request.token_ids,
                               request.num_computed_tokens + n) is None:
                 victim = self.running[-1]
@@ -175,8 +193,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.chunks.append(self._chunk(request, n))
-                budget -= n
+                out.chunks.append(self._chunk(request, n, draft))
+                budget -= n + len(draft)
                 idx += 1
                 continue
             break  # the request preempted itself: nothing smaller is left to evict
@@ -236,16 +254,30 @@ class Scheduler:
         self.connector.update_state_after_alloc(request, alloc.block_ids, alloc.num_cached_tokens)
         return True
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
         """Applies a finished pass: advances computed counts, registers full blocks in the
         prefix cache, appends sampled tokens, and finishes requests that hit a stop.
-        Returns the requests finished by this update."""
+        Returns the requests finished by this update.
+
+        sampled: request id -> its new token, or for a chunk with drafts its verified run
+        (engine/rejection_sampler.py): the accepted drafts, then the target's own token.
+        A run's tokens are appended one by one with the stop checked after each, so a stop
+        inside an accepted run ends the request there and the rest is dropped. The KV of
+        rejected drafts is rolled back: the computed count covers the accepted ones only,
+        and blocks allocated only for the rejected tail are freed."""
         finished: list[Request] = []
         for chunk in out.chunks:
             request = chunk.request
             if request.request_id not in self.requests:
                 continue  # aborted while the pass ran; its blocks are already free
-            request.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+            token = sampled.get(request.request_id)
+            run = [token] if isinstance(token, int) else list(token or ())
+            accepted = max(0, len(run) - 1) if chunk.draft_token_ids else 0
+            if list(chunk.draft_token_ids[:accepted]) != run[:accepted]:
+                raise RuntimeError(f"request {request.request_id!r}: the run {run} does not "
+                                   f"start with its draft {list(chunk.draft_token_ids)}")
+            request.num_computed_tokens = chunk.start_pos + chunk.num_tokens + accepted
             if not request.pooling:  # an embedding input never enters the shared prefix cache
                 self.block_manager.commit(request.request_id, request.token_ids,
                                           request.num_computed_tokens)
@@ -253,12 +285,17 @@ class Scheduler:
                 self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
                 continue
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token)
-            status = request.check_stop()
+            status = None
+            for token in run:
+                request.append_token(token)
+                status = request.check_stop()
+                if status is not None:
+                    break
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
+            elif chunk.draft_token_ids:
+                # The next pass writes the last token's slot, num_tokens - 1: keep the blocks
+                # up to it, free the rest (allocated for drafts that were rejected).
+                self.block_manager.trim(request.request_id, request.num_tokens)
         return finished

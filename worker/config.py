@@ -76,8 +76,14 @@ class WorkerConfig:
         from common.cluster_auth import auth_from_args
         from engine.device import resolve_device
 
+        from engine.speculative_config import parse_speculative
+
         auth = auth_from_args(args)
         device = str(resolve_device(args.device).torch_device)
+        speculative = parse_speculative(args.speculative)  # checked on every role
+        if args.role == "prefill":
+            speculative = None  # nothing to speculate on: the flag is the decode workers'
+
         engine = EngineConfig.for_role(
             args.role, args.decode_quant, args.prefill_quant,
             cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -86,7 +92,7 @@ class WorkerConfig:
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
                                       max_num_seqs=args.max_num_seqs,
                                       long_prefill_token_threshold=args.max_chunk_tokens),
-            device=device, cuda_graphs=not args.no_cuda_graphs)
+            device=device, cuda_graphs=not args.no_cuda_graphs, speculative=speculative)
         return cls(model=args.model, port=args.port, role=args.role, engine=engine,
                    host=args.host, advertise_host=args.advertise_host,
                    coordinator=args.coordinator, coordinator_retry_s=args.coordinator_retry,

@@ -34,13 +34,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from common.sampling_params import SamplingParams
 from engine.grammar import GrammarError
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request_grammar import RequestGrammar
+from engine.speculative import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class LoadSnapshot:
     cached_hashes: tuple[bytes, ...] = ()  # the prefix cache's block hashes (routing)
     resident: bool = True  # the engine holds its weights (LLMEngine.resident)
     hashes_at: float = 0.0  # time.monotonic() of the cached_hashes copy
+    # Speculative decoding's counters (SpecDecodeStats, copied), None when the engine does not
+    # speculate.
+    spec_decode: SpecDecodeStats | None = None
 
     @classmethod
     def of(cls, engine: LLMEngine, previous: "LoadSnapshot | None" = None) -> "LoadSnapshot":
@@ -75,8 +79,10 @@ class LoadSnapshot:
             version, hashes, at = previous.cache_version, previous.cached_hashes, previous.hashes_at
         else:
             version, hashes, at = bm.cache_version, tuple(bm.cached_hashes()), now
+        spec = engine.spec_stats
         return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued,
-                   version, hashes, engine.resident, at)
+                   version, hashes, engine.resident, at,
+                   None if spec is None else replace(spec))
 
 
 class EngineLoop:

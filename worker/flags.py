@@ -2,7 +2,8 @@
 with its default taken from one place (worker/config.py, engine/config.py). Torch-free at
 import: the CLI and deploy/local.py read it.
 
-    add_engine_flags     --prefill-quant --decode-quant --kv-dtype --device --no-cuda-graphs
+    add_engine_flags     --prefill-quant --decode-quant --kv-dtype --speculative --device
+                         --no-cuda-graphs
     add_worker_flags     --threads --num-blocks      (serve: per worker; worker: its own)
     add_kv_backend_flag  --kv-backend
     worker_arg_parser    a worker's whole command line (prefill_node, decode_node)
@@ -22,6 +23,7 @@ from engine.config import (
     DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig, SchedulerConfig,
 )
 from engine.device import add_device_flags
+from engine.speculative_config import SPECULATIVE_HELP
 from worker.config import (
     DEFAULT_DECODE_QUANT, DEFAULT_PREFILL_QUANT, DEFAULT_TOKEN_BUDGET, KV_BACKENDS, WorkerConfig,
 )
@@ -38,6 +40,10 @@ _QUANT_HELP = {
                "weight format of decode workers, every pass (and of a colocated worker's passes "
                "with decode tokens)"),
 }
+# Speculation runs where tokens are decoded: a prefill worker takes the flag (one flag list
+# goes to every worker of a topology) and ignores it.
+_SPECULATIVE_WHERE = {"run": "", "serve": " (passed to decode and colocated workers only)",
+                      "worker": " (a prefill worker ignores it)"}
 _KV_DTYPE_WHERE = {"run": "of this process's engine",
                    "serve": "of every worker (prefill and decode must agree)",
                    "worker": "of this worker (its KV peers must agree)"}
@@ -55,6 +61,8 @@ def add_engine_flags(p: argparse.ArgumentParser, scope: str) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=CacheConfig.kv_dtype,
                    help=f"element type of the KV cache {_KV_DTYPE_WHERE[scope]}; bf16 halves the "
                         f"cache and the KV transfers (default {CacheConfig.kv_dtype})")
+    p.add_argument("--speculative", default=None, metavar="ngram:k=N",
+                   help=f"{SPECULATIVE_HELP}{_SPECULATIVE_WHERE[scope]}")
     add_device_flags(p)
 
 

@@ -82,6 +82,11 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv,
         unloaded=not snap.resident,
+        spec_decode=None if snap.spec_decode is None else pb.SpecDecodeCounters(
+            num_steps=snap.spec_decode.num_steps,
+            num_draft_tokens=snap.spec_decode.num_draft_tokens,
+            num_accepted_tokens=snap.spec_decode.num_accepted_tokens,
+            num_emitted_tokens=snap.spec_decode.num_emitted_tokens),
         refused_calls=[pb.RefusedCalls(method=method, reason=reason, count=count)
                        for (method, reason), count in sorted(
                            (refused.refused.snapshot() if refused else {}).items())])

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "num_ctx", "grammar_kind", "grammar", "logprobs", "prompt_logprobs", "min_tokens", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "num_ctx", "grammar_kind", "grammar", "logprobs", "prompt_logprobs", "min_tokens", "logit_bias", "no_speculation")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SamplingOptions(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -51,7 +52,8 @@ class SamplingOptions(_message.Message):
     prompt_logprobs: int
     min_tokens: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., num_ctx: _Optional[int] = ..., grammar_kind: _Optional[str] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    no_speculation: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., num_ctx: _Optional[int] = ..., grammar_kind: _Optional[str] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -170,7 +172,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded", "refused_calls")
+    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded", "refused_calls", "spec_decode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class WorkerStatus(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     UNLOADED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -197,7 +200,20 @@ class WorkerStatus(_message.Message):
     kv: KVTransferCounters
     unloaded: bool
     refused_calls: _containers.RepeatedCompositeFieldContainer[RefusedCalls]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ..., refused_calls: _Optional[_Iterable[_Union[RefusedCalls, _Mapping]]] = ...) -> None: ...
+    spec_decode: SpecDecodeCounters
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ..., refused_calls: _Optional[_Iterable[_Union[RefusedCalls, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeCounters, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeCounters(_message.Message):
+    __slots__ = ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ...) -> None: ...
 
 class RefusedCalls(_message.Message):
     __slots__ = ("method", "reason", "count")

@@ -256,3 +256,15 @@ def test_token_controls_out_of_range_are_refused_by_name(values, message):
     with pytest.raises(InvalidOptionError) as info:
         SamplingParams(**values)
     assert message in str(info.value)
+
+
+def test_speculative_opt_out_is_a_checked_option_that_travels_on_the_wire():
+    from common.wire import sampling_from_proto, sampling_to_proto
+
+    assert SamplingParams().speculative is True
+    off = SamplingParams.from_options({"speculative": False, "temperature": 0})
+    assert off.speculative is False
+    assert sampling_from_proto(sampling_to_proto(off)) == off
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).speculative is True
+    with pytest.raises(InvalidOptionError, match="'speculative' must be true or false"):
+        SamplingParams.from_options({"speculative": "no"})

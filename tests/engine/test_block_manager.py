@@ -351,3 +351,23 @@ def test_tenants_share_blocks_only_within_their_salt():
         bm.free(owner)
     assert bm.num_free_blocks == 16
     bm.check_invariants()
+
+
+def test_trim_frees_the_tail_but_never_committed_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = tokens(9)
+    bm.allocate("r1", prompt, 9)
+    bm.commit("r1", prompt, 8)  # two full blocks registered
+    grown = bm.allocate("r1", prompt, 20)  # room for a speculative step's drafts
+    assert len(grown.block_ids) == 5
+    freed = bm.trim("r1", 10)  # only 10 slots needed after verification
+    assert freed == grown.block_ids[3:] and bm.block_table("r1") == grown.block_ids[:3]
+    assert bm.num_free_blocks == 5
+    assert bm.trim("r1", 1) == [grown.block_ids[2]]  # the two committed blocks stay
+    assert bm.block_table("r1") == grown.block_ids[:2]
+    bm.check_invariants()
+    bm.free("r1")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+    with pytest.raises(KeyError):
+        bm.trim("gone", 4)
