@@ -23,6 +23,7 @@ from kernels.activation import silu_and_mul
 from kernels.linear import PackedLinear, linear, pack_linear
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary
+from worker.runtime import configure_process
 
 HIDDEN, INTER, KV, VOCAB, LAYERS, HEAD_DIM = 576, 1536, 192, 49152, 30, 64
 # (name, N = out_features, K = in_features, count per token)
@@ -143,10 +144,11 @@ def bench_elementwise(limits: dict[str, float], ms: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and native-kernel threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="smaller peak probes, decode M only")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)
     ms = [1, 8] if args.quick else [1, 8, 512]
     limits = machine_limits(args.quick)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")

@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_engine_flags(p, "run")
     p.add_argument("--threads", type=int, default=int(os.environ.get("TANDEM_THREADS", "1")),
-                   help="torch threads of the in-process engine (default $TANDEM_THREADS or 1)")
+                   help="threads of the in-process engine, torch's and the native kernels' "
+                        "(default $TANDEM_THREADS or 1)")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer")
     add_server_args(p)
     p.add_argument("--local", action="store_true",

@@ -102,7 +102,7 @@ class Topology:
     # Engine flags (None = the process's own default); see the module docstring for who gets which.
     prefill_quant: str | None = None  # weight format of prefill workers (and colocated prompt passes)
     decode_quant: str | None = None  # weight format of decode workers (and colocated decode passes)
-    threads: int | None = None  # torch threads per worker process
+    threads: int | None = None  # threads per worker process (torch and native kernels)
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
     kv_dtype: str = CacheConfig.kv_dtype  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker

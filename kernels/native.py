@@ -20,6 +20,10 @@ Cache: $TANDEM_HOME/native (default ~/.cache/tandem/native), one shared library 
 if its manifest's hash of its bytes still holds (kernels/native_cache.py). Several processes may
 build at once: each writes its own temporary file and renames it into place, so a reader never
 sees half a library.
+Threads: one persistent pool per loaded library (csrc/thread_pool.h), sized by `set_threads`,
+which worker/runtime.py `configure_process` calls with the process's --threads; 1 (the
+default) starts no thread. Results are bit-identical at every thread count.
+
 A machine without a C++ compiler, or whose loader refuses the library (noexec, SELinux), gets
 `NativeUnavailable` with the reason, logged once by `available()`; callers then fall back to
 the aten kernels (kernels/quant_int4.py, quant_int8.py).
@@ -43,14 +47,17 @@ import torch
 from kernels import native_cache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "rms_norm.cpp", "rotary_kv_write.cpp")
+SOURCES = ("int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "rms_norm.cpp", "rotary_kv_write.cpp",
+           "thread_pool.cpp")
+HEADERS = ("simd.h", "thread_pool.h")
+MAX_THREADS = 256  # thread_pool.cpp kMaxThreads
 LEVELS = ("default", "avx2", "avx512")
 LEVEL_FLAGS = {
     "default": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
-COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fvisibility=hidden"]
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fvisibility=hidden"]
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
@@ -62,7 +69,17 @@ _SIGNATURES = {
                                _ptr, _ptr, ctypes.c_int, _i64, _ptr],
     "tandem_paged_decode": [_ptr, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _i64,
                             _ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr, _i64],
+    "tandem_set_threads": [_i64],
+    "tandem_threads": [],
 }
+# tandem_set_threads' refusals (thread_pool.cpp)
+_SET_THREADS_ERRORS = {
+    1: f"is outside 1..{MAX_THREADS}",
+    2: "was asked from inside a native kernel",
+    3: "could not be started (the system refused a thread; the pool stays at 1)",
+}
+_threads = 1  # what set_threads asked for; applied to every library as it loads
+_loaded: dict[str, ctypes.CDLL] = {}
 
 
 class NativeUnavailable(RuntimeError):
@@ -96,7 +113,7 @@ def _build(level: str) -> Path:
         else COMMON_FLAGS
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for name in (*SOURCES, "simd.h"):
+    for name in (*SOURCES, *HEADERS):
         digest.update((CSRC / name).read_bytes())
     digest.update(" ".join([cxx, *flags, version]).encode())
     key = digest.hexdigest()
@@ -129,7 +146,39 @@ def library(level: str | None = None) -> ctypes.CDLL:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
     except (OSError, AttributeError) as e:
         raise NativeUnavailable(f"loading {path} failed: {e}") from None
+    if _threads != 1:
+        try:
+            _apply_threads(lib, _threads)
+        except RuntimeError as e:  # the kernels still work, serially
+            logging.getLogger("tandem.kernels").warning("%s; running the native kernels serially", e)
+    _loaded[level] = lib
     return lib
+
+
+def set_threads(n: int) -> None:
+    """Run the native kernels on n threads in all, the calling thread included (1, the
+    default: no extra thread, the serial code path). Applies to every library loaded now and
+    to each one loaded later; builds nothing. Results do not depend on n (csrc/thread_pool.h)."""
+    global _threads
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"native kernel threads must be an int in 1..{MAX_THREADS}, got {n!r}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"native kernel threads {n} {_SET_THREADS_ERRORS[1]}")
+    for lib in _loaded.values():
+        _apply_threads(lib, n)
+    _threads = n
+
+
+def threads() -> int:
+    """The native kernels' thread count, as set by set_threads."""
+    return _threads
+
+
+def _apply_threads(lib: ctypes.CDLL, n: int) -> None:
+    code = lib.tandem_set_threads(n)
+    if code != 0:
+        reason = _SET_THREADS_ERRORS.get(code, f"was refused (code {code})")
+        raise (ValueError if code == 1 else RuntimeError)(f"native kernel threads {n} {reason}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,7 @@ class WorkerConfig:
     kv_port: int = 0  # decode: the KV receiver's port (0 = any)
     kv_advertise: str | None = None  # decode: the KV endpoint peers dial, when not the bound one
     kv_deadline_s: float = 330.0  # decode: reservation to the last KV byte of a request
-    threads: int = 1  # torch threads of this process
+    threads: int = 1  # threads of this process: torch's and the native kernels' pool (worker/runtime.py)
     log_level: str = "INFO"
     cluster_auth: ClusterAuth | None = field(default=None, repr=False)  # None: no secret, no TLS
 

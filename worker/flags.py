@@ -69,7 +69,8 @@ def add_engine_flags(p: argparse.ArgumentParser, scope: str) -> None:
 def add_worker_flags(p: argparse.ArgumentParser, scope: str) -> None:
     each = " per worker process" if scope == "serve" else " of this process"
     p.add_argument("--threads", type=int, default=WorkerConfig.threads,
-                   help=f"torch threads{each} (default {WorkerConfig.threads})")
+                   help=f"threads{each}: torch's and the native kernels' pool (1: no extra thread; "
+                        f"default {WorkerConfig.threads})")
     default = "1 GB of KV per worker" if scope == "serve" else "as many as --kv-cache-gb holds"
     p.add_argument("--num-blocks", type=int,
                    help=f"KV pool size{' per worker' if scope == 'serve' else ''}, in blocks "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY, ClusterAuth, request_bytes
@@ -25,6 +26,7 @@ from worker.engine_loop import EngineLoop
 from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
 from engine.llm_engine import LLMEngine
+from kernels import native
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from worker.runtime import configure_process
@@ -49,9 +51,10 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
     configure_process(config.threads)
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)
-    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads, on %s%s", config.role,
-             "+".join(engine.model.formats), engine.config.cache.num_blocks,
-             engine.config.cache.kv_dtype, config.threads, engine.runner.device,
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads (torch %d, native kernels %d), "
+             "on %s%s", config.role, "+".join(engine.model.formats), engine.config.cache.num_blocks,
+             engine.config.cache.kv_dtype, config.threads, torch.get_num_threads(), native.threads(),
+             engine.runner.device,
              " (CUDA graphs)" if engine.runner.graphs is not None else "")
     return engine
 

@@ -4,6 +4,10 @@
   With more than one thread, OpenMP's spinning waits cost milliseconds per op on small
   machines unless OMP_WAIT_POLICY=PASSIVE is set before torch starts, so entry points that
   spawn workers set it in the child's environment (see `worker_env`).
+- Native kernel threads: the same count sizes the native kernels' own pool
+  (kernels/native.py `set_threads`; no OpenMP, idle threads sleep within ~50 us), so
+  `--threads 2` lets a decode worker's GEMVs and paged attention use a second core. 1 starts
+  no extra thread.
 - glibc malloc: large freed temporaries (attention scratch, GEMM outputs) are returned to the
   OS and page-faulted back on the next step, which can cost half of a CPU decode step. Raising
   the mmap and trim thresholds keeps them in the process. Applied with mallopt at run time, so
@@ -38,9 +42,12 @@ def keep_freed_memory() -> bool:
 def configure_process(threads: int = 1) -> None:
     import torch
 
+    from kernels import native
+
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
+    native.set_threads(threads)
     keep_freed_memory()
 
 

@@ -35,10 +35,12 @@
 //
 // Loop order: n outermost, so each weight row is read from memory once whatever M is (with a
 // software prefetch ahead of it); within a row, tiles of up to MB rows of x share each unpacked
-// group.
+// group. With more than one thread (thread_pool.h) each thread takes contiguous slices of N:
+// still one read of each weight row, and each output computed exactly as serially.
 #include <vector>
 
 #include "simd.h"
+#include "thread_pool.h"
 
 #define MB 8  // rows of x per tile: 8 accumulators + 2 weight vectors fit in 16 ymm
 #ifndef PREFETCH_BYTES
@@ -158,17 +160,15 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
     return s;
 }
 
-TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t ldx,
-                                  const uint8_t* qs, const uint16_t* d16, const uint16_t* m16,
-                                  int64_t n, const float* bias, float* y, int64_t ldy) {
-    if (k % 32) return 1;
+// Output rows [j0, j1) of y from the quantized activations: the serial kernel over a slice of N.
+static void int4_rows(const int16_t* xq, const float* dx, const float* sums, int64_t m, int64_t k,
+                      const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
+                      const float* bias, float* y, int64_t ldy, int64_t j0, int64_t j1) {
     const int64_t groups = k / 32, row_bytes = k / 2;
-    std::vector<int16_t> xq((size_t)(m * k));
-    std::vector<float> dx((size_t)m), sums((size_t)(m * groups)), d((size_t)groups), mn((size_t)groups);
-    quantize_rows(x, m, k, ldx, xq.data(), dx.data(), sums.data());
+    std::vector<float> d((size_t)groups), mn((size_t)groups);
     const char* end = (const char*)(qs + n * row_bytes);
     float out[MB];
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         const uint8_t* row = qs + j * row_bytes;
         // The hardware streamer alone kept one core at ~3 GB/s from memory here (measured).
         for (int64_t off = 0; off < row_bytes; off += 64)
@@ -178,7 +178,7 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
             const int64_t r = m - m0 < MB ? m - m0 : MB;
-            const int16_t* xr = xq.data() + m0 * k;
+            const int16_t* xr = xq + m0 * k;
             switch (r) {
                 case 1: row_tile<1>(row, d.data(), groups, xr, k, out); break;
                 case 2: row_tile<2>(row, d.data(), groups, xr, k, out); break;
@@ -187,12 +187,28 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
                 case 5: row_tile<5>(row, d.data(), groups, xr, k, out); break;
                 case 6: row_tile<6>(row, d.data(), groups, xr, k, out); break;
                 case 7: row_tile<7>(row, d.data(), groups, xr, k, out); break;
-                case 8: row_tile<8>(row, d.data(), groups, xr, k, out); break;
-                default: return 2;
+                default: row_tile<8>(row, d.data(), groups, xr, k, out); break;
             }
             for (int64_t i = 0; i < r; i++)
-                y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + dot_f32(mn.data(), sums.data() + (m0 + i) * groups, groups) + b;
+                y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + dot_f32(mn.data(), sums + (m0 + i) * groups, groups) + b;
         }
     }
+}
+
+TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t ldx,
+                                  const uint8_t* qs, const uint16_t* d16, const uint16_t* m16,
+                                  int64_t n, const float* bias, float* y, int64_t ldy) {
+    if (k % 32) return 1;
+    if (m < 0 || n < 0) return 2;
+    const int64_t groups = k / 32;
+    std::vector<int16_t> xq((size_t)(m * k));
+    std::vector<float> dx((size_t)m), sums((size_t)(m * groups));
+    // x is quantized once, before the split: every thread reads the same xq, dx and sums.
+    quantize_rows(x, m, k, ldx, xq.data(), dx.data(), sums.data());
+    // Threads take contiguous slices of N (16 rows at least: a 64-byte line of y per row of x),
+    // so each weight row is still read from memory once, by one thread.
+    tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
+        int4_rows(xq.data(), dx.data(), sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+    });
     return 0;
 }

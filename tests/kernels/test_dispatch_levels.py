@@ -17,7 +17,8 @@ from kernels import native
 
 TESTS = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["kernels/test_native_linear.py", "kernels/test_linear_kernels.py",
-                "kernels/test_native_attention.py", "kernels/test_native_elementwise.py"]
+                "kernels/test_native_attention.py", "kernels/test_native_elementwise.py",
+                "kernels/test_native_threads.py"]
 MODEL_TESTS = ["engine/test_default_model.py"]
 # The portable level runs the kernel tests only: its aten matmuls are several times slower and
 # the model tests would add minutes without covering another kernel.

@@ -35,3 +35,15 @@ def test_unwritable_cache_still_chooses(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(blocker))
     monkeypatch.setattr(layout_choice, "_memo", {})
     assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: {"a": 1.0, "b": 3.0}[n]) == "a"
+
+
+def test_a_threaded_process_measures_its_own_choice(monkeypatch):
+    """A threaded native kernel may beat aten's where the serial one did not: the thread count
+    is part of the key above 1, and the serial key (and the choices recorded under it) stays."""
+    from kernels import native
+
+    monkeypatch.setattr(native, "_threads", 1)
+    serial = layout_choice.host_key("int4")
+    assert "threads" not in serial
+    monkeypatch.setattr(native, "_threads", 2)
+    assert layout_choice.host_key("int4") == serial + "|threads 2"

@@ -144,7 +144,7 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 def test_a_source_that_does_not_compile_is_a_clear_error(tmp_path, monkeypatch):
     broken = tmp_path / "csrc"
     broken.mkdir()
-    for name in (*native.SOURCES, "simd.h"):
+    for name in (*native.SOURCES, *native.HEADERS):
         (broken / name).write_text("this is not C++\n")
     monkeypatch.setattr(native, "CSRC", broken)
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
