@@ -43,7 +43,7 @@ INTEGRATION_FILES = {
     "engine/test_logprobs_engine.py",
     "kernels/test_dispatch_levels.py", "kernels/test_triton_model_path.py",
     "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",
-    "nodes/test_disaggregation.py",
+    "nodes/test_disaggregation.py", "nodes/test_speculative_cluster.py",
     "reliability/test_chaos.py", "reliability/test_fuzz_http.py",
 }
 TESTS_DIR = Path(__file__).resolve().parent
