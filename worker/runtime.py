@@ -39,6 +39,26 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the OS once, after the model is loaded: loading builds
+    each packed format through full-size temporaries (a 1B model's dequantized matrices), and
+    with the trim threshold raised above they would stay resident for the process's life.
+    False where this is not glibc."""
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
+
 def configure_process(threads: int = 1) -> None:
     import torch
 
