@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from coordinator.access import install_http_access
+from coordinator.access_log import install_request_log
 from coordinator.admission import Overloaded, TooManyStreams
 from coordinator.http_stream import ClientGone
 from coordinator.http_errors import error_response
@@ -121,6 +122,7 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     _add_error_handlers(app, coordinator)
     install_http_access(app, limits.api_keys(), (limits.host, *limits.allowed_hosts),
                         limits.allowed_origins, tandem_version())
+    install_request_log(app, limits.access_log)  # outermost: every answer gets an id
     # Rows of one path and handler (GET and HEAD) are one route, so a 405 names every method.
     for (path, handler), rows in groupby(generate_routes(coordinator),
                                          key=lambda r: (r.path, r.handler)):

@@ -39,6 +39,7 @@ from coordinator import convert
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
+from common import request_id
 from common.errors import KV_TRANSFER_FAILED, TandemError
 from common.logprobs import TokenLogprob
 from common.rpc import worker_pb2 as pb
@@ -78,6 +79,10 @@ class FlowRequest:
     stop_token_ids: frozenset[int]
     # The prefix-cache tenant (common/block_hash.py, coordinator/tenants.py): b"" = shared.
     cache_salt: bytes = b""
+    # The id the client's logs know the request by (common/request_id.py: its X-Request-Id
+    # or one made for it), sent to the workers as gRPC metadata so their log lines carry it.
+    # Not request_id: that one names KV transfers and is unique; two clients may send one id.
+    log_id: str = ""
 
 
 @dataclass
@@ -163,14 +168,15 @@ class RequestFlow:
                                      0 if remote else self.config.local_chunk_size,
                                      transfer_id=transfer_id if remote else "",
                                      num_prior_output_tokens=prior, cache_salt=req.cache_salt),
-            timeout=self.config.request_timeout_s)
+            timeout=self.config.request_timeout_s, metadata=request_id.metadata(req.log_id))
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
                                                    transfer_id, prompt_ids, prior, params, out,
                                                    req.cache_salt,
-                                                   stop_token_ids=req.stop_token_ids)
+                                                   stop_token_ids=req.stop_token_ids,
+                                                   log_id=req.log_id)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:
@@ -190,7 +196,8 @@ class RequestFlow:
                               transfer_id: str, prompt_ids: list[int], prior: int,
                               params: SamplingParams, out: FlowOutcome,
                               cache_salt: bytes = b"",
-                              stop_token_ids: frozenset[int] = frozenset()) -> TokenIds:
+                              stop_token_ids: frozenset[int] = frozenset(),
+                              log_id: str = "") -> TokenIds:
         """The first token (and its logprob) from the prefill worker, while watching the decode
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
@@ -200,7 +207,7 @@ class RequestFlow:
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
                                     decode.kv_backend, self.config.chunk_size, prior, cache_salt,
                                     stop_token_ids),
-            timeout=self.config.prefill_timeout_s)
+            timeout=self.config.prefill_timeout_s, metadata=request_id.metadata(log_id))
         prefill = asyncio.ensure_future(call)
         try:
             done, _ = await asyncio.wait({prefill, read}, return_when=asyncio.FIRST_COMPLETED)

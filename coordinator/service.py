@@ -23,6 +23,7 @@ from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry
 from coordinator.residency import Residency
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
+from common import request_id
 from common.errors import ContextLengthError, InvalidOptionError
 from common.grammar_compile import check_grammar
 from common.model_store import ModelStore
@@ -115,10 +116,12 @@ class Coordinator:
         # The stop set both workers get: the model's end-of-text tokens unless ignore_eos,
         # and the client's stop_token_ids.
         model_stops = frozenset() if params.ignore_eos else self.model.tokenizer.stop_token_ids
+        # log_id: the id of the API call being served (set by coordinator/access_log.py or
+        # the gRPC API), so the workers' log lines about this request carry it too.
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
                            stop_token_ids=model_stops | frozenset(params.stop_token_ids),
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, log_id=request_id.current.get())
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings, keep_alive_s: float | None = None,
@@ -212,7 +215,9 @@ class Coordinator:
                     else self.config.local_chunk_size)
                 stub = record.prefill_stub if on_prefill else record.decode_stub
                 try:
-                    result = await stub.Embed(request, timeout=self.config.prefill_timeout_s)
+                    result = await stub.Embed(request, timeout=self.config.prefill_timeout_s,
+                                              metadata=request_id.metadata(
+                                                  request_id.current.get()))
                     return [list(e.values) for e in result.embeddings]
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()

@@ -4,7 +4,11 @@ stop string, coordinator gives up) aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from common import request_id
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from common.errors import ResidencyError, TandemError
@@ -13,6 +17,8 @@ from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.wire import logprobs_to_proto, sampling_from_proto
 
+log = logging.getLogger("tandem.decode")
+
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, status) -> None:
@@ -20,6 +26,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.status_fn = status
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # The client's request id, on this call's log lines (grpc.aio: one task per call).
+        request_id.current.set(request_id.from_metadata(context.invocation_metadata()))
         try:
             params = sampling_from_proto(request.sampling)
         except TandemError as exc:
@@ -36,11 +44,20 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info("generate %s: %d prompt tokens, %s prefill, up to %d tokens", job.request_id,
+                 len(job.prompt_token_ids), "remote" if job.remote_prefill else "local",
+                 job.max_tokens)
         finished = False
+        generated = 0
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finished
+                generated += len(event.token_ids)
+                if finished:
+                    log.info("generate %s: %s after %d tokens%s", job.request_id,
+                             event.finish_reason or "finished", generated,
+                             f" ({event.error})" if event.error else "")
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
                     error=event.error, num_cached_tokens=event.num_cached_tokens,
@@ -49,6 +66,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     prompt_logprobs=logprobs_to_proto(event.prompt_logprobs)))
         finally:
             if not finished:
+                log.info("generate %s: cancelled by the coordinator after %d tokens",
+                         job.request_id, generated)
                 self.worker.close_stream(job.request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResult:

@@ -63,6 +63,7 @@ from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfi
 from engine.device import DEFAULT_DEVICE, check_device_spec
 from common.errors import TandemError
 from common.lifeline import Lifeline, death_signal
+from common.log_format import LOG_FORMATS
 from common.shm_segments import reclaim_orphans
 from deploy.ports import claim_ports
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
@@ -111,6 +112,8 @@ class Topology:
     # The client APIs' TLS (coordinator/api_tls.py): (cert, key) PEM paths, or None = plaintext.
     # The coordinator alone gets them, and the readiness poll then speaks https.
     api_tls: tuple[str, str] | None = None
+    log_format: str = "text"  # every process's --log-format (common/log_format.py)
+    access_log: bool = True  # False: the coordinator gets --no-access-log
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -135,6 +138,9 @@ class Topology:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_device_spec(self.device)
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                             f"got {self.log_format!r}")
         if self.api_key is not None and not (self.api_key and all(
                 "!" <= c <= "~" for c in self.api_key)):  # as coordinator/config.py checks it
             raise ValueError("the API key must be a non-empty string of visible ASCII "
@@ -154,7 +160,9 @@ class Topology:
         return {"prefill": self.prefill, "decode": self.decode}
 
     def coordinator_flags(self) -> list[str]:
-        flags = ["--chunk-size", str(self.chunk_size)]
+        flags = ["--chunk-size", str(self.chunk_size), *self.log_flags()]
+        if not self.access_log:
+            flags.append("--no-access-log")
         for flag, value in (("--prefill-threshold", self.prefill_threshold),
                             ("--local-chunk-size", self.local_chunk_size),
                             ("--max-streams", self.max_streams)):
@@ -162,10 +170,14 @@ class Topology:
                 flags += [flag, str(value)]
         return flags
 
+    def log_flags(self) -> list[str]:
+        """Every process's --log-format, given only when not the processes' default (text)."""
+        return [] if self.log_format == "text" else ["--log-format", self.log_format]
+
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
         flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype,
-                 "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
+                 *self.log_flags(), "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
                   "decode": [("--decode-quant", self.decode_quant)],
                   "colocated": [("--prefill-quant", self.prefill_quant),

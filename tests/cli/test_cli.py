@@ -208,3 +208,29 @@ def test_pull_of_the_default_model_shows_its_progress(default_gguf, tmp_path):
     assert r.stdout == f"smollm2: {tmp_path / 'models' / entry.filename}\n"
     assert f"verifying {entry.filename}: 100%" in r.stderr and r.stderr.endswith("success\n")
     assert (tmp_path / "models" / entry.filename).stat().st_size == default_gguf.stat().st_size
+
+
+def test_serve_gives_every_process_the_log_format_and_the_coordinator_no_access_log(
+        tmp_path, monkeypatch):
+    import cli.main
+    import deploy.local
+    from tests.helpers.coordinator_fakes import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = []
+    monkeypatch.setattr(deploy.local, "serve",
+                        lambda topology, **kw: seen.append(topology) or 0)
+    common = ["serve", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs")]
+    assert cli.main.main([*common, "--log-format", "json", "--no-access-log"]) == 0
+    assert cli.main.main(common) == 0
+    (json_lines, plain) = seen
+    coordinator, *workers = deploy.local.plan(json_lines)[0]
+    assert workers and all(" --log-format json " in " ".join(s.argv) + " "
+                           for s in (coordinator, *workers))
+    assert "--no-access-log" in coordinator.argv
+    assert not any("--no-access-log" in w.argv for w in workers)
+    for spec in deploy.local.plan(plain)[0]:  # the defaults: text lines, access log on
+        assert "--log-format" not in spec.argv and "--no-access-log" not in spec.argv
+    with pytest.raises(ValueError, match="log_format must be one of text, json"):
+        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, log_format="xml")
