@@ -9,6 +9,9 @@
 
     127.0.0.1:51234 - "POST /api/chat HTTP/1.1" 200 412.3 ms [request_id=R]
 
+The request's trace span (common/tracing.py) is opened here too, around the app, or, where
+FastAPI opened one already, given the request id.
+
 Like uvicorn's access log, but with the duration to the last byte (a stream's whole length)
 and the request id; the path only, never the query string or the body (prompts stay out of
 logs). A client that left before the head was sent is logged with status 499, as nginx does.
@@ -22,7 +25,7 @@ import time
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common import request_id
+from common import request_id, tracing
 
 log = logging.getLogger("coordinator.access")
 
@@ -49,13 +52,17 @@ class RequestLog:
                 MutableHeaders(scope=message)[request_id.HEADER] = rid
             await send(message)
 
-        with request_id.serving(rid):
+        # The request's trace starts here (common/tracing.py; a no-op when traces are off).
+        with request_id.serving(rid), tracing.server_span(
+                f"{scope['method']} {scope['path']}", attributes={"http.request.method": scope["method"], "url.path": scope["path"],
+                            "tandem.request_id": rid}) as span:
             try:
                 await self.app(scope, receive, send_with_id)
             except BaseException:
                 status = 500 if status == CLIENT_GONE else status
                 raise
             finally:
+                span.set_attribute("http.response.status_code", status)
                 if self.access_log:
                     client = scope.get("client")
                     where = f"{client[0]}:{client[1]}" if client else "-"

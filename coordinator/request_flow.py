@@ -39,7 +39,7 @@ from coordinator import convert
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
-from common import request_id
+from common import request_id, tracing
 from common.errors import KV_TRANSFER_FAILED, TandemError
 from common.logprobs import TokenLogprob
 from common.rpc import worker_pb2 as pb
@@ -161,6 +161,13 @@ class RequestFlow:
         remote = placement.prefill is not None
         out.decode_worker, out.placement_reason = decode.worker_id, placement.reason
         local_tokens = 0 if remote else len(prompt_ids)
+        # The workers' spans are children of this one (traceparent in both calls' metadata).
+        span = tracing.start_span("flow.attempt", attributes={
+            "tandem.decode_worker": decode.worker_id,
+            "tandem.prefill_worker": placement.prefill.worker_id if remote else "",
+            "tandem.placement": placement.reason, "tandem.prompt_tokens": len(prompt_ids),
+            "tandem.transfer_id": transfer_id})
+        metadata = request_id.metadata(req.log_id) + tracing.metadata(span)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
             convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
@@ -168,7 +175,7 @@ class RequestFlow:
                                      0 if remote else self.config.local_chunk_size,
                                      transfer_id=transfer_id if remote else "",
                                      num_prior_output_tokens=prior, cache_salt=req.cache_salt),
-            timeout=self.config.request_timeout_s, metadata=request_id.metadata(req.log_id))
+            timeout=self.config.request_timeout_s, metadata=metadata)
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
         try:
             if remote:
@@ -176,7 +183,7 @@ class RequestFlow:
                                                    transfer_id, prompt_ids, prior, params, out,
                                                    req.cache_salt,
                                                    stop_token_ids=req.stop_token_ids,
-                                                   log_id=req.log_id)
+                                                   metadata=metadata)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:
@@ -187,7 +194,12 @@ class RequestFlow:
                     self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
                     local_tokens = 0
                 yield token_ids
+        except BaseException as exc:
+            span.record_exception(exc)
+            raise
         finally:
+            span.set_attribute("tandem.finish_reason", out.finish_reason or "")
+            span.end()
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
             self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
@@ -197,7 +209,7 @@ class RequestFlow:
                               params: SamplingParams, out: FlowOutcome,
                               cache_salt: bytes = b"",
                               stop_token_ids: frozenset[int] = frozenset(),
-                              log_id: str = "") -> TokenIds:
+                              metadata: tuple[tuple[str, str], ...] = ()) -> TokenIds:
         """The first token (and its logprob) from the prefill worker, while watching the decode
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
@@ -207,7 +219,7 @@ class RequestFlow:
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
                                     decode.kv_backend, self.config.chunk_size, prior, cache_salt,
                                     stop_token_ids),
-            timeout=self.config.prefill_timeout_s, metadata=request_id.metadata(log_id))
+            timeout=self.config.prefill_timeout_s, metadata=metadata)
         prefill = asyncio.ensure_future(call)
         try:
             done, _ = await asyncio.wait({prefill, read}, return_when=asyncio.FIRST_COMPLETED)

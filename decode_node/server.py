@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from common import request_id
+from common import request_id, tracing
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from common.errors import ResidencyError, TandemError
@@ -27,7 +27,23 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         # The client's request id, on this call's log lines (grpc.aio: one task per call).
-        request_id.current.set(request_id.from_metadata(context.invocation_metadata()))
+        metadata = context.invocation_metadata()
+        request_id.current.set(request_id.from_metadata(metadata))
+        # Not the current span: this generator's body spans its yields (common/tracing.py).
+        span = tracing.start_span("decode", parent=tracing.extract(metadata), kind="server",
+                                  attributes={"tandem.request_id": request.request_id,
+                                              "tandem.prompt_tokens": len(request.prompt_token_ids),
+                                              "tandem.remote_prefill": request.remote_prefill})
+        messages = self._generate(request, context, span)
+        try:
+            async for message in messages:
+                yield message
+        finally:
+            await messages.aclose()  # now, not at garbage collection: its finally frees the KV
+            span.end()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span):
         try:
             params = sampling_from_proto(request.sampling)
         except TandemError as exc:
@@ -49,11 +65,19 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                  job.max_tokens)
         finished = False
         generated = 0
+        # A remote prefill's first tokens event waits for every layer of its KV.
+        transfer = (tracing.start_span("kv_transfer", parent=span,
+                                       attributes={"tandem.transfer_id": job.transfer_id})
+                    if job.remote_prefill else None)
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finished
                 generated += len(event.token_ids)
+                if transfer is not None:
+                    transfer.set_attribute("tandem.kv_bytes", event.kv_bytes_received)
+                    transfer.end()
+                    transfer = None
                 if finished:
                     log.info("generate %s: %s after %d tokens%s", job.request_id,
                              event.finish_reason or "finished", generated,
@@ -65,6 +89,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     logprobs=logprobs_to_proto(event.logprobs),
                     prompt_logprobs=logprobs_to_proto(event.prompt_logprobs)))
         finally:
+            span.set_attribute("tandem.output_tokens", generated)
+            if transfer is not None:
+                transfer.end()
             if not finished:
                 log.info("generate %s: cancelled by the coordinator after %d tokens",
                          job.request_id, generated)

@@ -64,6 +64,7 @@ from engine.device import DEFAULT_DEVICE, check_device_spec
 from common.errors import TandemError
 from common.lifeline import Lifeline, death_signal
 from common.log_format import LOG_FORMATS
+from common.tracing import traces_url
 from common.shm_segments import reclaim_orphans
 from deploy.ports import claim_ports
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
@@ -114,6 +115,7 @@ class Topology:
     api_tls: tuple[str, str] | None = None
     log_format: str = "text"  # every process's --log-format (common/log_format.py)
     access_log: bool = True  # False: the coordinator gets --no-access-log
+    otlp_traces_endpoint: str | None = None  # every process's --otlp-traces-endpoint
 
     def __post_init__(self) -> None:
         if self.kv_backend not in KV_BACKENDS:
@@ -138,6 +140,8 @@ class Topology:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_device_spec(self.device)
+        if self.otlp_traces_endpoint:
+            traces_url(self.otlp_traces_endpoint)  # ValueError naming a bad URL
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
                              f"got {self.log_format!r}")
@@ -171,8 +175,12 @@ class Topology:
         return flags
 
     def log_flags(self) -> list[str]:
-        """Every process's --log-format, given only when not the processes' default (text)."""
-        return [] if self.log_format == "text" else ["--log-format", self.log_format]
+        """Every process's --log-format and --otlp-traces-endpoint, given only when not the
+        processes' defaults (text, none)."""
+        flags = [] if self.log_format == "text" else ["--log-format", self.log_format]
+        if self.otlp_traces_endpoint:
+            flags += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+        return flags
 
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from common import request_id
+from common import request_id, tracing
 
 from common.errors import ResidencyError, TandemError
 from worker.node_server import embed_rpc, set_resident
@@ -29,7 +29,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResult:
         # The client's request id, on this call's log lines (grpc.aio: one task per call).
-        request_id.current.set(request_id.from_metadata(context.invocation_metadata()))
+        metadata = context.invocation_metadata()
+        request_id.current.set(request_id.from_metadata(metadata))
+        # A child of the coordinator's span (traceparent in the metadata; common/tracing.py).
+        with tracing.current_span("prefill", parent=tracing.extract(metadata), kind="server",
+                                  attributes={"tandem.transfer_id": request.transfer_id,
+                                              "tandem.prompt_tokens":
+                                                  len(request.prompt_token_ids)}) as span:
+            result = await self._prefill(request, context)
+            span.set_attribute("tandem.cached_tokens", result.num_cached_tokens)
+            return result
+
+    async def _prefill(self, request: pb.PrefillRequest,
+                       context: grpc.aio.ServicerContext) -> pb.PrefillResult:
         dest = request.destination
         if not request.request_id or not request.prompt_token_ids or not dest.endpoint:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
