@@ -115,8 +115,10 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
 
 def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     # /openapi.json describes every route and its real request body (coordinator/openapi.py);
-    # no /docs page: the coordinator serves no HTML or scripts.
-    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url=None,
+    # /docs is FastAPI's Swagger UI over it: a page whose script and style the browser loads
+    # from FastAPI's default CDN (cdn.jsdelivr.net), so it needs that reachable; the server
+    # itself serves only the page and the schema. Both sit behind the API key when one is set.
+    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json")
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
