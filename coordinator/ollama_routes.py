@@ -90,6 +90,15 @@ class OllamaRoutes:
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
         /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
+        prompt_ids = await self.chat_prompt(name, messages, tools, params, timings, truncate,
+                                            think)
+        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
+
+    async def chat_prompt(self, name: str, messages: list[dict], tools: list[dict] | None,
+                          params: SamplingParams, timings: RequestTimings,
+                          truncate: bool = False, think: bool | str | None = None) -> list[int]:
+        """start_chat's checks and rendering, without the submit (several choices of one
+        prompt: coordinator/choices.py)."""
         model = self.model
         self.coordinator.model.require(name)
         require_tool_support(tools, model.tokenizer.chat_template, name)
@@ -102,7 +111,7 @@ class OllamaRoutes:
             timings.truncated_tokens = fitted.dropped_tokens
         else:
             prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context, args)
-        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt)
+        return prompt_ids
 
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()

@@ -83,6 +83,15 @@ class FlowRequest:
     # or one made for it), sent to the workers as gRPC metadata so their log lines carry it.
     # Not request_id: that one names KV transfers and is unique; two clients may send one id.
     log_id: str = ""
+    # The choices of one OpenAI request (n > 1, coordinator/choices.py) share one: the first
+    # to be placed names its decode worker, and the others go there too while it lives, so
+    # they find the prompt's KV in its prefix cache.
+    siblings: Siblings | None = None
+
+
+@dataclass
+class Siblings:
+    decode_worker: str = ""  # "" until the first of them is placed
 
 
 @dataclass
@@ -113,8 +122,12 @@ class RequestFlow:
         self.config = config
 
     def place(self, prompt_ids: list[int], exclude: Collection[str] = (),
-              cache_salt: bytes = b"") -> Placement:
+              cache_salt: bytes = b"", prefer_decode: str = "") -> Placement:
+        """prefer_decode: the decode-capable worker to use when it is live and not excluded
+        (a sibling choice's); the prefill worker is still chosen as for any request."""
         workers = [w for w in self.registry.snapshots() if w.worker_id not in exclude]
+        if prefer_decode and any(w.worker_id == prefer_decode for w in workers):
+            workers = [w for w in workers if w.role == "prefill" or w.worker_id == prefer_decode]
         placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
                           default_budget=self.config.chunk_size, cache_salt=cache_salt)
@@ -156,7 +169,11 @@ class RequestFlow:
         max_tokens = req.max_tokens - prior
         # After a move the prompt logprobs have come already (with the first token).
         params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
-        placement = self.place(prompt_ids, dead, req.cache_salt)
+        siblings = req.siblings
+        placement = self.place(prompt_ids, dead, req.cache_salt,
+                               siblings.decode_worker if siblings is not None else "")
+        if siblings is not None and not siblings.decode_worker:
+            siblings.decode_worker = placement.decode.worker_id
         decode = self.registry.get(placement.decode.worker_id)
         remote = placement.prefill is not None
         out.decode_worker, out.placement_reason = decode.worker_id, placement.reason

@@ -22,7 +22,7 @@ from coordinator.placement import choose_embedder, concurrency_limit
 from coordinator.prompts import off_loop
 from coordinator.registry import DECODE_ROLES, WorkerRegistry
 from coordinator.residency import Residency
-from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
+from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
 from common import request_id
 from common.errors import ContextLengthError, InvalidOptionError
 from common.grammar_compile import check_grammar
@@ -86,7 +86,7 @@ class Coordinator:
     # ---- requests -------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams,
-                cache_salt: bytes = b"") -> FlowRequest:
+                cache_salt: bytes = b"", siblings: Siblings | None = None) -> FlowRequest:
         """Check a request against the model's limits; raises a TandemError naming the limit.
         cache_salt: the caller's prefix-cache tenant (coordinator/tenants.py).
 
@@ -121,17 +121,19 @@ class Coordinator:
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
                            stop_token_ids=model_stops | frozenset(params.stop_token_ids),
-                           cache_salt=cache_salt, log_id=request_id.current.get())
+                           cache_salt=cache_salt, log_id=request_id.current.get(),
+                           siblings=siblings)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings, keep_alive_s: float | None = None,
-                     cache_salt: bytes = b"") -> Generation:
+                     cache_salt: bytes = b"", siblings: Siblings | None = None) -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
         A grammar that does not compile is refused here (InvalidOptionError: a 400).
         keep_alive_s: how long the model stays loaded after this request (None = the
-        server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant."""
+        server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant.
+        siblings: shared by the choices of one request (coordinator/choices.py)."""
         timings.prompt_tokens = len(prompt_ids)
-        request = self.prepare(prompt_ids, params, cache_salt)
+        request = self.prepare(prompt_ids, params, cache_salt, siblings)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)
