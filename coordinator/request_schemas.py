@@ -150,7 +150,7 @@ class EmbedRequest(_Body):
     input: str | list[str] = Field(min_length=1)
     truncate: bool | None = None
     options: _EmbedOptions | None = None
-    dimensions: int | None = None  # the model's hidden size only
+    dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
     keep_alive: KeepAlive = None
 
 
@@ -274,7 +274,7 @@ class OpenAIEmbeddingRequest(_Body):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = None  # the model's hidden size only
+    dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
     user: str | None = None
 
 
