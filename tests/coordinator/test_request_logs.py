@@ -83,6 +83,8 @@ def test_one_request_id_ties_the_three_logs_together(cluster):
             assert set(line) >= {"ts", "level", "logger", "msg", "request_id"}
     access = [line for line in found["coordinator"] if line["logger"] == "coordinator.access"]
     assert len(access) == 1 and '"POST /api/chat HTTP/1.1" 200' in access[0]["msg"]
+    # uvicorn's own access log stays off: one line per request, ours.
+    assert not any(line["logger"] == "uvicorn.access" for line in _lines(cluster, "coordinator"))
     assert access[0]["msg"].endswith(" ms") and "Name three rivers" not in access[0]["msg"]
     assert any("prompt +" in line["msg"] for line in found["coordinator"])  # the request's summary
     assert any(line["msg"].startswith("prefill ") for line in found["prefill-0"])
