@@ -43,6 +43,9 @@ class _NoSpan:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
+    def is_recording(self) -> bool:
+        return False
+
     def record_exception(self, exc: BaseException) -> None:
         pass
 

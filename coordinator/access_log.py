@@ -62,7 +62,8 @@ class RequestLog:
                 status = 500 if status == CLIENT_GONE else status
                 raise
             finally:
-                span.set_attribute("http.response.status_code", status)
+                if span.is_recording():  # FastAPI's own span ends with the response
+                    span.set_attribute("http.response.status_code", status)
                 if self.access_log:
                     client = scope.get("client")
                     where = f"{client[0]}:{client[1]}" if client else "-"

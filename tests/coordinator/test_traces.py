@@ -153,6 +153,9 @@ def test_one_request_is_one_trace_across_three_processes(traced):
     assert attempt["attributes"]["tandem.decode_worker"] == "decode-0"
     assert transfer["attributes"]["tandem.kv_bytes"] > 0
     assert decode["attributes"]["tandem.output_tokens"] >= 1
+    # No span was written to after it ended (the SDK warns in the log when one is).
+    for name in ("coordinator", "prefill-0", "decode-0"):
+        assert "ended span" not in (cluster.log_dir / f"{name}.log").read_text()
 
 
 def test_a_second_request_is_another_trace(traced):
