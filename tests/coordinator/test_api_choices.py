@@ -213,3 +213,26 @@ def test_a_client_that_leaves_cancels_every_choice(tiny):
     worker, seen = run(scenario())
     assert seen == {0, 1, 2}
     assert len(worker.cancelled) == 3 and worker.finished == []
+
+
+def _prefix_hits(api) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(api.url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:prefix_cache_hits_total")
+
+
+def test_later_choices_find_the_prompt_in_the_prefix_cache(oai, api):
+    # A prompt no earlier test sent, long enough for whole KV blocks and a remote prefill.
+    words = " ".join(f"w{i}q{time.monotonic_ns() % 997}" for i in range(60))
+    before = _prefix_hits(api)
+    oai.completions.create(model=MODEL, prompt=words, temperature=0, max_tokens=2)
+    alone = _prefix_hits(api) - before  # the first time: nothing cached
+    other = " ".join(f"v{i}q{time.monotonic_ns() % 991}" for i in range(60))
+    before = _prefix_hits(api)
+    oai.completions.create(model=MODEL, prompt=other, temperature=0, max_tokens=2, n=4)
+    shared = _prefix_hits(api) - before
+    assert alone == 0
+    assert shared > 0  # choices 1..3 found the blocks choice 0 computed
+    print(f"prefix-cache hits: n=1 {alone:g} tokens, n=4 {shared:g} tokens")
