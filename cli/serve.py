@@ -14,6 +14,8 @@ from pathlib import Path
 
 from cli.common_args import DEFAULT_MODEL, VersionAction, resolve_or_pull
 from common.errors import TandemError
+from common.log_format import LOG_FORMATS
+from common.tracing import add_tracing_flag
 from common.model_store import default_home
 from worker.config import DEFAULT_TOKEN_BUDGET
 from worker.flags import add_engine_flags, add_kv_backend_flag, add_worker_flags
@@ -60,6 +62,12 @@ def register(subparsers) -> None:
                         "default 512)")
     add_api_tls_args(p)
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="every process's log lines: text, or one JSON object per line (ts, "
+                        "level, logger, msg, request_id when known; default text)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access log line per HTTP request in the coordinator's log")
+    add_tracing_flag(p)  # given to every process
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds to wait for every worker to register (default 300)")
     p.set_defaults(func=cmd_serve)
@@ -93,7 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
                             coordinator_args=("--grpc-port", str(args.grpc_port)),
-                            api_tls=_api_tls(args), cluster_secret=secret)
+                            api_tls=_api_tls(args), cluster_secret=secret,
+                            log_format=args.log_format, access_log=args.access_log,
+                            otlp_traces_endpoint=args.otlp_traces_endpoint)
         from engine.device import resolve_device
 
         resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them

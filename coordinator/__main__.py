@@ -11,7 +11,8 @@ cache, coordinator/tenants.py); OLLAMA_ORIGINS (browser origins allowed besides 
 TANDEM_ALLOWED_HOSTS (Host names served besides localhost, IPs, --host, OLLAMA_HOST's and the
 machine's own, comma-separated, like --allowed-hosts);
 TANDEM_CLUSTER_SECRET and TANDEM_TLS_CERT/_KEY/_CA (the internal plane, common/cluster_auth.py);
-TANDEM_LIFELINE_FD (set by a launcher on this host: common/lifeline.py).
+TANDEM_LIFELINE_FD (set by a launcher on this host: common/lifeline.py);
+OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT (traces, common/tracing.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from common.cluster_auth import add_auth_args, auth_from_args
 from common.addresses import is_loopback
 from common.errors import TandemError
 from common.lifeline import watch_launcher
+from common.log_format import add_log_flags, setup_logging
+from common.tracing import add_tracing_flag, endpoint_from, setup_tracing
 
 DEFAULTS = CoordinatorConfig()
 # The HTTP connection limits (coordinator/connection_limits.py): flag, config field, help.
@@ -101,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-misses", type=int, default=DEFAULTS.heartbeat_misses)
     p.add_argument("--prefill-timeout", type=float, default=DEFAULTS.prefill_timeout_s)
     p.add_argument("--token-timeout", type=float, default=DEFAULTS.token_timeout_s)
-    p.add_argument("--log-level", default="info")
+    add_log_flags(p)  # --log-level, --log-format (common/log_format.py)
+    add_tracing_flag(p)  # --otlp-traces-endpoint (common/tracing.py)
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access log line per HTTP request (method, path, status, duration, "
+                        "request id; on by default at INFO, logger coordinator.access)")
     add_auth_args(p)  # the internal plane's secret and TLS files
     add_api_tls_args(p)  # the client APIs' TLS, separate from the internal plane's
     return p
@@ -132,10 +139,10 @@ def _default_keep_alive() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
+        setup_logging(args.log_level, args.log_format)
+        setup_tracing("tandem-coordinator", endpoint_from(args.otlp_traces_endpoint, os.environ))
         from coordinator.model import load_served_model
         from coordinator.server import serve
         from common.model_store import default_store
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_alive_s=_default_keep_alive(),
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_misses=args.heartbeat_misses, prefill_timeout_s=args.prefill_timeout,
-            token_timeout_s=args.token_timeout,
+            token_timeout_s=args.token_timeout, access_log=args.access_log,
             internal_api_from=tuple(args.internal_api_from),
             cluster_auth=auth_from_args(args),
             api_tls=api_tls_from(args.api_tls_cert, args.api_tls_key),

@@ -196,6 +196,8 @@ def install_http_access(app: FastAPI, keys: ApiKeys | None, host_names: Sequence
     app.add_middleware(CORSMiddleware, allow_origins=("*",) if origins.any else (),
                        allow_origin_regex=None if origins.any else origins.regex,
                        allow_methods=CORS_METHODS, allow_headers=("*",),
+                       # A page may read the id its request was logged under.
+                       expose_headers=("X-Request-Id",),
                        # A page the operator allowed may reach a server on a private network
                        # (Chrome's Private Network Access preflight).
                        allow_private_network=True)

@@ -58,6 +58,9 @@ class CoordinatorConfig:
     # Times one request may move to other workers after the one serving it died (migration:
     # re-placed with the prompt plus the tokens so far). 0 = a dead worker fails its streams.
     max_migrations: int = 2
+    # One log line per HTTP request (method, path, status, duration, request id; never the
+    # body): coordinator/access_log.py.
+    access_log: bool = True
     retry_after_s: int = 1  # Retry-After header of a 503
     # Limits on what one client may ask (each refusal is a one-line error naming the limit).
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)

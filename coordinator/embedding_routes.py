@@ -2,7 +2,7 @@
 /v1/embeddings (the table is coordinator/routes.py). The coordinator tokenizes (off the event
 loop), checks each input against the context, and one decode worker's Embed RPC computes the
 vectors (engine/embedding.py: the final normed hidden states, mean-pooled; L2-normalized except
-on the legacy route, as Ollama).
+on the legacy route, as Ollama). `dimensions` shortens each vector and normalizes it again.
 
 Differences from Ollama kept on purpose: an empty input (`""`, `[]`, or an empty string in the
 list) is a 400 here, where Ollama answers an empty list (its way to load a model; tandem's
@@ -13,6 +13,8 @@ the tokenizer's special tokens (BOS where the model has one), as Ollama does.
 from __future__ import annotations
 
 import base64
+import json
+import math
 import struct
 import time
 from typing import Any
@@ -147,9 +149,10 @@ class EmbeddingRoutes:
         body = await read_json_body(request, self.limits.max_body_bytes)
         name, model = _model(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=False)
-        _check_dimensions(body, model.config.hidden_size)
+        dims = _dimensions(body, model.config.hidden_size)
         embeddings, count = await self._vectors(request, model, items, _context(body, model),
                                                 _truncate(body), True, timings)
+        embeddings = shorten(embeddings, dims)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
                              "load_duration": _ns(timings.load_wait),
@@ -175,10 +178,11 @@ class EmbeddingRoutes:
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
-        _check_dimensions(body, model.config.hidden_size)
+        dims = _dimensions(body, model.config.hidden_size)
         # OpenAI refuses an input over the context; it never truncates.
         embeddings, count = await self._vectors(request, model, items, model.context_len, False,
                                                 True, timings)
+        embeddings = shorten(embeddings, dims)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}
                 for i, v in enumerate(embeddings)]
@@ -192,15 +196,29 @@ def _max_inputs(model: ServedModel) -> int:
     return max(1, min(MAX_EMBED_INPUTS, MAX_REPLY_BYTES // (model.config.hidden_size * 5 + 16)))
 
 
-def _check_dimensions(body: dict[str, Any], hidden: int) -> None:
-    """`dimensions` may only name the model's own size: tandem does not shorten vectors (a
-    mean-pooled chat model's vector is not trained to survive truncation, as Matryoshka ones are)."""
+def _dimensions(body: dict[str, Any], hidden: int) -> int | None:
+    """`dimensions` (OpenAI's and Ollama's /api/embed): 1..the model's embedding size."""
     dims = body.get("dimensions")
     if dims is None:
-        return
-    if not isinstance(dims, int) or isinstance(dims, bool) or dims != hidden:
-        raise RequestError(f"dimensions must be {hidden}, this model's embedding size "
-                           f"(got {shown(str(dims))})")
+        return None
+    if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= hidden:
+        raise RequestError(f"dimensions must be an integer between 1 and {hidden}, this "
+                           f"model's embedding size (got {shown(json.dumps(dims), 60)})")
+    return dims
+
+
+def shorten(vectors: list[list[float]], dims: int | None) -> list[list[float]]:
+    """Each vector's first `dims` values, L2-normalized again, as Ollama does (a zero vector
+    stays zero). A mean-pooled chat model is not trained for it as Matryoshka embedders
+    are: the short vector keeps less of the meaning, which is the caller's trade."""
+    if dims is None:
+        return vectors
+    out = []
+    for v in vectors:
+        head = v[:dims]
+        norm = math.sqrt(sum(x * x for x in head))
+        out.append([x / norm for x in head] if norm > 0 else head)
+    return out
 
 
 def _base64(vector: list[float]) -> str:

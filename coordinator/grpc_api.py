@@ -26,6 +26,7 @@ from coordinator.ollama_request import check_messages
 from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import NoWorkers, WorkerError
+from common import request_id
 from common.rpc import tandem_pb2 as pb
 from common.rpc import tandem_pb2_grpc as pb_grpc
 from coordinator.service import Coordinator
@@ -72,6 +73,15 @@ def _figures(g: Generation) -> pb.Figures:
         prefill_worker=g.outcome.prefill_worker)
 
 
+async def _serve_request_id(context: grpc.aio.ServicerContext) -> None:
+    """The caller's `x-request-id` metadata (or a new id) on this call's log lines, the workers'
+    calls (Coordinator.prepare) and the call's initial metadata, as X-Request-Id over HTTP.
+    grpc.aio serves each call in its own task, so the context variable is this call's alone."""
+    rid = request_id.accept(request_id.from_metadata(context.invocation_metadata()))
+    request_id.current.set(rid)
+    await context.send_initial_metadata(request_id.metadata(rid))
+
+
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -85,6 +95,7 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        await _serve_request_id(context)
         timings = RequestTimings()
         try:
             model = self.coordinator.models.get(request.model)
@@ -117,6 +128,7 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def Chat(self, request: pb.ChatRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
+        await _serve_request_id(context)
         timings = RequestTimings()
         try:
             model = self.coordinator.models.get(request.model)

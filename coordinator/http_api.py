@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from coordinator.access import install_http_access
+from coordinator.access_log import install_request_log
 from coordinator.admission import Overloaded, TooManyStreams
 from coordinator.http_stream import ClientGone
 from coordinator.http_errors import error_response
@@ -115,13 +116,16 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
 
 def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     # /openapi.json describes every route and its real request body (coordinator/openapi.py);
-    # no /docs page: the coordinator serves no HTML or scripts.
-    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url=None,
+    # /docs is FastAPI's Swagger UI over it: a page whose script and style the browser loads
+    # from FastAPI's default CDN (cdn.jsdelivr.net), so it needs that reachable; the server
+    # itself serves only the page and the schema. Both sit behind the API key when one is set.
+    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json")
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
     install_http_access(app, limits.api_keys(), (limits.host, *limits.allowed_hosts),
                         limits.allowed_origins, tandem_version())
+    install_request_log(app, limits.access_log)  # outermost: every answer gets an id
     # Rows of one path and handler (GET and HEAD) are one route, so a 405 names every method.
     for (path, handler), rows in groupby(generate_routes(coordinator),
                                          key=lambda r: (r.path, r.handler)):

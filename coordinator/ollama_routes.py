@@ -100,6 +100,17 @@ class OllamaRoutes:
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
         /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
         model = self._model(name)
+        prompt_ids = await self.chat_prompt(model, name, messages, tools, params, timings,
+                                            truncate, think)
+        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
+                                             model)
+
+    async def chat_prompt(self, model: ServedModel, name: str, messages: list[dict],
+                          tools: list[dict] | None, params: SamplingParams,
+                          timings: RequestTimings, truncate: bool = False,
+                          think: bool | str | None = None) -> list[int]:
+        """start_chat's checks and rendering of `model` (as the request `name`d it), without
+        the submit (several choices of one prompt: coordinator/choices.py)."""
         require_tool_support(tools, model.tokenizer.chat_template, name)
         args = template_args(think, model.tokenizer.chat_template, name)
         context = params.context_limit(model.context_len)
@@ -110,8 +121,7 @@ class OllamaRoutes:
             timings.truncated_tokens = fitted.dropped_tokens
         else:
             prompt_ids = await off_loop(chat_prompt_ids, model, messages, tools, context, args)
-        return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
-                                             model)
+        return prompt_ids
 
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()

@@ -8,10 +8,13 @@ extra sampling fields (the openai client's `extra_body`): `top_k` (off, 0, by de
 has none; vLLM's -1 is off too), `min_p`, `repetition_penalty` -> repeat_penalty, `min_tokens`.
 `logit_bias` (OpenAI's), `stop_token_ids` and `ignore_eos` (vLLM's) go to SamplingParams too
 (ranges there; Coordinator.prepare turns the last two into the stop set). Fields tandem
-accepts but cannot honour are a 400 naming the field whenever they ask for anything (`n` > 1,
-vLLM's `prompt_logprobs`, chat's `echo`, `best_of` > 1, `suffix`, `use_beam_search`, ...:
+accepts but cannot honour are a 400 naming the field whenever they ask for anything (vLLM's
+`prompt_logprobs`, chat's `echo`, `best_of` > 1, `suffix`, `use_beam_search`, ...:
 `_UNIMPLEMENTED`), never silently dropped. Logprobs: chat's `logprobs: true` with
 `top_logprobs` 0..20, completions' `logprobs` 0..20 (coordinator/logprobs.py shapes them).
+`n` (1..MAX_N) asks for n choices, and /v1/completions' `prompt` may be a list (of strings,
+or of token-id lists, as lm-eval batches them; a flat list of ids is one prompt): choices are
+indexed prompt by prompt, n each (coordinator/choices.py), at most MAX_CHOICES in all.
 Completions' `echo: true` puts the prompt before the completion and, with `logprobs`, the
 prompt tokens' entries before the generated ones (SamplingParams.prompt_logprobs);
 `max_tokens: 0` is allowed with echo only and scores the prompt alone (one token is generated
@@ -48,6 +51,9 @@ from common.logprobs import MAX_LOGPROBS
 from common.sampling_params import MAX_COUNT, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
+
+MAX_N = 16  # choices per prompt (`n`)
+MAX_CHOICES = 64  # choices per request: prompts times n
 
 _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "frequency_penalty": "frequency_penalty",
@@ -88,7 +94,9 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     params: SamplingParams
     messages: list[dict] | None = None  # chat completions
-    prompt: str | list[int] | None = None  # completions
+    prompt: str | list[int] | None = None  # completions: the first of `prompts`
+    prompts: tuple[str | list[int], ...] = ()  # completions: every prompt, in index order
+    n: int = 1  # choices per prompt
     tools: list[dict] | None = None
     tool_choice: ToolChoice = ToolChoice("auto")
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
@@ -189,9 +197,6 @@ def _common(body: dict[str, Any], honoured: frozenset[str] = frozenset()
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model is required")
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise RequestError(f"n must be 1, got {n!r}: tandem returns one choice per request")
     for field, (nothing, why) in _UNIMPLEMENTED.items():
         value = body.get(field)
         if field in honoured:
@@ -209,6 +214,34 @@ def _common(body: dict[str, Any], honoured: frozenset[str] = frozenset()
         if key not in _IGNORED and key not in _KNOWN:
             log.warning("unknown field %r ignored", key)
     return model, stream, bool(stream_options.get("include_usage"))
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an integer between 1 and {MAX_N}, "
+                           f"got {json.dumps(n)[:60]}")
+    return n
+
+
+def _prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """A string, a list of token ids, or a list of either: the prompts, each checked."""
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if (isinstance(prompt, str) and prompt) or is_ids(prompt):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt:
+        for i, p in enumerate(prompt):
+            if not ((isinstance(p, str) and p) or is_ids(p)):
+                raise RequestError(f"prompt[{i}] must be a non-empty string or a non-empty "
+                                   "list of token ids")
+        return tuple(prompt)
+    raise RequestError("prompt must be a non-empty string, a list of token ids, or a list of "
+                       "strings or of token-id lists")
 
 
 def _count(body: dict[str, Any], field: str) -> int | None:
@@ -286,7 +319,8 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
         parallel = body.get("parallel_tool_calls") is not False
         params = replace(params, grammar=forced_grammar(tools, choice, parallel))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
-                         messages=messages, tools=(tools or None) if choice.mode != "none" else None,
+                         n=_n(body), messages=messages,
+                         tools=(tools or None) if choice.mode != "none" else None,
                          tool_choice=choice, cache_salt=_cache_salt(body), think=think)
 
 
@@ -295,20 +329,17 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise RequestError(f"echo must be true or false, got {json.dumps(echo)[:60]}")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    ok_ids = isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not ok_ids:
-        raise RequestError("prompt must be a non-empty string or a list of token ids "
-                           "(batches of several prompts are not supported)")
+    prompts, n = _prompts(body.get("prompt")), _n(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise RequestError(f"prompt has {len(prompts)} prompts and n is {n}: at most "
+                           f"{MAX_CHOICES} choices per request")
     logprobs = _count(body, "logprobs")
     params = replace(_params(body, zero_tokens=echo), logprobs=logprobs,
                      prompt_logprobs=logprobs if echo else None)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,
-                         prompt=prompt, echo=echo, score_only=echo and max_tokens == 0,
+                         prompt=prompts[0], prompts=prompts, n=n, echo=echo,
+                         score_only=echo and max_tokens == 0,
                          cache_salt=_cache_salt(body))
 
 
@@ -336,11 +367,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_completion(rid: str, model: str, content: str, reason: str | None,
-                    usage_: dict[str, Any],
-                    tool_calls: list[ToolCall] | None = None,
-                    logprobs: list[dict[str, Any]] | None = None,
-                    reasoning: str | None = None) -> dict[str, Any]:
+def chat_choice(index: int, content: str, reason: str | None,
+                tool_calls: list[ToolCall] | None = None,
+                logprobs: list[dict[str, Any]] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
     """`logprobs`: coordinator/logprobs.py's content entries, None when not asked for.
     `reasoning`: the answer's thinking, as vLLM's message.reasoning_content (None: not asked)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -350,31 +380,39 @@ def chat_completion(rid: str, model: str, content: str, reason: str | None,
         reason = "tool_calls"
     if reasoning is not None:
         message["reasoning_content"] = reasoning or None
+    return {"index": index, "message": message,
+            "logprobs": None if logprobs is None else {"content": logprobs},
+            "finish_reason": finish_reason(reason)}
+
+
+def chat_completion(rid: str, model: str, choices: list[dict[str, Any]],
+                    usage_: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": None if logprobs is None else {"content": logprobs},
-                         "finish_reason": finish_reason(reason)}],
+            "model": model, "system_fingerprint": "fp_tandem", "choices": choices,
             "usage": usage_}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, Any],
                reason: str | None = None, done: bool = False,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               logprobs: list[dict[str, Any]] | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "delta": delta,
+            "choices": [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs},
                          "finish_reason": finish_reason(reason) if done else None}]}
 
 
-def completion(rid: str, model: str, text: str, reason: str | None,
-               usage_: dict[str, Any] | None, done: bool = True,
-               chunk: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def completion_choice(index: int, text: str, reason: str | None, done: bool = True,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason) if done else None}
+
+
+def completion(rid: str, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None, chunk: bool = False) -> dict[str, Any]:
+    """The whole answer (with usage) or, `chunk`, one stream chunk (without)."""
     body = {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": "fp_tandem",
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason(reason) if done else None}]}
+            "model": model, "system_fingerprint": "fp_tandem", "choices": choices}
     if not chunk:
         body["usage"] = usage_
     return body

@@ -15,7 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from coordinator.access import request_salt
 from coordinator import openai_api as oa
 from coordinator.generation import Generation
-from coordinator.http_stream import SSE, WatchedStream, collect, read_json_body
+from coordinator.choices import Choice, close_all, merged, submit_choices
+from coordinator.choices import usage as choice_usage
+from coordinator.http_stream import (
+    SSE, ClientGone, WatchedStream, read_json_body, until_disconnected,
+)
 from coordinator.logprobs import join_completion_logprobs
 from coordinator.metrics import RequestTimings
 from coordinator.ollama_routes import OllamaRoutes
@@ -26,9 +30,10 @@ from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking
 from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls
 
 
-def _usage(g: Generation) -> dict[str, Any]:
-    t = g.timings
-    return oa.usage(t.prompt_tokens, t.output_tokens, g.outcome.cached_tokens)
+def _usage(choices: list[Choice], score_only: bool = False) -> dict[str, Any]:
+    """Summed over the choices (coordinator/choices.py); score_only: no completion tokens."""
+    prompt, completion, cached = choice_usage(choices)
+    return oa.usage(prompt, 0 if score_only else completion, cached)
 
 
 def _chat_logprobs(g: Generation) -> list[dict[str, Any]] | None:
@@ -58,63 +63,96 @@ class OpenAIRoutes:
         timings = RequestTimings()
         req = oa.parse_chat_completion(await read_json_body(request, self.limits.max_body_bytes),
                                        self.limits.max_messages)
-        generation = await self.ollama.start_chat(req.model, req.messages, req.tools,
-                                                  req.params, timings,
-                                                  cache_salt=request_salt(request, req.cache_salt),
-                                                  think=req.think)
+        model = self.coordinator.models.get(req.model)
+        prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, req.tools,
+                                                   req.params, timings, think=req.think)
+        choices = await submit_choices(self.coordinator, [prompt_ids], req.n, req.params,
+                                       timings, request_salt(request, req.cache_salt), model)
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
-        # tool_choice makes the whole output the call.
-        model = self.coordinator.models.get(req.model)
+        # tool_choice makes the whole output the call. One parser per choice.
         template = model.tokenizer.chat_template
-        calls = (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
-                 if req.tools or req.tool_choice.forced else None)
-        # reasoning_effort on: the <think> block is reasoning_content (coordinator/thinking.py).
-        thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
-                    if req.think else None)
+
+        def parser() -> ToolCallParser | None:
+            return (ToolCallParser(call_format(template), req.tools or [], req.tool_choice)
+                    if req.tools or req.tool_choice.forced else None)
+
+        def splitter(g: Generation) -> ThinkSplitter | None:
+            # reasoning_effort on: the <think> block is reasoning_content (coordinator/thinking.py).
+            return ThinkSplitter(started=opens_thinking(model.tokenizer, g)) if req.think else None
+
         if req.stream:
-            return WatchedStream(_stream_chat(rid, req.model, generation, req.include_usage,
-                                              calls, thinking),
-                                 generation.close, media_type=SSE)
-        content = await collect(request, generation)
-        if content is None:
+            streams = [_stream_chat(rid, req.model, c.generation, parser(), c.index,
+                                    splitter(c.generation))
+                       for c in choices]
+            return WatchedStream(_stream_choices(rid, req.model, choices, streams,
+                                                 req.include_usage, "chat.completion.chunk"),
+                                 lambda: close_all(choices), media_type=SSE)
+        texts = await _collect(request, choices)
+        if texts is None:
             return Response(status_code=499)
-        reasoning = None
-        if thinking is not None:
-            reasoning, content = thinking.split(content)
-        found = []
-        if calls is not None:
-            content, found = calls.split(content)
-        return JSONResponse(oa.chat_completion(rid, req.model, content, generation.done_reason,
-                                               _usage(generation), found,
-                                               _chat_logprobs(generation), reasoning))
+        shaped = []
+        for c, content in zip(choices, texts):
+            calls, found, thinking, reasoning = parser(), [], splitter(c.generation), None
+            if thinking is not None:
+                reasoning, content = thinking.split(content)
+            if calls is not None:
+                content, found = calls.split(content)
+            shaped.append(oa.chat_choice(c.index, content, c.generation.done_reason, found,
+                                         _chat_logprobs(c.generation), reasoning))
+        return JSONResponse(oa.chat_completion(rid, req.model, shaped, _usage(choices)))
 
     async def completions(self, request: Request) -> Response:
         timings = RequestTimings()
         req = oa.parse_completion(await read_json_body(request, self.limits.max_body_bytes))
         model = self.coordinator.models.get(req.model)
-        prompt_ids = await off_loop(completion_prompt_ids, model, req.prompt,
-                                    req.params.context_limit(model.context_len))
-        generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   cache_salt=request_salt(request, req.cache_salt),
-                                                   model=model)
+        context = req.params.context_limit(model.context_len)
+        prompts = [await off_loop(completion_prompt_ids, model, p, context) for p in req.prompts]
+        choices = await submit_choices(self.coordinator, prompts, req.n, req.params, timings,
+                                       request_salt(request, req.cache_salt), model)
         rid = oa.new_id("cmpl")
-        echo = _Echo(req, prompt_ids, model.tokenizer) if req.echo else None
+        echoes = [_Echo(req, req.prompts[c.prompt], prompts[c.prompt], model.tokenizer)
+                  if req.echo else None for c in choices]
         if req.stream:
-            return WatchedStream(_stream_completion(rid, req.model, generation,
-                                                    req.include_usage, echo),
-                                 generation.close, media_type=SSE)
-        text = await collect(request, generation)
-        if text is None:
+            streams = [_stream_completion(rid, req.model, c.generation, echo, c.index)
+                       for c, echo in zip(choices, echoes)]
+            return WatchedStream(_stream_choices(rid, req.model, choices, streams,
+                                                 req.include_usage, "text_completion",
+                                                 score_only=req.score_only),
+                                 lambda: close_all(choices), media_type=SSE)
+        texts = await _collect(request, choices)
+        if texts is None:
             return Response(status_code=499)
-        if echo is None:
-            logprobs = (generation.take_completion_logprobs(0) if generation.wants_logprobs
-                        else None)
-            return JSONResponse(oa.completion(rid, req.model, text, generation.done_reason,
-                                              _usage(generation), logprobs=logprobs))
-        text, logprobs = echo.whole(generation, text)
-        return JSONResponse(oa.completion(rid, req.model, text, echo.reason(generation),
-                                          echo.usage(generation), logprobs=logprobs))
+        shaped = []
+        for c, echo, text in zip(choices, echoes, texts):
+            g = c.generation
+            if echo is None:
+                logprobs = g.take_completion_logprobs(0) if g.wants_logprobs else None
+                shaped.append(oa.completion_choice(c.index, text, g.done_reason,
+                                                   logprobs=logprobs))
+            else:
+                text, logprobs = echo.whole(g, text)
+                shaped.append(oa.completion_choice(c.index, text, echo.reason(g),
+                                                   logprobs=logprobs))
+        return JSONResponse(oa.completion(rid, req.model, shaped,
+                                          _usage(choices, req.score_only)))
+
+
+async def _collect(request: Request, choices: list[Choice]) -> list[str] | None:
+    """Every choice's whole text, or None if the client left first (all are then cancelled);
+    every Generation is closed on return."""
+    async def run() -> list[str]:
+        texts = [""] * len(choices)
+        async for index, piece in merged(choices, [c.generation.pieces() for c in choices]):
+            texts[index] += piece
+        return texts
+
+    try:
+        return await until_disconnected(request, run())
+    except ClientGone:
+        return None
+    finally:
+        await close_all(choices)
 
 
 class _Echo:
@@ -122,9 +160,10 @@ class _Echo:
     for, its tokens' entries come first; score_only (max_tokens 0) drops the one token
     generated."""
 
-    def __init__(self, req: oa.OpenAIRequest, prompt_ids: list[int], tokenizer) -> None:
+    def __init__(self, req: oa.OpenAIRequest, prompt: str | list[int], prompt_ids: list[int],
+                 tokenizer) -> None:
         self.prompt_ids = prompt_ids
-        self.text = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt_ids)
+        self.text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
         self.score_only = req.score_only
 
     def prompt_logprobs(self, g: Generation) -> dict[str, Any] | None:
@@ -141,80 +180,83 @@ class _Echo:
     def reason(self, g: Generation) -> str | None:
         return "length" if self.score_only else g.done_reason
 
-    def usage(self, g: Generation) -> dict[str, Any]:
-        if not self.score_only:
-            return _usage(g)
-        return oa.usage(g.timings.prompt_tokens, 0, g.outcome.cached_tokens)
 
 
-async def _stream_chat(rid: str, name: str, g: Generation, include_usage: bool,
-                       calls: ToolCallParser | None = None,
-                       thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
+async def _stream_choices(rid: str, name: str, choices: list[Choice], streams: list,
+                          include_usage: bool, obj: str,
+                          score_only: bool = False) -> AsyncIterator[bytes]:
+    """Every choice's chunks as they come (each carries its index), then the usage summed over
+    the choices when asked for, then [DONE]. A worker failing any choice ends the stream with
+    an error event (and no [DONE]); the others are cancelled."""
+    try:
+        async for _, chunk in merged(choices, streams):
+            yield chunk
+    except WorkerError as exc:
+        yield oa.sse(oa.error_body(500, str(exc)))
+        return
+    if include_usage:
+        yield oa.sse(oa.usage_chunk(rid, name, obj, _usage(choices, score_only)))
+    yield oa.sse("[DONE]")
+
+
+async def _stream_chat(rid: str, name: str, g: Generation, calls: ToolCallParser | None,
+                       index: int, thinking: ThinkSplitter | None = None) -> AsyncIterator[bytes]:
+    """One choice's chunks (WorkerError is raised, for _stream_choices)."""
     made = 0  # tool calls sent so far (their indexes)
 
     def chunks(content: str, found: list) -> list[bytes]:
         nonlocal made
         out = ([oa.sse(oa.chat_chunk(rid, name, {"content": content},
-                                     logprobs=_chat_logprobs(g)))] if content else [])
+                                     logprobs=_chat_logprobs(g), index=index))]
+               if content else [])
         if found:  # each call whole in one delta, as vLLM's parsers send a finished call
             out.append(oa.sse(oa.chat_chunk(
-                rid, name, {"tool_calls": openai_tool_calls(found, first_index=made)})))
+                rid, name, {"tool_calls": openai_tool_calls(found, first_index=made)},
+                index=index)))
             made += len(found)
         return out
 
-    yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
-    try:
-        async for thought, content, found in split_thinking(g.pieces(), thinking, calls):
-            if thought:  # vLLM's delta for reasoning
-                yield oa.sse(oa.chat_chunk(rid, name, {"reasoning_content": thought}))
-            for chunk in chunks(content, found):
-                yield chunk
-    except WorkerError as exc:
-        yield oa.sse(oa.error_body(500, str(exc)))
-        return
+    yield oa.sse(oa.chat_chunk(rid, name, {"role": "assistant", "content": ""}, index=index))
+    async for thought, content, found in split_thinking(g.pieces(), thinking, calls):
+        if thought:  # vLLM's delta for reasoning
+            yield oa.sse(oa.chat_chunk(rid, name, {"reasoning_content": thought}, index=index))
+        for chunk in chunks(content, found):
+            yield chunk
     reason = "tool_calls" if made else g.done_reason
-    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True, logprobs=_chat_logprobs(g)))
-    if include_usage:
-        yield oa.sse(oa.usage_chunk(rid, name, "chat.completion.chunk", _usage(g)))
-    yield oa.sse("[DONE]")
+    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True, logprobs=_chat_logprobs(g),
+                               index=index))
 
 
-async def _stream_completion(rid: str, name: str, g: Generation, include_usage: bool,
-                             echo: _Echo | None = None) -> AsyncIterator[bytes]:
+async def _stream_completion(rid: str, name: str, g: Generation, echo: _Echo | None,
+                             index: int) -> AsyncIterator[bytes]:
+    """One choice's chunks (WorkerError is raised, for _stream_choices)."""
     offset = 0  # characters sent so far: where the next chunk's text_offset starts
 
     def logprobs() -> dict[str, Any] | None:
         return g.take_completion_logprobs(offset) if g.wants_logprobs else None
 
+    def chunk(text: str, reason: str | None = None, done: bool = False,
+              logprobs_: dict[str, Any] | None = None) -> bytes:
+        return oa.sse(oa.completion(rid, name, [oa.completion_choice(
+            index, text, reason, done=done, logprobs=logprobs_)], None, chunk=True))
+
     def echoed() -> bytes:
         # The prompt's chunk: its logprobs come with the first token, so it goes out once
         # that arrived (before the first piece, or at the end).
         nonlocal offset, echo
-        chunk = oa.sse(oa.completion(rid, name, echo.text, None, None, done=False, chunk=True,
-                                     logprobs=echo.prompt_logprobs(g)))
+        out = chunk(echo.text, logprobs_=echo.prompt_logprobs(g))
         offset, echo = len(echo.text), None
-        return chunk
+        return out
 
     score_only = echo is not None and echo.score_only
-    try:
-        async for piece in g.pieces():
-            if echo is not None and not score_only:
-                yield echoed()
-            if score_only:
-                continue
-            yield oa.sse(oa.completion(rid, name, piece, None, None, done=False, chunk=True,
-                                       logprobs=logprobs()))
-            offset += len(piece)
-    except WorkerError as exc:
-        yield oa.sse(oa.error_body(500, str(exc)))
-        return
+    async for piece in g.pieces():
+        if echo is not None and not score_only:
+            yield echoed()
+        if score_only:
+            continue
+        yield chunk(piece, logprobs_=logprobs())
+        offset += len(piece)
     if echo is not None:
         yield echoed()
     reason = "length" if score_only else g.done_reason
-    yield oa.sse(oa.completion(rid, name, "", reason, None, chunk=True,
-                               logprobs=None if score_only else logprobs()))
-    if include_usage:
-        usage = (oa.usage(g.timings.prompt_tokens, 0, g.outcome.cached_tokens) if score_only
-                 else _usage(g))
-        yield oa.sse(oa.usage_chunk(rid, name, "text_completion", usage))
-    yield oa.sse("[DONE]")
+    yield chunk("", reason, done=True, logprobs_=None if score_only else logprobs())

@@ -53,6 +53,7 @@ _SUCCESS: dict[str, list[str]] = {
     "/api/copy": [], "/api/delete": [],
     "/v1/chat/completions": ["application/json", _SSE],
     "/v1/completions": ["application/json", _SSE],
+    "/v1/responses": ["application/json", _SSE],
 }
 
 

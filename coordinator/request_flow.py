@@ -39,6 +39,7 @@ from coordinator import convert
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
+from common import request_id, tracing
 from common.errors import KV_TRANSFER_FAILED, TandemError
 from common.logprobs import TokenLogprob
 from common.rpc import worker_pb2 as pb
@@ -78,6 +79,19 @@ class FlowRequest:
     stop_token_ids: frozenset[int]
     # The prefix-cache tenant (common/block_hash.py, coordinator/tenants.py): b"" = shared.
     cache_salt: bytes = b""
+    # The id the client's logs know the request by (common/request_id.py: its X-Request-Id
+    # or one made for it), sent to the workers as gRPC metadata so their log lines carry it.
+    # Not request_id: that one names KV transfers and is unique; two clients may send one id.
+    log_id: str = ""
+    # The choices of one OpenAI request (n > 1, coordinator/choices.py) share one: the first
+    # to be placed names its decode worker, and the others go there too while it lives, so
+    # they find the prompt's KV in its prefix cache.
+    siblings: Siblings | None = None
+
+
+@dataclass
+class Siblings:
+    decode_worker: str = ""  # "" until the first of them is placed
 
 
 @dataclass
@@ -108,8 +122,12 @@ class RequestFlow:
         self.config = config
 
     def place(self, prompt_ids: list[int], exclude: Collection[str] = (),
-              cache_salt: bytes = b"") -> Placement:
+              cache_salt: bytes = b"", prefer_decode: str = "") -> Placement:
+        """prefer_decode: the decode-capable worker to use when it is live and not excluded
+        (a sibling choice's); the prefill worker is still chosen as for any request."""
         workers = [w for w in self.registry.snapshots() if w.worker_id not in exclude]
+        if prefer_decode and any(w.worker_id == prefer_decode for w in workers):
+            workers = [w for w in workers if w.role == "prefill" or w.worker_id == prefer_decode]
         placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
                           default_budget=self.config.chunk_size, cache_salt=cache_salt)
@@ -151,11 +169,22 @@ class RequestFlow:
         max_tokens = req.max_tokens - prior
         # After a move the prompt logprobs have come already (with the first token).
         params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
-        placement = self.place(prompt_ids, dead, req.cache_salt)
+        siblings = req.siblings
+        placement = self.place(prompt_ids, dead, req.cache_salt,
+                               siblings.decode_worker if siblings is not None else "")
+        if siblings is not None and not siblings.decode_worker:
+            siblings.decode_worker = placement.decode.worker_id
         decode = self.registry.get(placement.decode.worker_id)
         remote = placement.prefill is not None
         out.decode_worker, out.placement_reason = decode.worker_id, placement.reason
         local_tokens = 0 if remote else len(prompt_ids)
+        # The workers' spans are children of this one (traceparent in both calls' metadata).
+        span = tracing.start_span("flow.attempt", attributes={
+            "tandem.decode_worker": decode.worker_id,
+            "tandem.prefill_worker": placement.prefill.worker_id if remote else "",
+            "tandem.placement": placement.reason, "tandem.prompt_tokens": len(prompt_ids),
+            "tandem.transfer_id": transfer_id})
+        metadata = request_id.metadata(req.log_id) + tracing.metadata(span)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
             convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
@@ -163,14 +192,15 @@ class RequestFlow:
                                      0 if remote else self.config.local_chunk_size,
                                      transfer_id=transfer_id if remote else "",
                                      num_prior_output_tokens=prior, cache_salt=req.cache_salt),
-            timeout=self.config.request_timeout_s)
+            timeout=self.config.request_timeout_s, metadata=metadata)
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
                                                    transfer_id, prompt_ids, prior, params, out,
                                                    req.cache_salt,
-                                                   stop_token_ids=req.stop_token_ids)
+                                                   stop_token_ids=req.stop_token_ids,
+                                                   metadata=metadata)
                 ends = self._ends_at(first[0], req.stop_token_ids, max_tokens)
                 yield first
                 if ends:
@@ -181,7 +211,12 @@ class RequestFlow:
                     self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
                     local_tokens = 0
                 yield token_ids
+        except BaseException as exc:
+            span.record_exception(exc)
+            raise
         finally:
+            span.set_attribute("tandem.finish_reason", out.finish_reason or "")
+            span.end()
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
             self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
@@ -190,7 +225,8 @@ class RequestFlow:
                               transfer_id: str, prompt_ids: list[int], prior: int,
                               params: SamplingParams, out: FlowOutcome,
                               cache_salt: bytes = b"",
-                              stop_token_ids: frozenset[int] = frozenset()) -> TokenIds:
+                              stop_token_ids: frozenset[int] = frozenset(),
+                              metadata: tuple[tuple[str, str], ...] = ()) -> TokenIds:
         """The first token (and its logprob) from the prefill worker, while watching the decode
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
@@ -200,7 +236,7 @@ class RequestFlow:
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
                                     decode.kv_backend, self.config.chunk_size, prior, cache_salt,
                                     stop_token_ids),
-            timeout=self.config.prefill_timeout_s)
+            timeout=self.config.prefill_timeout_s, metadata=metadata)
         prefill = asyncio.ensure_future(call)
         try:
             done, _ = await asyncio.wait({prefill, read}, return_when=asyncio.FIRST_COMPLETED)

@@ -149,7 +149,7 @@ class EmbedRequest(_Body):
     input: str | list[str] = Field(min_length=1)
     truncate: bool | None = None
     options: _EmbedOptions | None = None
-    dimensions: int | None = None  # the model's hidden size only
+    dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
     keep_alive: KeepAlive = None
 
 
@@ -214,7 +214,7 @@ class _OpenAIGeneration(_Body):
     model: str = Field(min_length=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
+    n: int | None = Field(default=None, ge=1, le=16)  # choices per prompt (openai_api.MAX_N)
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # 0: with echo only
     max_completion_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     temperature: float | None = Field(default=None, ge=0, le=100)
@@ -260,13 +260,13 @@ class ChatCompletionRequest(_OpenAIGeneration):
 
 
 class CompletionRequest(_OpenAIGeneration):
-    """POST /v1/completions: one prompt (a batch of one is unwrapped)."""
+    """POST /v1/completions: a prompt, or a list of them (at most 64 choices: prompts times n)."""
 
     prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[int], Field(min_length=1)],
                   Annotated[list[Annotated[str, Field(min_length=1)]],
-                            Field(min_length=1, max_length=1)],
+                            Field(min_length=1, max_length=64)],
                   Annotated[list[Annotated[list[int], Field(min_length=1)]],
-                            Field(min_length=1, max_length=1)]]
+                            Field(min_length=1, max_length=64)]]
     echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -277,7 +277,34 @@ class OpenAIEmbeddingRequest(_Body):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = None  # the model's hidden size only
+    dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
+    user: str | None = None
+
+
+class ResponsesInputPart(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponsesInputMessage(_Body):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesInputPart]
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (coordinator/responses_api.py): text in, text out."""
+
+    model: str = Field(min_length=1)
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[ResponsesInputMessage],
+                                                           Field(min_length=1)]
+    instructions: str | None = None
+    stream: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     user: str | None = None
 
 
@@ -319,6 +346,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/chat/completions"): ChatCompletionRequest,
     ("post", "/v1/completions"): CompletionRequest,
     ("post", "/v1/embeddings"): OpenAIEmbeddingRequest,
+    ("post", "/v1/responses"): ResponsesRequest,
     ("post", "/tokenize"): TokenizeRequest,
     ("post", "/detokenize"): DetokenizeRequest,
 }

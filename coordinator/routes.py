@@ -13,6 +13,7 @@ from coordinator.embedding_routes import EmbeddingRoutes
 from coordinator.model_routes import ModelRoutes
 from coordinator.ollama_routes import OllamaRoutes
 from coordinator.openai_routes import OpenAIRoutes
+from coordinator.responses_routes import ResponsesRoutes
 from coordinator.ops_routes import OpsRoutes
 from coordinator.service import Coordinator
 from coordinator.token_routes import TokenRoutes
@@ -29,6 +30,7 @@ def generate_routes(c: Coordinator) -> list[Route]:
     ops, ollama = OpsRoutes(c), OllamaRoutes(c)
     models, embeddings = ModelRoutes(c), EmbeddingRoutes(c)
     openai = OpenAIRoutes(c, ollama)  # chat completions goes through Ollama's chat
+    responses = ResponsesRoutes(c, ollama)  # so does the Responses API
     tokens = TokenRoutes(c)
     return [
         Route("GET",    "/",                      ollama.root),
@@ -53,6 +55,7 @@ def generate_routes(c: Coordinator) -> list[Route]:
         Route("GET",    "/v1/models/{name:path}", openai.one_model),
         Route("POST",   "/v1/chat/completions",   openai.chat_completions),
         Route("POST",   "/v1/completions",        openai.completions),
+        Route("POST",   "/v1/responses",          responses.create),
         Route("POST",   "/tokenize",              tokens.tokenize),    # vLLM's
         Route("POST",   "/detokenize",            tokens.detokenize),  # vLLM's
 

@@ -88,7 +88,10 @@ def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
         build_app(coordinator), host=config.host, port=config.port, loop=loop,
         # timeouts and connection counts (coordinator/connection_limits.py)
         http=protocol_for(config), timeout_keep_alive=config.idle_timeout_s,
-        lifespan="on", log_level="info", access_log=False,
+        # log_config=None: uvicorn's loggers go through the root handler that
+        # common/log_format.py set (one format, JSON included); its access log is off, as
+        # coordinator/access_log.py writes ours (with the request id and the duration).
+        lifespan="on", log_level="info", log_config=None, access_log=False,
         timeout_graceful_shutdown=graceful_timeout_s, **tls))
 
 

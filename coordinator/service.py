@@ -26,7 +26,8 @@ from coordinator.placement import choose_embedder
 from coordinator.prompts import off_loop
 from coordinator.registry import WorkerRegistry
 from coordinator.residency import Residency
-from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, WorkerError
+from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
+from common import request_id
 from common.errors import ContextLengthError, InvalidOptionError
 from common.grammar_compile import check_grammar
 from common.model_store import ModelStore
@@ -109,10 +110,11 @@ class Coordinator:
     # ---- requests -------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], params: SamplingParams,
-                cache_salt: bytes = b"", model: ServedModel | None = None) -> FlowRequest:
+                cache_salt: bytes = b"", model: ServedModel | None = None,
+                siblings: Siblings | None = None) -> FlowRequest:
         """Check a request against its model's limits (model None: the default model); raises
         a TandemError naming the limit. cache_salt: the caller's prefix-cache tenant
-        (coordinator/tenants.py).
+        (coordinator/tenants.py); siblings: shared by the choices of one request.
 
         A prompt longer than the context window is an error, never silently truncated."""
         model = model or self.model
@@ -141,21 +143,26 @@ class Coordinator:
         # The stop set both workers get: the model's end-of-text tokens unless ignore_eos,
         # and the client's stop_token_ids.
         model_stops = frozenset() if params.ignore_eos else model.tokenizer.stop_token_ids
+        # log_id: the id of the API call being served (set by coordinator/access_log.py or
+        # the gRPC API), so the workers' log lines about this request carry it too.
         return FlowRequest(request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
                            max_tokens=max_tokens,
                            stop_token_ids=model_stops | frozenset(params.stop_token_ids),
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, log_id=request_id.current.get(),
+                           siblings=siblings)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings, keep_alive_s: float | None = None,
-                     cache_salt: bytes = b"", model: ServedModel | None = None) -> Generation:
+                     cache_salt: bytes = b"", model: ServedModel | None = None,
+                     siblings: Siblings | None = None) -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
         A grammar that does not compile is refused here (InvalidOptionError: a 400).
         keep_alive_s: how long the model stays loaded after this request (None = the
         server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant.
-        model: the model the request named (None: the default model)."""
+        model: the model the request named (None: the default model). siblings: shared by the
+        choices of one request (coordinator/choices.py)."""
         timings.prompt_tokens = len(prompt_ids)
-        request = self.prepare(prompt_ids, params, cache_salt, model)
+        request = self.prepare(prompt_ids, params, cache_salt, model, siblings)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)
@@ -249,7 +256,9 @@ class Coordinator:
                     else self.config.local_chunk_size)
                 stub = record.prefill_stub if on_prefill else record.decode_stub
                 try:
-                    result = await stub.Embed(request, timeout=self.config.prefill_timeout_s)
+                    result = await stub.Embed(request, timeout=self.config.prefill_timeout_s,
+                                              metadata=request_id.metadata(
+                                                  request_id.current.get()))
                     return [list(e.values) for e in result.embeddings]
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()

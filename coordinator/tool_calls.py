@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any

@@ -4,7 +4,11 @@ stop string, coordinator gives up) aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from common import request_id, tracing
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from common.errors import ResidencyError, TandemError
@@ -13,6 +17,8 @@ from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from common.wire import logprobs_to_proto, sampling_from_proto
 
+log = logging.getLogger("tandem.decode")
+
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, status) -> None:
@@ -20,6 +26,24 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.status_fn = status
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # The client's request id, on this call's log lines (grpc.aio: one task per call).
+        metadata = context.invocation_metadata()
+        request_id.current.set(request_id.from_metadata(metadata))
+        # Not the current span: this generator's body spans its yields (common/tracing.py).
+        span = tracing.start_span("decode", parent=tracing.extract(metadata), kind="server",
+                                  attributes={"tandem.request_id": request.request_id,
+                                              "tandem.prompt_tokens": len(request.prompt_token_ids),
+                                              "tandem.remote_prefill": request.remote_prefill})
+        messages = self._generate(request, context, span)
+        try:
+            async for message in messages:
+                yield message
+        finally:
+            await messages.aclose()  # now, not at garbage collection: its finally frees the KV
+            span.end()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span):
         try:
             params = sampling_from_proto(request.sampling)
         except TandemError as exc:
@@ -36,11 +60,28 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info("generate %s: %d prompt tokens, %s prefill, up to %d tokens", job.request_id,
+                 len(job.prompt_token_ids), "remote" if job.remote_prefill else "local",
+                 job.max_tokens)
         finished = False
+        generated = 0
+        # A remote prefill's first tokens event waits for every layer of its KV.
+        transfer = (tracing.start_span("kv_transfer", parent=span,
+                                       attributes={"tandem.transfer_id": job.transfer_id})
+                    if job.remote_prefill else None)
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finished
+                generated += len(event.token_ids)
+                if transfer is not None:
+                    transfer.set_attribute("tandem.kv_bytes", event.kv_bytes_received)
+                    transfer.end()
+                    transfer = None
+                if finished:
+                    log.info("generate %s: %s after %d tokens%s", job.request_id,
+                             event.finish_reason or "finished", generated,
+                             f" ({event.error})" if event.error else "")
                 yield pb.GenerateEvent(tokens=pb.Tokens(
                     token_ids=event.token_ids, finished=event.finished, finish_reason=event.finish_reason,
                     error=event.error, num_cached_tokens=event.num_cached_tokens,
@@ -48,7 +89,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     logprobs=logprobs_to_proto(event.logprobs),
                     prompt_logprobs=logprobs_to_proto(event.prompt_logprobs)))
         finally:
+            span.set_attribute("tandem.output_tokens", generated)
+            if transfer is not None:
+                transfer.end()
             if not finished:
+                log.info("generate %s: cancelled by the coordinator after %d tokens",
+                         job.request_id, generated)
                 self.worker.close_stream(job.request_id)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResult:

@@ -74,6 +74,8 @@ from engine.device import DEFAULT_DEVICE, check_device_spec
 from engine.speculative_config import parse_speculative
 from common.errors import TandemError
 from common.lifeline import Lifeline, death_signal
+from common.log_format import LOG_FORMATS
+from common.tracing import traces_url
 from common.shm_segments import reclaim_orphans
 from deploy.ports import claim_ports
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
@@ -126,6 +128,9 @@ class Topology:
     # More models served by the same cluster: (name as the user gave it, resolved path), each
     # with workers of its own (the module docstring). Empty: one model, `model`.
     more_models: tuple[tuple[str, Path], ...] = ()
+    log_format: str = "text"  # every process's --log-format (common/log_format.py)
+    access_log: bool = True  # False: the coordinator gets --no-access-log
+    otlp_traces_endpoint: str | None = None  # every process's --otlp-traces-endpoint
 
     @property
     def models(self) -> tuple[tuple[str, Path], ...]:
@@ -167,6 +172,11 @@ class Topology:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_device_spec(self.device)
         parse_speculative(self.speculative)  # ValueError naming what is wrong
+        if self.otlp_traces_endpoint:
+            traces_url(self.otlp_traces_endpoint)  # ValueError naming a bad URL
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                             f"got {self.log_format!r}")
         if self.api_key is not None and not (self.api_key and all(
                 "!" <= c <= "~" for c in self.api_key)):  # as coordinator/config.py checks it
             raise ValueError("the API key must be a non-empty string of visible ASCII "
@@ -188,7 +198,9 @@ class Topology:
         return {"prefill": self.prefill * n, "decode": self.decode * n}
 
     def coordinator_flags(self) -> list[str]:
-        flags = ["--chunk-size", str(self.chunk_size)]
+        flags = ["--chunk-size", str(self.chunk_size), *self.log_flags()]
+        if not self.access_log:
+            flags.append("--no-access-log")
         for flag, value in (("--prefill-threshold", self.prefill_threshold),
                             ("--local-chunk-size", self.local_chunk_size),
                             ("--max-streams", self.max_streams)):
@@ -196,10 +208,18 @@ class Topology:
                 flags += [flag, str(value)]
         return flags
 
+    def log_flags(self) -> list[str]:
+        """Every process's --log-format and --otlp-traces-endpoint, given only when not the
+        processes' defaults (text, none)."""
+        flags = [] if self.log_format == "text" else ["--log-format", self.log_format]
+        if self.otlp_traces_endpoint:
+            flags += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+        return flags
+
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
         flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype,
-                 "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
+                 *self.log_flags(), "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
         # Speculation is decoding's: prefill workers never get --speculative.
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
                   "decode": [("--decode-quant", self.decode_quant),

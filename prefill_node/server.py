@@ -4,7 +4,11 @@ call aborts the request and frees its blocks."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from common import request_id, tracing
 
 from common.errors import ResidencyError, TandemError
 from worker.node_server import embed_rpc, set_resident
@@ -14,6 +18,8 @@ from common.wire import logprobs_to_proto, sampling_from_proto
 from prefill_node.senders import SenderPool
 from prefill_node.worker import PrefillJob, PrefillWorker
 
+log = logging.getLogger("tandem.prefill")
+
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, senders: SenderPool, status) -> None:
@@ -22,6 +28,20 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.status_fn = status
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResult:
+        # The client's request id, on this call's log lines (grpc.aio: one task per call).
+        metadata = context.invocation_metadata()
+        request_id.current.set(request_id.from_metadata(metadata))
+        # A child of the coordinator's span (traceparent in the metadata; common/tracing.py).
+        with tracing.current_span("prefill", parent=tracing.extract(metadata), kind="server",
+                                  attributes={"tandem.transfer_id": request.transfer_id,
+                                              "tandem.prompt_tokens":
+                                                  len(request.prompt_token_ids)}) as span:
+            result = await self._prefill(request, context)
+            span.set_attribute("tandem.cached_tokens", result.num_cached_tokens)
+            return result
+
+    async def _prefill(self, request: pb.PrefillRequest,
+                       context: grpc.aio.ServicerContext) -> pb.PrefillResult:
         dest = request.destination
         if not request.request_id or not request.prompt_token_ids or not dest.endpoint:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -43,6 +63,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # the engine loop died: the coordinator retries elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info("prefill %s: %d prompt tokens (%d cached) in %.3f s, KV to %s (%s)",
+                 job.transfer_id, len(job.prompt_token_ids), outcome.num_cached_tokens,
+                 outcome.seconds, dest.endpoint, dest.backend)
         return pb.PrefillResult(first_token=outcome.first_token, num_cached_tokens=outcome.num_cached_tokens,
                                 prefill_seconds=outcome.seconds,
                                 logprobs=logprobs_to_proto(outcome.logprobs),

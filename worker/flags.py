@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 
+from common.log_format import add_log_flags
+from common.tracing import add_tracing_flag
+
 from engine.config import (
     DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfig, SchedulerConfig,
 )
@@ -122,7 +125,8 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
                    help="KV pool size in GiB when --num-blocks is not given (default 1)")
     add_engine_flags(p, "worker")
     add_worker_flags(p, "worker")
-    p.add_argument("--log-level", default=w.log_level)
+    add_log_flags(p)  # --log-level, --log-format (common/log_format.py)
+    add_tracing_flag(p)  # --otlp-traces-endpoint (common/tracing.py)
     from common.cluster_auth import add_auth_args  # imports grpc: kept off the CLI's start-up
 
     add_auth_args(p)

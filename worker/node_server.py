@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -31,7 +32,10 @@ from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from worker.runtime import configure_process, release_freed_memory
 from common.grpc_server import bind, new_server
+from common import request_id
 from common.lifeline import watch_launcher
+from common.log_format import setup_logging
+from common.tracing import endpoint_from, setup_tracing
 
 log = logging.getLogger("tandem.node")
 
@@ -99,6 +103,7 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
 async def embed_rpc(worker, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResult:
     """Embed of either worker service (proto/worker.proto), over its Embedder."""
+    request_id.current.set(request_id.from_metadata(context.invocation_metadata()))
     inputs = [list(t.token_ids) for t in request.inputs]
     if not inputs:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
@@ -110,6 +115,8 @@ async def embed_rpc(worker, request: pb.EmbedRequest,
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     except RuntimeError as exc:  # the engine loop died: let the coordinator route around us
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    log.info("embed %s: %d inputs, %d tokens", request.request_id, len(inputs),
+             sum(map(len, inputs)))
     return pb.EmbedResult(embeddings=[pb.Embedding(values=v) for v in vectors])
 
 
@@ -310,9 +317,10 @@ def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | N
     import uvloop
 
     args = worker_arg_parser(prog, roles).parse_args(argv)
-    setup_logging(args.log_level)
     watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
+        setup_logging(args.log_level, args.log_format)
+        setup_tracing(f"tandem-{args.role}", endpoint_from(args.otlp_traces_endpoint, os.environ))
         config = WorkerConfig.from_args(args)
     except ValueError as exc:
         sys.stderr.write(f"Error: {exc}\n")
@@ -324,7 +332,4 @@ def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | N
         return 1
     return 0
 
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

@@ -224,3 +224,35 @@ def test_serve_takes_several_models_each_resolved(tmp_path, monkeypatch):
     (topology,) = seen
     assert topology.models == ((str(a), a), (str(b), b))
     assert topology.expected_workers() == {"prefill": 2, "decode": 4}
+
+
+def test_serve_gives_every_process_the_log_format_and_the_coordinator_no_access_log(
+        tmp_path, monkeypatch):
+    import cli.main
+    import deploy.local
+    from tests.helpers.coordinator_fakes import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = []
+    monkeypatch.setattr(deploy.local, "serve",
+                        lambda topology, **kw: seen.append(topology) or 0)
+    common = ["serve", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs")]
+    assert cli.main.main([*common, "--log-format", "json", "--no-access-log",
+                          "--otlp-traces-endpoint", "http://collector:4318"]) == 0
+    assert cli.main.main(common) == 0
+    (json_lines, plain) = seen
+    coordinator, *workers = deploy.local.plan(json_lines)[0]
+    assert workers and all(" --log-format json " in " ".join(s.argv) + " "
+                           for s in (coordinator, *workers))
+    assert "--no-access-log" in coordinator.argv
+    assert all(" --otlp-traces-endpoint http://collector:4318 " in " ".join(s.argv) + " "
+               for s in (coordinator, *workers))
+    assert not any("--no-access-log" in w.argv for w in workers)
+    for spec in deploy.local.plan(plain)[0]:  # the defaults: text lines, access log on
+        assert not {"--log-format", "--no-access-log", "--otlp-traces-endpoint"} & set(spec.argv)
+    with pytest.raises(ValueError, match="log_format must be one of text, json"):
+        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, log_format="xml")
+    with pytest.raises(ValueError, match="must be an http\\(s\\) URL"):
+        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path,
+                              otlp_traces_endpoint="collector:4318")

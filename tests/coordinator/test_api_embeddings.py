@@ -99,7 +99,8 @@ def test_embedding_errors_in_each_apis_shape(server):
     assert status == 404 and body["error"]["type"]
     status, body = post(server + "/v1/embeddings", {"model": MODEL, "input": []})
     assert status == 400 and body["error"]["message"]
-    status, body = post(server + "/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 8})
+    status, body = post(server + "/v1/embeddings", {"model": MODEL, "input": "x",
+                                                     "dimensions": HIDDEN + 1})
     assert status == 400 and "dimensions" in body["error"]["message"]
     status, body = post(server + "/v1/embeddings", {"model": MODEL, "input": "x" * 60000})
     assert status in (400, 413) and body["error"]["message"]

@@ -63,8 +63,8 @@ def test_openai_errors_have_openai_shape(oai):
         oai.chat.completions.create(model="nope", messages=MESSAGES)
     assert "model 'nope' not found" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
-    assert "n must be 1" in info.value.message
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
+    assert "n must be an integer between 1 and 16, got 17" in info.value.message
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1)
 

@@ -184,3 +184,22 @@ def test_health_answers_probes_without_the_api_key_while_the_api_needs_it(model)
     health, version = run(scenario())
     assert health.status_code == 200
     assert version.status_code == 401
+
+
+def test_swagger_ui_over_the_openapi_schema_and_root_still_answers_as_ollama(model):
+    async def scenario():
+        async with coordinator_harness(model) as h, \
+                httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            return [await client.get(f"{h.url}{path}")
+                    for path in ("/docs", "/openapi.json", "/", "/redoc")]
+
+    docs, schema, root, redoc = run(scenario())
+    assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
+    assert "SwaggerUIBundle" in docs.text and "'/openapi.json'" in docs.text
+    assert "cdn.jsdelivr.net" in docs.text  # the UI's assets come from FastAPI's default CDN
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert {"/api/chat", "/v1/chat/completions", "/health"} <= set(paths)
+    assert "/docs" not in paths
+    assert root.status_code == 200 and root.text == "Ollama is running"
+    assert redoc.status_code == 404
