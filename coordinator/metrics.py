@@ -325,8 +325,8 @@ class _RelayedCounters:
                          "KV blocks not moved because the receiver had them cached", kv_labels)
         rejected = family("tandem_worker_kv_auth_rejected", "KV frames and handshakes the "
                           "worker refused for want of the cluster secret", kv_labels)
-        calls = family("tandem_grpc_refused_calls", "Internal gRPC calls refused for want of a "
-                       "valid cluster proof", ["process", "method", "reason"])
+        calls = family("tandem_grpc_refused_calls", "Internal calls (gRPC, and HTTP /internal/*) "
+                       "refused for want of a valid cluster proof", ["process", "method", "reason"])
         for (method, reason), count in self.refused.items():
             calls.add_metric(["coordinator", method, reason], count)
         for w in self.workers:

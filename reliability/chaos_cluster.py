@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.internal_http import get_internal
 from reliability.fault_proxy import FaultProxy
 from deploy.local import LocalCluster, Topology, free_port, plan
 
@@ -196,8 +197,7 @@ class ChaosCluster:
     # -- the coordinator's view --------------------------------------------------------------
 
     def workers(self) -> list[dict]:
-        with urllib.request.urlopen(self.url + "/internal/workers", timeout=5) as r:
-            return json.loads(r.read())["workers"]
+        return get_internal(self.url, self.ready.secret, timeout=5)["workers"]
 
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
