@@ -191,9 +191,10 @@ def _local_secret(t: ClusterTopology) -> str | None:
 
 
 def _internal_api_from(t: ClusterTopology) -> list[str]:
-    """A coordinator on another host answers /internal/workers (the launcher's readiness poll)
-    only to the networks it is told: every host address of the topology, where the launcher
-    runs (the same host as the coordinator needs nothing)."""
+    """Without a cluster secret, a coordinator on another host answers /internal/workers (the
+    launcher's readiness poll) only to the networks it is told: every host address of the
+    topology, where the launcher runs (the same host as the coordinator needs nothing). With a
+    secret the poll's proof is what opens it (common/internal_http.py); the flags are inert."""
     if t.coordinator.host.kind == "local":
         return []
     flags = []
