@@ -1,8 +1,7 @@
 """A multi-host topology file (TOML): which roles run on which hosts, on which ports.
 
     model = "smollm2"            # a name in each host's own store (`tandem pull`), or a path
-    kv_backend = "zmq"           # zmq | grpc across hosts; shm only when all workers share one;
-                                 # dist across hosts only with worker_args "--insecure-dist"
+    kv_backend = "zmq"           # zmq | grpc across hosts; shm only when all workers share one
     worker_args = ["--decode-quant", "int4"]   # optional: flags for every worker
 
     [hosts.gpu-a]                # how to reach a host; a role's host missing here is taken
@@ -295,11 +294,6 @@ def _check_workers(t: ClusterTopology, where: str) -> None:
         raise TopologyError(f"{where}: hosts {', '.join(sorted(loopback))} have loopback "
                             "addresses, which roles on the other hosts cannot reach; give "
                             "every host an address the others can reach")
-    if t.kv_backend == "dist" and any(not is_loopback(w.host.bind) for w in t.workers) and not all(
-            "--insecure-dist" in t.worker_args + w.args for w in t.workers):
-        raise TopologyError(f"{where}: kv_backend 'dist' off loopback has no authentication on its "
-                            "TCPStore and gloo sockets: use zmq or grpc, or add \"--insecure-dist\" "
-                            "to worker_args on a network where every host is trusted")
     if t.kv_backend == "shm":
         worker_hosts = {w.host.address for w in t.workers}
         if len(worker_hosts) > 1:
