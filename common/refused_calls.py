@@ -1,5 +1,6 @@
 """Counts of the internal gRPC calls a process refused (common/cluster_auth.py's interceptor;
-the Registry's refusals of a live worker's id, coordinator/registry.py),
+the Registry's refusals of a live worker's id, coordinator/registry.py; the coordinator's
+internal HTTP routes, method "GET /internal/workers", coordinator/ops_routes.py),
 by method and reason, so a rogue or misconfigured peer shows on /metrics, not only in a log.
 
 A worker sends its counts in every heartbeat (WorkerStatus.refused_calls); the coordinator
@@ -16,7 +17,8 @@ import threading
 REASONS = (("no cluster proof", "no_proof"), ("malformed", "malformed"),
            ("wrong cluster proof", "wrong_secret"), ("stale", "stale"),
            ("cluster proof of another request", "other_request"), ("replayed", "replayed"),
-           ("worker id", "id_in_use"))  # coordinator/registry.py: a live worker's id claimed
+           ("worker id", "id_in_use"),  # coordinator/registry.py: a live worker's id claimed
+           ("off this host", "off_host"))  # /internal/* without a secret: a remote peer
 
 
 def reason_label(message: str) -> str:

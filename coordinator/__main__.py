@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                    help="largest HTTP request body (413 above)")
     p.add_argument("--internal-api-from", action="append", default=[], metavar="CIDR",
-                   help="also serve GET /internal/workers to clients in this network "
-                        "(repeatable; by default only to clients on this host)")
+                   help="without a cluster secret, also serve GET /internal/workers to "
+                        "clients in this network (repeatable; by default only to clients on "
+                        "this host); with a secret every call needs the cluster proof")
     p.add_argument("--max-messages", type=int, default=DEFAULTS.max_messages,
                    help="most messages in one chat request")
     p.add_argument("--max-streams", type=int, default=DEFAULTS.max_streams,

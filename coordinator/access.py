@@ -32,8 +32,9 @@ for a server behind a proxy that checks names itself). Any other Host is a 403.
 
 The key is compared in constant time: hmac.compare_digest over SHA-256 digests, so that neither
 its bytes nor its length show in the timing. Open without it: `/` (GET and HEAD: the health
-check of load balancers and of the Kubernetes manifests), /internal/workers (served only to
-peers on this host or in --internal-api-from, and polled by the launchers), and gRPC's
+check of load balancers and of the Kubernetes manifests), /health, /metrics (Prometheus
+scrapers, as vLLM serves it), /internal/workers (behind the cluster's proof with a secret,
+else only for peers on this host or in --internal-api-from; polled by the launchers), and gRPC's
 grpc.health.v1 (Kubernetes' grpc probes cannot send metadata). On the gRPC API the key is the
 metadata `authorization: Bearer KEY`; without it a call ends UNAUTHENTICATED before its method
 runs (ApiKeyInterceptor).
@@ -61,9 +62,11 @@ OLLAMA_DEFAULT_ORIGINS = (
     *(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
       for scheme in ("http", "https") for port in ("", ":*")),
     "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
-# Served without the key: Ollama's liveness page, the launchers' worker list (same-host only),
-# and /health for load balancers and Kubernetes probes (it says only whether a worker serves).
-OPEN_PATHS = frozenset({"/", "/internal/workers", "/health"})
+# Served without the key: Ollama's liveness page, the launchers' worker list (behind the
+# cluster proof instead: coordinator/ops_routes.py), /health for load balancers and Kubernetes
+# probes (it says only whether a worker serves), and /metrics for Prometheus (vLLM's choice:
+# the key protects the API routes; the counters name no prompt and no key).
+OPEN_PATHS = frozenset({"/", "/internal/workers", "/health", "/metrics"})
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 VERSION_HEADER = "X-Tandem-Version"
 # gin-contrib/cors' defaults, as Ollama serves them.

@@ -74,11 +74,12 @@ class CoordinatorConfig:
     max_connections: int = 4096  # open HTTP connections in all
     # from one client address; >= max_streams, so that one host can fill the server
     max_connections_per_client: int = 1024
-    # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint) is served to
-    # clients on this host only, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
+    # GET /internal/workers (worker addresses, KV endpoints, the model fingerprint): with a
+    # cluster secret, to calls with the cluster proof only (coordinator/ops_routes.py); without
+    # one, to clients on this host, and to these networks (CIDR, e.g. "10.0.0.0/8") if given.
     internal_api_from: tuple[str, ...] = ()
     # The key of the client APIs (coordinator/access.py): HTTP `Authorization: Bearer KEY` on
-    # every route but `/` and /internal/workers, gRPC metadata `authorization: Bearer KEY` on
+    # every route but `/`, /health, /metrics and /internal/workers, gRPC metadata `authorization: Bearer KEY` on
     # all but grpc.health.v1. None = no key. Read from TANDEM_API_KEY, never from a flag (ps
     # shows a command line); repr=False keeps it out of every log of this config.
     api_key: str | None = field(default=None, repr=False)

@@ -334,8 +334,8 @@ class _RelayedCounters:
                         "a draft", spec_labels)
         emitted = family("tandem_spec_decode_num_emitted_tokens", "Tokens the verification "
                          "passes emitted (accepted drafts + the target's own token)", spec_labels)
-        calls = family("tandem_grpc_refused_calls", "Internal gRPC calls refused for want of a "
-                       "valid cluster proof", ["process", "method", "reason"])
+        calls = family("tandem_grpc_refused_calls", "Internal calls (gRPC, and HTTP /internal/*) "
+                       "refused for want of a valid cluster proof", ["process", "method", "reason"])
         for (method, reason), count in self.refused.items():
             calls.add_metric(["coordinator", method, reason], count)
         for w in self.workers:

@@ -8,6 +8,8 @@ import ipaddress
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from common.cluster_auth import PROOF_HEADER
+from common.internal_http import WORKERS_PATH, internal_method
 from coordinator.http_errors import error_response
 from coordinator.ollama_routes import tandem_version
 from coordinator.registry import DECODE_ROLES
@@ -50,13 +52,27 @@ class OpsRoutes:
         return JSONResponse({"version": tandem_version()})
 
     # Worker addresses, KV endpoints and the model fingerprint a worker registers with: for the
-    # launchers on this host (deploy/local.py, deploy/launch.py, deploy/ray_launcher.py and the
-    # tests poll it), and for networks named by --internal-api-from; a 403 to everyone else.
+    # launchers (deploy/local.py, deploy/launch.py, deploy/ray_launcher.py, the chaos suite and
+    # the tests poll it). With a cluster secret only a call with a cluster proof is served
+    # (common/internal_http.py): the peer's address proves nothing behind a local reverse proxy.
+    # Without one (an open plane), clients on this host or in --internal-api-from. Every
+    # refusal is a 403, counted in tandem_grpc_refused_calls_total{method="GET /internal/workers"}.
     async def workers(self, request: Request) -> JSONResponse:
-        if not _internal_client(request, self.internal_from):
+        method = internal_method(WORKERS_PATH)
+        auth = self.coordinator.config.cluster_auth
+        if auth.secret:
+            reason = auth.admit(method, request.headers.get(PROOF_HEADER), body=b"")
+            if reason:
+                auth.refused.add(method, reason)
+                return error_response(request.url.path, 403,
+                                      f"{WORKERS_PATH} needs the cluster's proof in the header "
+                                      f"{PROOF_HEADER!r}: {reason}")
+        elif not _internal_client(request, self.internal_from):
+            auth.refused.add(method, "off this host")
             return error_response(request.url.path, 403,
-                                  "/internal/workers is served only to clients on the "
-                                  "coordinator's host (or in --internal-api-from)")
+                                  f"{WORKERS_PATH} is served only to clients on the "
+                                  "coordinator's host (or in --internal-api-from) when the "
+                                  "cluster has no secret")
         return JSONResponse(self.coordinator.workers_report())
 
 

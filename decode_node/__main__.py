@@ -34,7 +34,13 @@ from worker.config import WorkerConfig
 log = logging.getLogger("tandem.decode")
 
 
-def kv_endpoint_spec(backend: str, host: str, port: int) -> dict:
+def kv_endpoint_spec(backend: str, host: str, port: int, advertised: str | None = None) -> dict:
+    if backend == "dist" and host in ("0.0.0.0", "::", "*"):
+        # dist's store and gloo bind one interface (never every one): the advertised one.
+        if not advertised or advertised in ("0.0.0.0", "::", "*"):
+            raise TandemError("--kv-backend dist with a wildcard --host needs --advertise-host "
+                              "(the interface its unauthenticated store and gloo bind)")
+        host = advertised
     if backend in ("zmq", "dist"):  # dist: its control channel is zmq's
         return {"endpoint": f"tcp://{host}:{port or '*'}"}
     if backend == "grpc":
@@ -73,9 +79,14 @@ async def main_async(config: WorkerConfig) -> None:
     else:
         raise TandemError(f"a decode worker on {device} cannot use --kv-backend shm: its "
                           f"senders write a host shared-memory pool; use dist, zmq or grpc")
+    if config.kv_backend == "dist" and config.insecure_dist:
+        log.warning("WARNING: --insecure-dist: the dist KV backend's TCPStore and gloo sockets "
+                    "on %s are not authenticated; a peer that reaches them can end this worker",
+                    config.advertised)
     kv_auth = kv_auth_from(config.cluster_auth)  # with a cluster secret: CURVE and per-transfer tokens
     receiver = kvtransfer.create_receiver(config.kv_backend, cache, layout,
-                                          **kv_endpoint_spec(config.kv_backend, config.host, config.kv_port),
+                                          **kv_endpoint_spec(config.kv_backend, config.host, config.kv_port,
+                                                             config.advertised),
                                           **({"auth": kv_auth} if kv_auth else {}))
     engine = build_engine(config, path, sized, kv_cache=cache.tensor)
     loop = asyncio.get_running_loop()

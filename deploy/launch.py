@@ -34,11 +34,11 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.internal_http import get_internal
 from common.processes import start_time
 from deploy.cluster_ca import Issued
 from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, SECRET_FILE, write_secret_file
@@ -174,13 +174,27 @@ def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | No
         stdin = stdin_lines(values, files) if ssh and (values or files) else b""
         specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv,
                                  env=env, stdin=stdin))
-    return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers))
+    return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers),
+                            secret=secret or _local_secret(t))
+
+
+def _local_secret(t: ClusterTopology) -> str | None:
+    """[security] cluster_secret_file's secret where this host has that file (each host reads
+    its own copy): the readiness poll's proof needs it. None where it has not: the poll is
+    refused, and the start-up times out naming the 403."""
+    if not t.secret_file:
+        return None
+    try:
+        return Path(t.secret_file).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _internal_api_from(t: ClusterTopology) -> list[str]:
-    """A coordinator on another host answers /internal/workers (the launcher's readiness poll)
-    only to the networks it is told: every host address of the topology, where the launcher
-    runs (the same host as the coordinator needs nothing)."""
+    """Without a cluster secret, a coordinator on another host answers /internal/workers (the
+    launcher's readiness poll) only to the networks it is told: every host address of the
+    topology, where the launcher runs (the same host as the coordinator needs nothing). With a
+    secret the poll's proof is what opens it (common/internal_http.py); the flags are inert."""
     if t.coordinator.host.kind == "local":
         return []
     flags = []
@@ -268,15 +282,15 @@ def _launch(t: ClusterTopology, state_dir: Path, secret: str | None,
     state_dir.mkdir(parents=True, exist_ok=True)
     out(f"starting {', '.join(s.name for s in specs)}; logs in {state_dir}")
     try:
-        return run_until_stopped(cluster, lambda: _print_endpoints(t, out), out, on_spawn=record)
+        return run_until_stopped(cluster, lambda: _print_endpoints(t, ready.secret, out), out,
+                                 on_spawn=record)
     finally:
         state_path.unlink(missing_ok=True)
 
 
-def _print_endpoints(t: ClusterTopology, out: Callable[[str], None]) -> None:
+def _print_endpoints(t: ClusterTopology, secret: str | None, out: Callable[[str], None]) -> None:
     try:
-        with urllib.request.urlopen(f"{t.url}/internal/workers", timeout=10) as r:
-            workers = {w["worker_id"]: w for w in json.loads(r.read())["workers"]}
+        workers = {w["worker_id"]: w for w in get_internal(t.url, secret)["workers"]}
     except (OSError, ValueError, KeyError):
         workers = {}  # a process that just died is reported by the serving loop
     out(f"tandem is serving {t.model} at {t.url}  (Ollama API: {t.url}/api/chat, "

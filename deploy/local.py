@@ -53,18 +53,15 @@ started on the far side.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +70,7 @@ from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfi
 from engine.device import DEFAULT_DEVICE, check_device_spec
 from engine.speculative_config import parse_speculative
 from common.errors import TandemError
+from common.internal_http import get_internal
 from common.lifeline import Lifeline, death_signal
 from common.log_format import LOG_FORMATS
 from common.tracing import traces_url
@@ -253,6 +251,9 @@ class Readiness:
     url: str  # the coordinator's HTTP base URL
     expected: dict[str, int]  # live workers by role
     worker_ids: tuple[str, ...] = ()  # these workers must be live too (named launches)
+    # The cluster secret the poll of /internal/workers makes its proof with (common/
+    # internal_http.py); None for an open plane, which the coordinator serves on its host.
+    secret: str | None = field(default=None, repr=False)
 
 
 def _slug(name: str) -> str:
@@ -320,7 +321,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
                          "models names that differ in their letters and digits")
     # With several models, counts by role could be met by one model's workers: name them all.
     named = tuple(names[1:]) if t.more_models else ()
-    return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers(), named)
+    return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers(), named,
+                            secret=t.cluster_secret)
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -453,13 +455,10 @@ class LocalCluster:
     def _live_workers(self) -> tuple[dict[str, int], set[str]] | str:
         """(live counts by role, ids of live workers), or why the coordinator did not say."""
         try:
-            # Over https the poll does not check the certificate: it is made for the names
-            # clients use, maybe not for this address, and the answer is only a count of
-            # live workers, from a process this launcher started.
-            context = ssl._create_unverified_context() if self.ready.url.startswith("https") else None
-            with urllib.request.urlopen(f"{self.ready.url}/internal/workers", timeout=2,
-                                        context=context) as r:
-                report = json.loads(r.read())
+            # Over https get_internal does not check the certificate: it is made for the
+            # names clients use, maybe not for this address, and the answer is only a count
+            # of live workers, from a process this launcher started.
+            report = get_internal(self.ready.url, self.ready.secret, timeout=2)
             return report["live"], {w["worker_id"] for w in report["workers"] if w["alive"]}
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
             return f"coordinator not answering: {exc}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -32,12 +31,12 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
+from common.internal_http import get_internal
 from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, cluster_secret
 from deploy.local import LaunchError, log_tail
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
@@ -204,8 +203,8 @@ class RayLauncher:
                 "--registry-port", str(node["ports"][0]), "--chunk-size", str(self.t.chunk_size)]
         if self.t.prefill_threshold is not None:
             argv += ["--prefill-threshold", str(self.t.prefill_threshold)]
-        # This driver polls /internal/workers, which a coordinator serves only to its own host
-        # and to the networks it is told.
+        # This driver polls /internal/workers with the cluster proof (common/internal_http.py);
+        # an open plane's coordinator serves it only to its own host and the networks it is told.
         driver_ip = ray.util.get_node_ip_address()
         if driver_ip != node["ip"]:
             argv += ["--internal-api-from", driver_ip]
@@ -241,9 +240,8 @@ class RayLauncher:
                                       f"last lines of its log on node {placed.node_id}:\n"
                                       f"{ray.get(placed.actor.tail.remote())}")
             try:
-                with urllib.request.urlopen(f"{self.url}/internal/workers", timeout=2) as r:
-                    live = {w["worker_id"] for w in json.loads(r.read())["workers"]
-                            if w["alive"]}
+                live = {w["worker_id"] for w in get_internal(
+                    self.url, self.t.cluster_secret, timeout=2)["workers"] if w["alive"]}
                 if expected <= live:
                     return
                 last = f"not yet registered: {', '.join(sorted(expected - live))}"

@@ -7,9 +7,10 @@ abort, revocations and goodbyes are the zmq backend's.
     sender (connect(), then its I/O thread)     receiver
     [H, HandshakeRequest]               --->    as zmq
                                         <---    [W, HandshakeReply]   layout checked here
-    [S, {sender id, pid, start, gpu}]   --->    pick the group class, start the pair's thread
-                                        <---    [s, {ok, store port, group backend}]
-    join the group as rank 1 (PrefixStore(sender id) of the receiver's TCPStore, rank 0)
+    [S, {sender id, pid, start, gpu,    --->    proof checked (with a secret), pick the group
+         proof}]                                class, draw the pair key, start the pair's thread
+                                        <---    [s, {ok, store port, group backend, pair key}]
+    join the group as rank 1 (PrefixStore(pair key) of the receiver's TCPStore, rank 0)
     per unit: group.send(payload)  and  [T, KVHeader]  --->  the pair's thread, in header
                                                              order: group.recv(declared bytes)
                                                              into scratch (RECV_DEPTH posted
@@ -22,9 +23,12 @@ Ordering invariant: per pair, headers cross zmq and tensors cross the group in t
 header, in header order, whatever becomes of the unit: a unit the table refuses (unexpected
 transfer, foreign blocks, bad fingerprint or checksum...) is received into scratch all the
 same and dropped, so the next unit lands correctly. Nothing reaches the cache before the table
-validated it. A header whose declared size is not that of a unit the layout allows (or that
-cannot be decoded) leaves the stream unknowable: the pair is killed (its transfers fail, the
-group is dropped), never resynchronized.
+validated it. A header whose declared size is not exactly the bytes of the blocks it names
+(layout.payload_nbytes(len(block_ids)), at most one layer of the cache), or that cannot be
+decoded, leaves the stream unknowable: the pair is killed (its transfers fail, the group is
+dropped), never resynchronized, and no recv of that size is ever posted. That check is what
+keeps gloo alive: gloo terminates the process when a payload is larger than its posted recv,
+so the receiver never posts one that an honest sender's tensor could exceed.
 
 Block ownership: the receiver writes every byte itself under the table lock (two-sided, like
 zmq), so a failed or cancelled transfer's blocks are RELEASED at once. A dead sender process
@@ -33,10 +37,17 @@ process fence checked every ~100 ms: the pair dies and its transfers FAIL and ar
 A dead receiver surfaces on the sender through the zmq heartbeat or a failed group send:
 failed_peer.
 
-Trust: with a KVAuth the control channel is zmq's (CURVE, and every header's transfer token is
-checked by the table before its payload may reach the cache), but the store and the group's
-connections are not authenticated, and gloo terminates the process on a payload larger than
-the posted recv: the peers must share a trusted network (one deployment), as shm's share a host.
+Trust: with a keyed KVAuth the control channel is zmq's (CURVE, and every header's transfer
+token is checked by the table before its payload may reach the cache), and a pair forms only
+after its request's proof (KVAuth.handshake_proof over the sender id) checked out; the pair's
+store namespace is a random key sent over that channel alone, so a blind peer on the store
+port cannot place its address in a live rendezvous by naming a sender. What stays open: the
+TCPStore protocol has no authentication (a client that reaches its port can list its keys, so
+read a pair's key during the seconds of a rendezvous), and gloo's own connections carry none
+(a peer that joins a group can send a payload larger than the posted recv, which gloo answers
+by terminating the process). The store and gloo bind the receiver's interface, never 0.0.0.0;
+off loopback a worker runs dist only when told --insecure-dist (worker/config.py), on a
+network where every host is trusted, as shm's peers share a host.
 
 Memory: each pair keeps RECV_DEPTH scratch buffers, each grown to its largest unit (at most one
 layer of the whole cache).
@@ -47,6 +58,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -85,6 +97,7 @@ class _Pair:
     def __init__(self, receiver: DistReceiver, sender_id: str, ident: bytes, pid: int, start: int,
                  backend: str) -> None:
         self.receiver, self.sender_id, self.ident, self.backend = receiver, sender_id, ident, backend
+        self.key = secrets.token_hex(16)  # the pair's store namespace: unguessable, per pair
         self.fence = (pid, start) if pid > 0 and start and process_start_time(pid) == start else None
         self.dead = ""  # why the pair was killed; the I/O thread announces nothing more to it
         self._queue: queue.SimpleQueue[KVHeader | str | None] = queue.SimpleQueue()
@@ -115,7 +128,7 @@ class _Pair:
             # A store client of its own: a TCPStore client is one socket, and a rendezvous that
             # waits on it would stall every other pair's setup behind a sender that never joins.
             store = join_store(r._group_host or "127.0.0.1", r._store.port, r.group_timeout_s)
-            group = pair_group(store, self.sender_id, RECEIVER_RANK, self.backend,
+            group = pair_group(store, self.key, RECEIVER_RANK, self.backend,
                                r._group_host, r.group_timeout_s)
         except Exception as e:
             self.kill(f"process group with sender {self.sender_id} not set up: {e}")
@@ -189,8 +202,13 @@ class DistReceiver(ZmqReceiver):
         # The unit the layout allows at most: one layer of the whole cache.
         self._max_unit_bytes = layout.payload_nbytes(cache.num_blocks)
         host = endpoint[len("tcp://"):].rsplit(":", 1)[0] if endpoint.startswith("tcp://") else "127.0.0.1"
-        self._group_host = "" if host in ("*", "0.0.0.0") else host.strip("[]")
-        self._store = host_store(self._group_host or "0.0.0.0", group_timeout_s)
+        if host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+            # The store and gloo listen where the control channel does: on every interface,
+            # an unauthenticated store would face every network this host is on.
+            raise ValueError(f"a dist receiver binds one interface, not {endpoint!r}: name its "
+                             f"address (decode_node uses --advertise-host for a wildcard --host)")
+        self._group_host = host.strip("[]")
+        self._store = host_store(self._group_host, group_timeout_s)
         self._pairs: dict[str, _Pair] = {}  # sender id -> pair (I/O thread; read by close)
         self._by_ident: dict[bytes, _Pair] = {}
         self._acks: deque[tuple[bytes, Ack]] = deque()  # from pair threads to the I/O thread
@@ -245,12 +263,16 @@ class DistReceiver(ZmqReceiver):
             return {"ok": False, "reason": f"bad pair request: {e!r}"}
         if self._idents.get(sender_id) != ident:
             return {"ok": False, "reason": "pair request before the handshake"}
+        if self.auth is not None and not self.auth.handshake_ok(sender_id, str(request.get("proof", ""))):
+            # Checked before any group forms: no thread, no store key, no gloo socket for it.
+            self.table.count_rejected(f"pair request of {sender_id[:64]!r} without a valid proof")
+            return {"ok": False, "reason": "pair request without a valid proof"}
         if sender_id in self._pairs:
             return {"ok": False, "reason": "this sender already has a process group"}
         pair = _Pair(self, sender_id, ident, pid, start, backend)
         self._pairs[sender_id] = self._by_ident[ident] = pair
         log.debug("KV receiver at %s: pairing with sender %s over %s", self._endpoint, sender_id, backend)
-        return {"ok": True, "port": self._store.port, "backend": backend}
+        return {"ok": True, "port": self._store.port, "backend": backend, "key": pair.key}
 
     def _announce(self, ident: bytes, body: memoryview) -> list[bytes] | None:
         pair = self._by_ident.get(ident)
@@ -267,9 +289,12 @@ class DistReceiver(ZmqReceiver):
             # rather than failing each later transfer on an ack timeout.
             reason = f"no live process group for this sender{': ' + pair.dead if pair else ''}"
             return [ACK, Ack(header.seq, header.transfer_id, header.layer, False, reason).encode()]
-        if not 0 < header.payload_nbytes <= self._max_unit_bytes:
-            reason = (f"unit declares {header.payload_nbytes} bytes, outside (0, "
-                      f"{self._max_unit_bytes}] (one layer of the cache)")
+        expected = self.layout.payload_nbytes(len(header.block_ids))
+        if not 0 < header.payload_nbytes <= self._max_unit_bytes or header.payload_nbytes != expected:
+            # Refused before gloo sees the size: no recv is posted for it (see the module doc).
+            reason = (f"unit declares {header.payload_nbytes} bytes, not the {expected} of its "
+                      f"{len(header.block_ids)} block(s) or outside (0, {self._max_unit_bytes}] "
+                      f"(one layer of the cache)")
             pair.kill(reason)
             return [ACK, Ack(header.seq, header.transfer_id, header.layer, False, reason).encode()]
         pair.announce(header)
@@ -318,6 +343,8 @@ class DistSender(ZmqSender):
         pid, start = own_identity()
         request = {"sender_id": self.sender_id, "pid": pid, "start": start,
                    "gpu": device_uuid()}  # NCCL needs a GPU on both sides, and two of them
+        if self.auth is not None and self.auth.keyed:
+            request["proof"] = self.auth.handshake_proof(self.sender_id)
         self._send([PAIR, json.dumps(request).encode()])
         if not self._sock.poll(max(100, int((deadline - time.monotonic()) * 1000))):
             raise KVTransferError(f"no process-group reply from {endpoint} within "
@@ -334,7 +361,7 @@ class DistSender(ZmqSender):
                 self._device = torch.device("cuda", torch.cuda.current_device())
             remaining = max(0.1, deadline - time.monotonic())
             self._store = join_store(host, int(reply["port"]), remaining)
-            self._group = pair_group(self._store, self.sender_id, SENDER_RANK, backend,
+            self._group = pair_group(self._store, str(reply["key"]), SENDER_RANK, backend,
                                      local_address_towards(host), max(0.1, deadline - time.monotonic()))
         except Exception as e:
             raise KVTransferError(f"cannot join the process group of {endpoint}: {e}") from e

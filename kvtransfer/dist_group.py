@@ -4,8 +4,11 @@ No global init_process_group: a decode worker's receiver talks to many prefill w
 come and go, so (as vLLM's StatelessProcessGroup does) every pair gets a group of its own,
 built straight from the backend class over a store:
 
-    receiver: TCPStore(is_master=True, port=0)   one per receiver, port in the pair reply
-    pair:     PrefixStore("tandem-kv/<sender id>", store)   keys of different pairs never meet
+    receiver: TCPStore(is_master=True, port=0)   one per receiver, bound to its interface
+                                                 (never 0.0.0.0), port in the pair reply
+    pair:     PrefixStore("tandem-kv/<pair key>", store)   keys of different pairs never meet;
+              the key is random per pair, drawn by the receiver, sent only over the control
+              channel (CURVE with a cluster secret)
               receiver = rank 0, sender = rank 1, world size 2
     group:    ProcessGroupNCCL between GPUs, ProcessGroupGloo otherwise (group_backend); the
               callers use the same send/recv calls on either, only the class (and options) differ
@@ -53,12 +56,14 @@ def join_store(host: str, port: int, timeout_s: float) -> TCPStore:
     return TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
-def pair_group(store: Store, sender_id: str, rank: int, backend: str, host: str, timeout_s: float) -> Any:
+def pair_group(store: Store, pair_key: str, rank: int, backend: str, host: str, timeout_s: float) -> Any:
     """This side's half of the pair's group; blocks until the other side joined.
+
+    `pair_key`: the pair's namespace in the store (the receiver's random per-pair key).
 
     `host`: the local address gloo binds and advertises to the peer (the interface that
     reaches it); "" = gloo's default (the hostname's address, or $GLOO_SOCKET_IFNAME)."""
-    prefix = PrefixStore(f"tandem-kv/{sender_id}", store)
+    prefix = PrefixStore(f"tandem-kv/{pair_key}", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         options = ProcessGroupGloo._Options()

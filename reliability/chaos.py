@@ -40,15 +40,35 @@ class Row:
     clear_error: int = 0
     wrong: int = 0
     hung: int = 0
-    leaked_blocks: int = 0
-    leaked_by_worker: dict = field(default_factory=dict)
+    leaked_blocks: int = 0  # summed over the processes that answered
+    leaked_by_worker: dict = field(default_factory=dict)  # name -> blocks in use, None: not asked
+    unasked: list[str] = field(default_factory=list)  # could not be asked: the check fails
     recover_s: float | None = None  # None: not recovered
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.wrong == 0 and self.hung == 0 and self.leaked_blocks == 0 and self.recover_s is not None
+        return (self.wrong == 0 and self.hung == 0 and self.leaked_blocks == 0 and not self.unasked
+                and self.recover_s is not None)
+
+    @property
+    def leaked_text(self) -> str:
+        """The table's cell: a process that could not be asked is named, never counted as 0."""
+        return str(self.leaked_blocks) + (f" + ? ({', '.join(self.unasked)} not asked)"
+                                          if self.unasked else "")
+
+
+def account_leaks(row: Row, by_worker: dict[str, int | None]) -> None:
+    """The leak check's verdict from ChaosCluster.leaked_blocks: blocks in use on the processes
+    that answered, and the names of those that could not be asked (None, or any negative
+    count an older caller used for it), which fail the row (Row.ok) rather than count as 0.
+    Nobody answering at all is unasked too: there is no pool to show empty."""
+    row.leaked_by_worker = dict(by_worker)
+    row.leaked_blocks = sum(n for n in by_worker.values() if n is not None and n >= 0)
+    row.unasked = sorted(name for name, n in by_worker.items() if n is None or n < 0)
+    if not by_worker:
+        row.unasked = ["every worker (the coordinator listed none)"]
 
 
 def scenarios(quick: bool) -> dict[str, Callable[[sc.Ctx], sc.Started]]:
@@ -91,8 +111,7 @@ def run_one(ctx: sc.Ctx, name: str, scenario: Callable[[sc.Ctx], sc.Started],
     if started.after is not None:
         _judge(row, started.after())
     row.recover_s = _recover(ctx, started.fault_at)
-    row.leaked_by_worker = c.leaked_blocks(leak_wait_s)
-    row.leaked_blocks = sum(max(0, n) for n in row.leaked_by_worker.values())
+    account_leaks(row, c.leaked_blocks(leak_wait_s))
     return row
 
 
@@ -155,7 +174,7 @@ def run(model_path: Path, log_dir: Path, quick: bool = False, only: tuple[str, .
             row = run_one(ctx, name, scenario, leak_wait_s=topology.kv_deadline_s + 15)
             out(f"{'ok  ' if row.ok else 'FAIL'} {name}: {row.correct}/{row.affected} correct, "
                 f"{row.clear_error} clear errors, {row.wrong} wrong, {row.hung} hung, "
-                f"{row.leaked_blocks} leaked, recovered in {_fmt(row.recover_s)} s"
+                f"{row.leaked_text} leaked, recovered in {_fmt(row.recover_s)} s"
                 + (f"  [{'; '.join(row.notes)}]" if row.notes else ""))
             rows.append(row)
     return rows
@@ -172,13 +191,14 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         hit = "" if r.phase_hit is None else ("yes" if r.phase_hit else "no")
         lines.append(f"| {r.scenario} | {r.faults} | {hit} | {r.affected} | {r.correct} | "
-                     f"{r.clear_error} | {r.wrong} | {r.hung} | {r.leaked_blocks} | {_fmt(r.recover_s)} |")
+                     f"{r.clear_error} | {r.wrong} | {r.hung} | {r.leaked_text} | {_fmt(r.recover_s)} |")
     total = {k: sum(getattr(r, k) for r in rows)
              for k in ("faults", "affected", "correct", "clear_error", "wrong", "hung", "leaked_blocks")}
     worst = max((r.recover_s for r in rows if r.recover_s is not None), default=None)
     lines.append(f"| **total** | {total['faults']} | | {total['affected']} | {total['correct']} | "
                  f"{total['clear_error']} | {total['wrong']} | {total['hung']} | "
-                 f"{total['leaked_blocks']} | max {_fmt(worst)} |")
+                 f"{total['leaked_blocks']}{' + ?' if any(r.unasked for r in rows) else ''} | "
+                 f"max {_fmt(worst)} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.addresses import is_loopback
 from engine.config import ENGINE_ROLES, CacheConfig, EngineConfig, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class WorkerConfig:
     kv_port: int = 0  # decode: the KV receiver's port (0 = any)
     kv_advertise: str | None = None  # decode: the KV endpoint peers dial, when not the bound one
     kv_deadline_s: float = 330.0  # decode: reservation to the last KV byte of a request
+    # dist off loopback: its TCPStore and gloo sockets have no authentication (kvtransfer/
+    # dist_backend.py), so the operator must say the network is trusted.
+    insecure_dist: bool = False
     threads: int = 1  # threads of this process: torch's and the native kernels' pool (worker/runtime.py)
     log_level: str = "INFO"
     cluster_auth: ClusterAuth | None = field(default=None, repr=False)  # None: no secret, no TLS
@@ -65,6 +69,13 @@ class WorkerConfig:
             raise ValueError(f"coordinator_retry_s must be >= 0, got {self.coordinator_retry_s}")
         if not self.kv_deadline_s > 0:
             raise ValueError(f"kv_deadline_s must be > 0, got {self.kv_deadline_s}")
+        if self.kv_backend == "dist" and not self.insecure_dist and not (
+                is_loopback(self.host) and is_loopback(self.advertised)):
+            raise ValueError(f"--kv-backend dist off loopback (host {self.host!r}) needs "
+                             f"--insecure-dist: its TCPStore and gloo connections are not "
+                             f"authenticated, even with a cluster secret, and a peer that "
+                             f"reaches them can end this process; use zmq or grpc, or pass "
+                             f"--insecure-dist on a network where every host is trusted")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
 
@@ -99,6 +110,7 @@ class WorkerConfig:
                    worker_id=args.worker_id,
                    kv_backend=args.kv_backend, kv_port=args.kv_port,
                    kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
+                   insecure_dist=args.insecure_dist,
                    threads=args.threads, log_level=args.log_level, cluster_auth=auth)
 
     @property

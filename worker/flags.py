@@ -101,6 +101,10 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
                         "losing it, so a restarted one finds us) before exiting; 0 = forever "
                         f"(default {w.coordinator_retry_s:g})")
     add_kv_backend_flag(p)
+    p.add_argument("--insecure-dist", action="store_true",
+                   help="allow --kv-backend dist off loopback: its TCPStore and gloo sockets are "
+                        "not authenticated (a peer that reaches them can end a worker); only on "
+                        "a network where every host is trusted")
     p.add_argument("--kv-port", type=int, default=w.kv_port,
                    help="decode: port of the KV receiver (0 = any)")
     p.add_argument("--kv-advertise", default=None,

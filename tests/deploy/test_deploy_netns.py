@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from common.internal_http import internal_headers
 from deploy.cluster_ca import issue
 from tests.helpers.deploy_helpers import LineReader
 from reliability.model_factory import make_tiny_gguf
@@ -39,8 +40,9 @@ CLIENT = r"""
 import json, sys, urllib.request
 from concurrent.futures import ThreadPoolExecutor
 url, what = sys.argv[1], sys.argv[2]
-if what == "workers":
-    with urllib.request.urlopen(url + "/internal/workers", timeout=10) as r:
+if what == "workers":  # argv[3]: the cluster proof's header, made by the test for this call
+    request = urllib.request.Request(url + "/internal/workers", headers=json.loads(sys.argv[3]))
+    with urllib.request.urlopen(request, timeout=10) as r:
         print(r.read().decode())
 else:
     count, num_predict = int(sys.argv[3]), int(sys.argv[4])
@@ -142,8 +144,11 @@ def in_host(lan: Lan, i: int, argv: list[str], timeout: float = 90) -> str:
     return done.stdout
 
 
-def workers(lan: Lan, url: str) -> dict[str, dict]:
-    out = in_host(lan, 1, [sys.executable, "-c", CLIENT, url, "workers"])
+def workers(lan: Lan, url: str, secret_file: Path) -> dict[str, dict]:
+    """The coordinator's worker list, asked from another host with the launch's secret (the
+    route needs the cluster proof: common/internal_http.py)."""
+    headers = internal_headers(secret_file.read_text().strip())
+    out = in_host(lan, 1, [sys.executable, "-c", CLIENT, url, "workers", json.dumps(headers)])
     return {w["worker_id"]: w for w in json.loads(out)["workers"]}
 
 
@@ -196,7 +201,8 @@ def test_launch_across_namespaces_and_a_late_decode_worker_takes_traffic(lan, tm
         assert f"decode-0 (decode) on h3: grpc {lan.address(3)}:50071, " \
                f"kv tcp://{lan.address(3)}:50081" in "".join(out.seen)
 
-        before = workers(lan, url)
+        secret_file = tmp_path / "logs" / "cluster-secret"  # launch made it (off loopback)
+        before = workers(lan, url, secret_file)
         assert before["prefill-0"]["address"] == f"{lan.address(2)}:50061"
         assert before["decode-0"]["kv_endpoint"] == f"tcp://{lan.address(3)}:50081"
         # prefill_threshold = 0: every prompt is prefilled on h2 and its KV sent to h3 over TCP.
@@ -219,11 +225,11 @@ def test_launch_across_namespaces_and_a_late_decode_worker_takes_traffic(lan, tm
              *joined.flags(), *SMALL_WORKER],
             stdout=open(tmp_path / "decode-late.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
-        while not workers(lan, url).get("decode-late", {}).get("alive"):
+        while not workers(lan, url, secret_file).get("decode-late", {}).get("alive"):
             assert late.poll() is None, (tmp_path / "decode-late.log").read_text()
             assert time.monotonic() < deadline, "decode-late never registered"
             time.sleep(0.5)
-        assert workers(lan, url)["decode-late"]["kv_endpoint"].startswith(
+        assert workers(lan, url, secret_file)["decode-late"]["kv_endpoint"].startswith(
             f"tcp://{lan.address(4)}:")
         # Placement sends concurrent requests to the less busy decode worker, so a burst
         # reaches the new one; the launcher's processes keep running throughout.

@@ -10,11 +10,13 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from common.internal_http import get_internal
 from deploy.local import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.deploy.test_cluster_lifetime import ROOT, START_S, _children
@@ -100,8 +102,12 @@ def test_default_serve_hands_its_processes_a_secret_in_the_environment_and_refus
                 'process="coordinator",reason="no_proof"} 1') in metrics
         log = (tmp_path / "logs" / "coordinator.log").read_text()
         assert "refused /tandem.worker.Registry/Register" in log
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/internal/workers", timeout=10) as r:
-            assert b"rogue" not in r.read()
+        # The launchers' worker list needs the cluster proof, even from this host.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/internal/workers", timeout=10)
+        assert refused.value.code == 403
+        workers = get_internal(f"http://127.0.0.1:{port}", secret)["workers"]
+        assert workers and "rogue" not in {w["worker_id"] for w in workers}
     finally:
         _stop(launcher)
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.internal_http import get_internal
 from deploy.local import LocalCluster, Topology, free_port, plan
 
 
@@ -20,8 +21,7 @@ class Cluster:
     log_dir: Path
 
     def workers(self) -> list[dict]:
-        with urllib.request.urlopen(self.url + "/internal/workers", timeout=10) as r:
-            return json.loads(r.read())["workers"]
+        return get_internal(self.url, self.handle.ready.secret)["workers"]
 
     def wait_pools_full(self, timeout_s: float = 20.0) -> list[dict]:
         """Waits until every live worker reports all KV blocks free (heartbeats carry the

@@ -342,4 +342,4 @@ def join_dist_pair(raw: RawClient, endpoint: str):
     assert reply["ok"], reply
     host = dist_group.endpoint_host(endpoint)
     store = dist_group.join_store(host, reply["port"], 10.0)
-    return dist_group.pair_group(store, raw.sender_id, dist_group.SENDER_RANK, reply["backend"], host, 10.0)
+    return dist_group.pair_group(store, reply["key"], dist_group.SENDER_RANK, reply["backend"], host, 10.0)
