@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.format_choice import AUTO_FORMAT
 from common.model_config import ModelConfig, positive
 from engine.device import check_device_spec
 from engine.speculative_config import SpeculativeConfig
@@ -70,7 +71,9 @@ class SchedulerConfig:
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "w8a8")
 # Per-role choices offered to users: prefill is compute-bound (GEMM formats), decode is
 # memory-bound (weight-only formats read fewer bytes per token).
-PREFILL_FORMATS = ("fp32", "bf16", "w8a8")
+# "auto" (the default): chosen by the model's size against the host's memory when the model is
+# read (engine/format_choice.py).
+PREFILL_FORMATS = ("auto", "fp32", "bf16", "w8a8")
 DECODE_FORMATS = ("fp32", "bf16", "int8", "int4")
 # What an engine does. A prefill worker computes prompts and sends their KV; a decode worker
 # decodes (and prefills short prompts locally, split-fuse); a colocated engine does both in
@@ -132,7 +135,10 @@ class EngineConfig:
             raise ValueError(f"role must be one of {ENGINE_ROLES}, got {self.role!r}")
         for name in ("weight_format", "prefill_weight_format"):
             value = getattr(self, name)
-            if value is not None and value not in WEIGHT_FORMATS:
+            # "auto" only for a prefill format, until LLMEngine.from_path resolves it.
+            auto_ok = value == AUTO_FORMAT and self.model is None and (
+                name == "prefill_weight_format" or self.role == "prefill")
+            if value is not None and value not in WEIGHT_FORMATS and not auto_ok:
                 raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
         if self.prefill_weight_format is not None and self.role != "colocated":
             raise ValueError(f"prefill_weight_format is for colocated engines only: a {self.role} "

@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager
 from common.model_config import ModelConfig
 from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, check_kv_dtype
 from engine.device import resolve_device
+from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes
 from engine.embedding import mean_pooled
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
@@ -168,9 +169,17 @@ class LLMEngine:
         target = resolve_device(config.device).torch_device
         t0 = time.monotonic()
         loaded = load_model(Path(path))
+        if AUTO_FORMAT in (main_format, second_format):
+            choice = choose_prefill_format(loaded.config, host_memory_bytes())
+            log.info("prefill weight format auto: %s (%s)", choice.format, choice.reason)
+            main_format = choice.format if main_format == AUTO_FORMAT else main_format
+            second_format = choice.format if second_format == AUTO_FORMAT else second_format
+            if second_format == main_format:
+                second_format = None  # a colocated engine whose prefill format is its decode one
         model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
                                                         prefill_format=second_format, device=target)
-        config = replace(config, model=loaded.config, cache=sized_cache(config.cache, loaded.config))
+        config = replace(config, model=loaded.config, cache=sized_cache(config.cache, loaded.config),
+                         weight_format=main_format, prefill_weight_format=second_format)
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
         engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
         engine.load_duration_s = time.monotonic() - t0

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 # (tests/kvtransfer/test_kvtransfer_dist.py checks that the two agree).
 KV_BACKENDS = ("zmq", "shm", "grpc", "dist")
 DEFAULT_KV_BACKEND = "zmq"
-# The fastest formats that keep answers right on the default model (README: quality table).
-DEFAULT_PREFILL_QUANT = "fp32"
+# Decode: the fastest format that keeps answers right on the default model (README: quality
+# table). Prefill: fp32 where it fits easily, else bf16, else w8a8.
+DEFAULT_PREFILL_QUANT = "auto"  # by the model's size and the host's memory (engine/format_choice.py)
 DEFAULT_DECODE_QUANT = "int4"
 # Every worker's per-pass token budget unless told (`tandem serve --chunk-size`).
 DEFAULT_TOKEN_BUDGET = SchedulerConfig.max_num_batched_tokens

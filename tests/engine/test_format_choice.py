@@ -1,0 +1,64 @@
+"""The prefill format `auto` stands for (engine/format_choice.py): by the model's matrices
+against the host's memory, resolved when the model is read, logged, and what the engine packs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from common.model_config import ModelConfig
+from engine.config import CacheConfig, EngineConfig
+from engine.format_choice import AUTO_FORMAT, choose_prefill_format, matrix_params
+from engine.llm_engine import LLMEngine
+from reliability.model_factory import make_tiny_hf_model
+from worker.config import DEFAULT_PREFILL_QUANT
+
+GIB = 1 << 30
+
+
+def shape(hidden, ffn, layers, heads, kv_heads, vocab) -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden,
+                       intermediate_size=ffn, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=hidden // heads)
+
+
+SMOLLM2_135M = shape(576, 1536, 30, 9, 3, 49152)
+TINYLLAMA_1B = shape(2048, 5632, 22, 32, 4, 32000)
+LLAMA3_8B = shape(4096, 14336, 32, 32, 8, 128256)
+
+
+def test_matrix_params_of_known_shapes():
+    assert matrix_params(SMOLLM2_135M) == 30 * (576 * (576 + 2 * 192) + 576 * 576
+                                                + 3 * 576 * 1536) + 49152 * 576
+    assert round(matrix_params(LLAMA3_8B) / 1e9, 2) == 7.5  # the 8B without its embedding table
+
+
+def test_each_model_size_gets_the_format_that_fits_24_gib():
+    mem = 24 * GIB
+    assert choose_prefill_format(SMOLLM2_135M, mem).format == "fp32"
+    assert choose_prefill_format(TINYLLAMA_1B, mem).format == "bf16"
+    choice = choose_prefill_format(LLAMA3_8B, mem)
+    assert choice.format == "w8a8" and "1/3 of 24.0 GiB" in choice.reason
+    # An 8B in w8a8 (~7.5 GB) beside its int4 decode copy (~4 GB) leaves room for KV pools.
+    assert matrix_params(LLAMA3_8B) * (1 + 0.5625) < 16 * GIB
+    # A larger host keeps the exact format longer.
+    assert choose_prefill_format(TINYLLAMA_1B, 256 * GIB).format == "fp32"
+    with pytest.raises(ValueError, match="positive"):
+        choose_prefill_format(SMOLLM2_135M, 0)
+
+
+def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog):
+    assert DEFAULT_PREFILL_QUANT == AUTO_FORMAT
+    model_dir = make_tiny_hf_model(tmp_path / "m", "llama")
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        engine = LLMEngine.from_path(model_dir, EngineConfig.for_role(
+            "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)))
+    assert engine.config.weight_format == "fp32" and engine.model.formats == ("fp32",)
+    assert "prefill weight format auto: fp32" in caplog.text
+    colocated = LLMEngine.from_path(model_dir, EngineConfig.for_role(
+        "colocated", "int8", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)))
+    assert colocated.config.prefill_weight_format == "fp32"
+    assert colocated.model.formats == ("int8", "fp32")
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        EngineConfig(role="decode", weight_format=AUTO_FORMAT)  # decode formats are never auto
