@@ -71,7 +71,8 @@ def test_a_mutual_tls_cluster_serves_across_namespaces(lan, tmp_path):
             assert reply["done"] and reply["eval_count"] >= 1
             assert reply["tandem"]["prefill_worker"] == "prefill-0"
             assert reply["tandem"]["decode_worker"] == "decode-0"
-        assert {w["worker_id"] for w in workers(lan, url).values() if w["alive"]} == {
+        assert {w["worker_id"] for w in workers(lan, url, tmp_path / "secret").values()
+                if w["alive"]} == {
             "prefill-0", "decode-0"}
         probe = json.loads(in_host(lan, 4, [sys.executable, "-c", PROBE,
                                             f"{lan.address(1)}:50050", str(node.ca),
