@@ -1,7 +1,7 @@
 """Quality of each weight format against fp32 on one fixed text.
 
     python -m benchmarks.quality [MODEL] [--formats fp32,bf16,int8,int4,w8a8] [--kv-dtype bf16]
-                             [--chunk 16]
+                             [--chunk 16] [--reference F16_MODEL]
 
 For each format: perplexity of the text, its change against fp32, and greedy top-1
 agreement (share of positions where the format's most likely next token equals fp32's).
@@ -9,6 +9,10 @@ The text goes through in decode-sized passes (--chunk tokens over the growing KV
 every projection in that format, so the figures are those of the kernels a decode worker
 runs; the baseline is always fp32 weights with an fp32 KV cache. ATEN_CPU_CAPABILITY picks
 the dispatch level (and so the kernels) being judged.
+
+--reference F16_MODEL: the baseline is that file's fp32 instead (another file of the same model
+and vocabulary, e.g. the F16 GGUF a K-quant was made from), and every listed format of MODEL,
+fp32 included, is judged against it: what the file's quantization costs, not only tandem's.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="KV cache element type of every format but the fp32 baseline's")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per pass (decode-sized: < 48)")
+    parser.add_argument("--reference", help="a file of the same model whose fp32 is the baseline")
     args = parser.parse_args(argv)
     if args.chunk < 1:
         parser.error("--chunk must be >= 1")
@@ -97,10 +102,23 @@ def main(argv: list[str] | None = None) -> None:
     base_top1 = None
     base_ppl = None
     formats = args.formats.split(",")
-    if formats[0] != "fp32" or args.kv_dtype != "fp32":
-        formats = ["fp32"] + [f for f in formats if f != "fp32" or args.kv_dtype != "fp32"]
-    for i, fmt in enumerate(formats):
-        logprobs = evaluate(loaded, fmt, ids, args.chunk, torch.float32 if i == 0 else kv_dtype)
+    runs = [(loaded, fmt, kv_dtype) for fmt in formats]
+    if args.reference:
+        reference = load_model(default_store().resolve(args.reference))
+        if reference.config.vocab_size != loaded.config.vocab_size:
+            parser.error(f"--reference has a vocabulary of {reference.config.vocab_size}, "
+                         f"the model {loaded.config.vocab_size}")
+        runs = [(reference, "fp32", torch.float32)] + runs
+        print(f"baseline: fp32 of {args.reference}")
+    elif formats[0] != "fp32" or args.kv_dtype != "fp32":
+        runs = [(loaded, "fp32", torch.float32)] + [
+            (loaded, f, kv_dtype) for f in formats if f != "fp32" or args.kv_dtype != "fp32"]
+    else:
+        runs[0] = (loaded, "fp32", torch.float32)
+    for i, (source, fmt, kv) in enumerate(runs):
+        logprobs = evaluate(source, fmt, ids, args.chunk, kv)
+        if args.reference:
+            fmt = "ref fp32" if i == 0 else fmt
         ppl = math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
         top1 = logprobs.argmax(-1)
         if base_top1 is None:
