@@ -13,8 +13,8 @@ import torch
 from engine.generation import TextStream, chat_prompt_ids
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import SequenceChunk
 from common.sampling_params import SamplingParams
+from tests.helpers.engine_probe import all_logits
 
 pytestmark = pytest.mark.model
 import transformers  # noqa: E402 - the test oracle (test extra), never a product dependency
@@ -67,19 +67,6 @@ def test_greedy_matches_transformers_token_for_token(engine, hf_model, oracle):
                                     eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
         assert ours == ref, case["messages"]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-def all_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position, in blocks borrowed from the engine's pool (never blocks that
-    may hold another prompt's cached prefix)."""
-    bm = engine.block_manager
-    table = bm.allocate("probe", ids, len(ids), use_prefix_cache=False).block_ids
-    try:
-        batch = engine.runner.prepare([SequenceChunk(ids, 0, table, True)])
-        with torch.inference_mode():
-            return engine.model.compute_logits(engine.model.forward(batch, engine.runner.kv_cache))
-    finally:
-        bm.free("probe")
 
 
 def test_greedy_agrees_with_llama_cpp(engine, oracle):

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGUFReader, GGMLQuantizationType, quants
 
 from common.sampling_params import SamplingParams
+from tests.helpers.engine_probe import all_logits
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import SequenceChunk
 from kernels.ggml_dequant import dequantize_rows
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kquant"
@@ -79,16 +78,3 @@ def test_greedy_agrees_with_llama_cpp(served):
     # Seen: 46-48 of 48 against the file's own oracle, 38-41 against another type's (gaps 3-6%).
     assert top >= total - total // 16, (name, top, total)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-def all_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position, in blocks borrowed from the engine's pool (never blocks that
-    may hold another prompt's cached prefix)."""
-    bm = engine.block_manager
-    table = bm.allocate("probe", ids, len(ids), use_prefix_cache=False).block_ids
-    try:
-        batch = engine.runner.prepare([SequenceChunk(ids, 0, table, True)])
-        with torch.inference_mode():
-            return engine.model.compute_logits(engine.model.forward(batch, engine.runner.kv_cache))
-    finally:
-        bm.free("probe")
