@@ -14,7 +14,6 @@ tests/helpers/tls_certs.py uses the same functions.
 from __future__ import annotations
 
 import ipaddress
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -40,9 +39,12 @@ class OpenSSLError(RuntimeError):
 def _openssl(*args: str) -> None:
     if shutil.which("openssl") is None:
         raise OpenSSLError("openssl is not installed (e.g. `apt-get install openssl`)")
-    # umask 077: keys and certificates are written 0600 from the start.
-    done = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60,
-                          preexec_fn=lambda: os.umask(0o077))
+    # umask 077: keys and certificates are written 0600 from the start. Set by a shell rather
+    # than a preexec_fn: a preexec_fn forces a plain fork() of this (gRPC-threaded) process,
+    # whose fork handlers then run in the child and can fail it ("epoll_wait error: Bad file
+    # descriptor", seen in CI); without one, subprocess spawns without them.
+    done = subprocess.run(["sh", "-c", 'umask 077 && exec openssl "$@"', "openssl", *args],
+                          capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise OpenSSLError(f"openssl {args[0]} failed: {done.stderr.strip()}")
 

@@ -273,7 +273,7 @@ def test_plan_leaves_unset_flags_to_each_process(tmp_path):
 
 @pytest.mark.parametrize("field,value,message", [
     ("decode_quant", "w8a8", "decode_quant must be one of fp32, bf16, int8, int4"),
-    ("prefill_quant", "int4", "prefill_quant must be one of fp32, bf16, w8a8"),
+    ("prefill_quant", "int4", "prefill_quant must be one of auto, fp32, bf16, w8a8"),
     ("threads", 0, "threads must be >= 1"),
     ("num_blocks", 0, "num_blocks must be >= 1"),
     ("max_streams", 0, "max_streams must be >= 1"),
