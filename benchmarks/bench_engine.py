@@ -148,8 +148,15 @@ def bench_format(loaded, fmt: str, args) -> dict:
                         runner.device)
     fill_context(runner, tables, config.vocab_size, args.context, args.prompt_len)
     kv_per_seq = kv_cache_bytes_per_block(config, args.context, runner.kv_cache.dtype)
-    decode = [{"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
-               "kv_bytes": kv_per_seq * b} for b in batches]
+    # Decode steps as a decode worker runs them: its --threads go to the native kernels' pool
+    # and torch keeps one thread (worker/runtime.py configure_process); prefill used them all.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        decode = [{"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
+                   "kv_bytes": kv_per_seq * b} for b in batches]
+    finally:
+        torch.set_num_threads(torch_threads)
     return {"format": fmt, "prefill_tok_s": args.prompt_len / prefill_s, "weight_bytes": weight_bytes(model),
             "decode": decode}
 

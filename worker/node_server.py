@@ -52,7 +52,8 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
                  kv_cache=None) -> LLMEngine:
     """The worker's engine from `path`: config.engine, or `sized` where the node sized its
     pool itself (a decode worker, around its KV receiver's buffer `kv_cache`)."""
-    configure_process(config.threads)
+    # A decode worker's --threads go to the native pool; torch keeps one (configure_process).
+    configure_process(config.threads, torch_threads=1 if config.role == "decode" else None)
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)
     release_freed_memory()

@@ -100,7 +100,7 @@ def test_worker_builds_its_engine_on_the_device(tmp_path, monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(node_server.LLMEngine, "from_path", staticmethod(fake_from_path))
-    monkeypatch.setattr(node_server, "configure_process", lambda threads: None)
+    monkeypatch.setattr(node_server, "configure_process", lambda threads, **kw: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parser = worker_arg_parser("decode_node", ("decode",))
     # --device auto is resolved once, when the worker builds its config.

@@ -111,7 +111,7 @@ def test_build_engine_uses_the_worker_kv_dtype(model_dir, monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(node_server.LLMEngine, "from_path", staticmethod(fake_from_path))
-    monkeypatch.setattr(node_server, "configure_process", lambda threads: None)
+    monkeypatch.setattr(node_server, "configure_process", lambda threads, **kw: None)
     args = worker_arg_parser("prefill_node", ("prefill",)).parse_args(BASE + ["--kv-dtype", "bf16"])
     with pytest.raises(RuntimeError, match="stop here"):
         node_server.build_engine(WorkerConfig.from_args(args), model_dir)

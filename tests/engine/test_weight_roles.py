@@ -279,3 +279,23 @@ def test_colocated_engine_marks_decode_chunks(model_dir, recorded):
         if recorded:
             per_pass.append(layer_and_head_calls(recorded, layers))
     assert per_pass == [({"fp32"}, {"fp32"})] + [({"int8"}, {"int8"})] * 2
+
+
+def test_a_decode_worker_gives_its_threads_to_the_native_pool_and_one_to_torch(model_dir):
+    import torch
+
+    from kernels import native
+    from worker.runtime import configure_process
+
+    flags = ["--model", str(model_dir), "--port", "1", "--threads", "2", "--num-blocks", "8",
+             "--block-size", str(BLOCK)]
+    try:
+        for prog, roles, extra, want_torch in (
+                ("decode_node", ("decode", "colocated"), ["--role", "decode"], 1),
+                ("prefill_node", ("prefill",), [], 2),
+                ("decode_node", ("decode", "colocated"), ["--role", "colocated"], 2)):
+            args = worker_arg_parser(prog, roles).parse_args(flags + extra)
+            build_engine(WorkerConfig.from_args(args), model_dir)
+            assert (torch.get_num_threads(), native.threads()) == (want_torch, 2), prog
+    finally:
+        configure_process(1)
