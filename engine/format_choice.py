@@ -1,4 +1,20 @@
-"""The prefill weight format `auto` stands for (the default `--prefill-quant`): picked by how much
+"""Weight formats chosen for the operator: the prefill format `auto` stands for, and the format
+of each matrix under the int4 decode format.
+
+    matrix_format(fmt, parts) -> str
+
+int4 repacks Q4_0, Q4_1 and Q4_K blocks exactly (their 16 levels per group of 32 are int4's). A
+matrix the file stores wider (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) is packed int8 instead: the file's
+author kept it wide on purpose (llama.cpp's Q4_K_M keeps attn_v and half of ffn_down in Q6_K, and
+falls back to Q5_0/Q8_0 for rows not a multiple of 256 wide), and squeezing it into 16 levels cost
+what the file had kept. Measured on SmolLM2-135M quantized by llama-quantize to Q4_K_M (Q5_0
+and Q8_0 for most matrices, its 576-wide rows), against the F16 it was made from
+(`python -m benchmarks.quality Q4_K_M --reference F16 --formats fp32,int4,int8`): the file's own
+fp32 +3.83% perplexity; every matrix in int4 +6.00%; int8 +3.66%. Float matrices (an F16 file)
+stay in the format asked for: quantizing them is the operator's choice. A concatenation (q|k|v)
+mixing types takes the widest part's format, since it is packed as one matrix.
+
+The prefill weight format `auto` stands for (the default `--prefill-quant`): picked by how much
 of the host's memory the model's matrices take in each format, once the model's config is read.
 
     choose_prefill_format(config, mem_total_bytes) -> FormatChoice(format, reason)
@@ -26,6 +42,7 @@ from dataclasses import dataclass
 from common.model_config import ModelConfig
 
 AUTO_FORMAT = "auto"
+_WIDE_GGUF_TYPES = frozenset(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 _FRACTIONS = (("fp32", 4, 12), ("bf16", 2, 3))  # (format, bytes per weight, 1/fraction of memory)
 
 
@@ -67,3 +84,11 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int) -> FormatCh
                                      f"{mem_total_bytes / gib:.1f} GiB of memory")
     return FormatChoice("w8a8", f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more "
                                 f"than 1/3 of {mem_total_bytes / gib:.1f} GiB of memory")
+
+
+def matrix_format(fmt: str, parts: list) -> str:
+    """The format one matrix (the concatenation of `parts`: tensors or GGUF QuantizedTensors)
+    is packed in when the model's format is `fmt` (module docstring)."""
+    if fmt == "int4" and any(getattr(p, "ggml_type", None) in _WIDE_GGUF_TYPES for p in parts):
+        return "int8"
+    return fmt

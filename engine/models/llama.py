@@ -18,6 +18,7 @@ import torch
 
 from common.model_config import ModelConfig
 from common.errors import ModelFormatError
+from engine.format_choice import matrix_format
 from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
 from engine.weights import QuantizedTensor, to_float
@@ -177,6 +178,10 @@ class LlamaForCausalLM:
     def _load_layer(self, get, i: int, fmt: str) -> DecoderLayer:
         p = f"model.layers.{i}."
         dev = self.device
+
+        def pack(parts: list, bias: torch.Tensor | None = None) -> PackedLinear:
+            return pack_linear(concat_rows(parts), bias, matrix_format(fmt, parts), device=dev)
+
         qkv_bias = None
         if self.config.attention_bias:
             qkv_bias = torch.cat([to_float(get(p + f"self_attn.{n}_proj.bias")) for n in "qkv"])
@@ -185,13 +190,11 @@ class LlamaForCausalLM:
             qk_norms = {f"{n}_norm": to_float(get(p + f"self_attn.{n}_norm.weight")).to(dev) for n in "qk"}
         return DecoderLayer(
             input_norm=to_float(get(p + "input_layernorm.weight")).to(dev),
-            qkv=pack_linear(concat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), qkv_bias, fmt,
-                            device=dev),
-            o_proj=pack_linear(get(p + "self_attn.o_proj.weight"), None, fmt, device=dev),
+            qkv=pack([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], qkv_bias),
+            o_proj=pack([get(p + "self_attn.o_proj.weight")]),
             post_attention_norm=to_float(get(p + "post_attention_layernorm.weight")).to(dev),
-            gate_up=pack_linear(concat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None,
-                                fmt, device=dev),
-            down=pack_linear(get(p + "mlp.down_proj.weight"), None, fmt, device=dev),
+            gate_up=pack([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down=pack([get(p + "mlp.down_proj.weight")]),
             **qk_norms,
         )
 

@@ -17,6 +17,7 @@ from engine.loaders import load_model
 from engine.model_runner import SequenceChunk
 from engine.models import model_class
 from kernels.ggml_dequant import BLOCKS, dequantize_rows
+from kernels.linear import dequantize_packed
 from kernels.quantized_tensor import QuantizedTensor
 from reliability.kquant_fixtures import quantize_k, random_blocks
 from reliability.model_factory import make_tiny_gguf
@@ -123,6 +124,31 @@ def test_mixed_file_packs_into_every_role_format(mixed_pair, fmt):
     exact, got = _logits(loaded, "fp32", ids), _logits(loaded, fmt, ids)
     assert torch.isfinite(got).all()
     assert torch.nn.functional.cosine_similarity(got, exact, dim=-1).min() > 0.98
+
+
+def test_int4_keeps_the_matrices_a_file_stores_wider_in_int8(mixed_pair):
+    """engine/format_choice.py matrix_format: int4 repacks the 4-bit blocks as they are; Q5_*,
+    Q6_K and Q8_0 matrices go int8 (q|k|v takes its widest part's), and each int8 matrix
+    multiplies by weights within half an int8 step of the file's own."""
+    mix, _, loaded, _ = mixed_pair
+    base, types = MIXES[mix]
+    model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, "int4")
+    w = loaded.weights
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        parts = {"qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                 "o_proj": [p + "self_attn.o_proj.weight"],
+                 "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                 "down": [p + "mlp.down_proj.weight"]}
+        for attr, names in parts.items():
+            wide = any(w[n].ggml_type not in ("Q4_0", "Q4_1", "Q4_K") for n in names)
+            packed = getattr(layer, attr)
+            assert packed.fmt == ("int8" if wide else "int4"), (mix, i, attr)
+            if attr == "down":
+                exact, got = w[names[0]].dequantize(), dequantize_packed(packed)
+                step = exact.abs().amax(dim=1, keepdim=True) / 127
+                assert ((got - exact).abs() <= step / 2 + 1e-6).all()
+    assert any(getattr(layer, a).fmt == "int8" for layer in model.layers for a in ("qkv", "down"))
 
 
 # --- refusals ----------------------------------------------------------------------------
