@@ -13,6 +13,7 @@ import ollama
 import openai
 import pytest
 
+from common.model_store import ModelStore, default_home
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig
 from engine.generation import TextStream, chat_prompt_ids
@@ -46,9 +47,11 @@ def served(tmp_path_factory):
     assert len({expected[k][0] for k in expected}) == 3  # three prompts, told apart by length
     store = make_ollama_store(root / "ollama", gguf, params=PARAMS, system=SYSTEM)
     blob = next(p for p in (store / "blobs").iterdir() if p.stat().st_size == gguf.stat().st_size)
+    # TANDEM_HOME stays (the workers' native kernels are built there); "tiny" must be this
+    # Ollama store's there, as the coordinator will resolve it.
+    assert ModelStore(default_home(), ollama_models=store).resolve("tiny") == blob
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OLLAMA_MODELS", str(store))  # the coordinator's store, as Ollama's is read
-        env.setenv("TANDEM_HOME", str(root / "home"))
         with running_cluster(blob, root / "logs", model="tiny", store_name="tiny",
                              worker_args=FP32, prefill_threshold=0) as cluster:
             yield cluster, expected
