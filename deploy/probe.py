@@ -24,10 +24,12 @@ def check_model(name: str) -> dict:
     from common.errors import TandemError
     from common.model_files import load_config
     from common.model_identity import model_fingerprint
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
     try:
-        path = ModelStore(default_home()).resolve(name)
+        # As the roles resolve it (worker/node_server.py): Ollama's store and the Hugging Face
+        # cache of this host included.
+        path = default_store().resolve(name)
         config = load_config(path)
         return {"path": str(path), "fingerprint": model_fingerprint(path, config)}
     except (TandemError, OSError, ValueError) as exc:

@@ -428,3 +428,16 @@ def test_preflight_asks_each_host_for_the_models_its_roles_need(tmp_path):
     message = str(info.value)
     assert "host 'two' (127.0.0.2, via this machine): model 'tiny' is not available there" in message
     assert "'other' is not available" not in message and "mismatched" not in message
+
+
+def test_the_probe_finds_a_model_in_ollamas_store_as_the_roles_do(tmp_path, monkeypatch):
+    from deploy.probe import check_model
+    from tests.helpers.foreign_stores import make_ollama_store
+
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf").path
+    store = make_ollama_store(tmp_path / "ollama", gguf, name="library/qwen3", tag="0.6b")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    found = check_model("qwen3:0.6b")
+    assert Path(found["path"]).parent == store / "blobs" and found["fingerprint"]
+    assert "error" in check_model("qwen3:8b")
