@@ -1,5 +1,7 @@
 """`tandem run MODEL [PROMPT]`: generate (an interactive chat without a prompt), through the
-running server, or in this process without one (or with --local)."""
+running server, or in this process without one (or with --local). In this process an Ollama
+model's params and system layers apply as the server applies them (common/model_defaults.py):
+its options under the flags given, its system prompt unless --system is."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 import sys
 
 from common.errors import TandemError
-from cli.common_args import add_server_args, resolve_or_pull, server
+from cli.common_args import add_server_args, resolve_or_pull, server, store
 from worker.flags import add_engine_flags
 
 
@@ -128,8 +130,12 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
                                    cache=CacheConfig(kv_dtype=args.kv_dtype), device=args.device,
                                    cuda_graphs=not args.no_cuda_graphs, speculative=speculative)
     configure_process(args.threads)
-    params = SamplingParams.from_options(_options(args))
+    options = _options(args)
     path = resolve_or_pull(args.model)
+    defaults = store().defaults_for(args.model, path)
+    params = SamplingParams.from_options(defaults.options_under(options))
+    if defaults.system is not None and not history:  # no --system
+        history.append({"role": "system", "content": defaults.system})
     engine = LLMEngine.from_path(path, config)
 
     def reply_to(messages: list[dict]):

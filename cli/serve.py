@@ -1,7 +1,8 @@
 """`tandem serve`: the coordinator and its workers on this host (Ollama API). Like `ollama
 serve`, it listens at $OLLAMA_HOST unless --host/--port say otherwise, and logs to stderr.
 `--model` repeats: each model gets its own workers (--prefill/--decode of them, or one
---colocated), one coordinator serves them all and routes each request by its model."""
+--colocated; `--workers MODEL=P:D`, repeatable, gives a model counts of its own), one
+coordinator serves them all and routes each request by its model."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", type=int, default=1,
                    help="prefill workers of each model (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers of each model (default 1)")
+    p.add_argument("--workers", action="append", default=[], metavar="MODEL=P:D",
+                   help="P prefill and D decode workers for MODEL (a --model, as given), "
+                        "instead of --prefill/--decode; repeatable, e.g. --workers qwen3:8b=2:3")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
     add_kv_backend_flag(p)
@@ -92,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             more_models=tuple((m, Path(m)) for m in models[1:]), log_dir=log_dir,
                             host=host, port=port, api_key=api_key, prefill=args.prefill,
                             decode=args.decode, colocated=args.colocated,
+                            model_workers=model_workers(args.workers),
                             kv_backend=args.kv_backend, chunk_size=args.chunk_size,
                             prefill_threshold=args.prefill_threshold,
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
@@ -114,6 +119,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         more_models=tuple((m, resolve_or_pull(m)) for m in models[1:]))
     return serve(topology, start_timeout_s=args.start_timeout, out=_log,
                  lock_dir=default_home() / "run", more_ports=(args.grpc_port,))
+
+
+def model_workers(values: list[str]) -> tuple[tuple[str, int, int], ...]:
+    """--workers MODEL=P:D values as (model, prefill, decode). The last "=" splits, so a model
+    path may hold one; Topology checks that each MODEL is served and the counts' ranges."""
+    out = []
+    for value in values:
+        model, _, counts = value.rpartition("=")
+        prefill, colon, decode = counts.partition(":")
+        if not (model and colon and prefill.isdigit() and decode.isdigit()):
+            raise TandemError(f"--workers {value!r}: expected MODEL=PREFILL:DECODE, two whole "
+                              "numbers, e.g. qwen3:8b=1:2")
+        out.append((model, int(prefill), int(decode)))
+    return tuple(out)
 
 
 def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:

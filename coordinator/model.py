@@ -2,7 +2,9 @@
 
 The coordinator renders chat templates and tokenizes, so it needs the tokenizer; it checks
 prompt lengths, so it needs the context length; it refuses workers of another model, so it
-needs the fingerprint. Everything else about the model lives on the workers.
+needs the fingerprint; it applies the model's default options and system prompt (an Ollama
+model's params and system layers, common/model_defaults.py), so it holds those. Everything else
+about the model lives on the workers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ModelNotFoundError
+from common.model_defaults import ModelDefaults
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
@@ -27,6 +30,7 @@ class ServedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     fingerprint: str
+    defaults: ModelDefaults = ModelDefaults()  # options under each request's, system prompt
 
     @property
     def context_len(self) -> int:
@@ -54,7 +58,8 @@ def shown(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = ()) -> ServedModel:
+def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = (),
+                      defaults: ModelDefaults = ModelDefaults()) -> ServedModel:
     """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors."""
     path = Path(path).expanduser()
     config = load_config(path)
@@ -62,4 +67,4 @@ def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = ()) 
     names = {name, *aliases, str(path), path.name, path.stem}
     return ServedModel(name=name, names=frozenset(n for n in names if n), path=path,
                        config=config, tokenizer=tokenizer,
-                       fingerprint=model_fingerprint(path, config))
+                       fingerprint=model_fingerprint(path, config), defaults=defaults)

@@ -2,7 +2,9 @@
 
 Every problem is a RequestError with the HTTP status Ollama uses (400 for a missing body,
 invalid JSON or a bad field; 404 for an unknown model is decided by the caller, which knows
-the served model). Unknown top-level fields are ignored, as Ollama's Go decoder does.
+the served model). Unknown top-level fields are ignored, as Ollama's Go decoder does. The
+options are laid over the named model's default options (common/model_defaults.py), which the
+caller looks up by the body's `model` before parsing (so a bad field is still a 400 first).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from coordinator.residency import KeepAliveError, parse_keep_alive
 from coordinator.structured_output import ollama_format
 from coordinator.tool_calls import check_tool_list
 from common.errors import TandemError
+from common.model_defaults import ModelDefaults
 from common.logprobs import MAX_LOGPROBS
 from common.sampling_params import SamplingParams
 
@@ -184,7 +187,16 @@ def _keep_alive(body: dict[str, Any]) -> float | None:
         raise RequestError(str(exc)) from None
 
 
-def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
+NO_DEFAULTS = ModelDefaults()
+
+
+def _params(body: dict[str, Any], defaults: ModelDefaults) -> SamplingParams:
+    options = defaults.options_under(body.get("options"))
+    return _with_format(SamplingParams.from_options(options, warn=log.warning), body)
+
+
+def parse_chat(body: dict[str, Any], max_messages: int,
+               defaults: ModelDefaults = NO_DEFAULTS) -> ChatRequest:
     model = _model(body)
     messages = check_messages(body.get("messages") or [], max_messages)
     tools = body.get("tools")
@@ -193,7 +205,7 @@ def parse_chat(body: dict[str, Any], max_messages: int) -> ChatRequest:
         raise RequestError("tools must be a list of objects")
     check_tool_list(tools)
     _unsupported(body, model)
-    params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
+    params = _params(body, defaults)
     keep_alive = _keep_alive(body)
     truncate = body.get("truncate", True)
     if not isinstance(truncate, bool):
@@ -219,7 +231,9 @@ def _optional_str(body: dict[str, Any], name: str) -> str | None:
     return value or None
 
 
-def parse_generate(body: dict[str, Any]) -> GenerateRequest:
+def parse_generate(body: dict[str, Any], defaults: ModelDefaults = NO_DEFAULTS) -> GenerateRequest:
+    """The request's `system`, else the model's default system prompt (`defaults`), unless
+    raw: Ollama's GenerateHandler."""
     model = _model(body)
     prompt = _optional_str(body, "prompt") or ""
     system = _optional_str(body, "system")
@@ -237,11 +251,18 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     if not (isinstance(context, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in context)):
         raise RequestError("context must be a list of token ids")
-    params = _with_format(SamplingParams.from_options(body.get("options"), warn=log.warning), body)
+    params = _params(body, defaults)
     keep_alive = _keep_alive(body)
-    return GenerateRequest(model=model, prompt=prompt, system=system, raw=raw, context=context,
+    return GenerateRequest(model=model, prompt=prompt, system=system or defaults.system, raw=raw, context=context,
                            stream=stream_flag(body), params=params, unload=keep_alive == 0,
                            keep_alive=keep_alive, think=think)
+
+
+def model_named(body: Any) -> str | None:
+    """The body's `model` when it is a name, for looking up the model's defaults before the
+    body is parsed (parse_* still refuse a missing or malformed one)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def parse_show(body: dict[str, Any]) -> str:

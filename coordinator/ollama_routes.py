@@ -22,7 +22,9 @@ from coordinator.generation import Generation
 from coordinator.http_stream import WatchedStream, collect, read_json_body
 from coordinator.metrics import RequestTimings
 from coordinator.model import ServedModel
-from coordinator.ollama_request import parse_chat, parse_generate, parse_show
+from coordinator.ollama_request import (
+    NO_DEFAULTS, model_named, parse_chat, parse_generate, parse_show,
+)
 from coordinator.ollama_response import (
     chat_chunk, chat_final, chat_load, error_body, generate_chunk, generate_final, generate_load,
     ndjson,
@@ -34,6 +36,7 @@ from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking, 
 from coordinator.tool_calls import (
     ToolCallParser, call_format, ollama_tool_calls, require_tool_support,
 )
+from common.model_defaults import ModelDefaults
 from common.sampling_params import SamplingParams
 
 
@@ -65,6 +68,13 @@ class OllamaRoutes:
     def _model(self, name: str) -> ServedModel:
         """The served model a request names, as it stands now; a 404 for any other."""
         return self.coordinator.models.get(name)
+
+    def defaults(self, body: object) -> ModelDefaults:
+        """The default options and system prompt of the model a body names (none for a name
+        no model answers to: the 404 comes after the body's own checks, as before)."""
+        name = model_named(body)
+        model = self.coordinator.models.find(name) if name else None
+        return model.defaults if model is not None else NO_DEFAULTS
 
     async def root(self) -> PlainTextResponse:
         return PlainTextResponse("Ollama is running")
@@ -110,7 +120,9 @@ class OllamaRoutes:
                           timings: RequestTimings, truncate: bool = False,
                           think: bool | str | None = None) -> list[int]:
         """start_chat's checks and rendering of `model` (as the request `name`d it), without
-        the submit (several choices of one prompt: coordinator/choices.py)."""
+        the submit (several choices of one prompt: coordinator/choices.py). The model's
+        default system prompt opens a chat that has none (common/model_defaults.py)."""
+        messages = model.defaults.with_system(messages)
         require_tool_support(tools, model.tokenizer.chat_template, name)
         args = template_args(think, model.tokenizer.chat_template, name)
         context = params.context_limit(model.context_len)
@@ -125,8 +137,8 @@ class OllamaRoutes:
 
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = parse_chat(await read_json_body(request, self.limits.max_body_bytes),
-                         self.limits.max_messages)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        req = parse_chat(body, self.limits.max_messages, self.defaults(body))
         model = self._model(req.model)
         name = model.name
         if not req.messages:
@@ -156,7 +168,8 @@ class OllamaRoutes:
 
     async def generate(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = parse_generate(await read_json_body(request, self.limits.max_body_bytes))
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        req = parse_generate(body, self.defaults(body))
         model = self._model(req.model)
         if not req.prompt and not req.context:
             await self.coordinator.preload(req.keep_alive, model)

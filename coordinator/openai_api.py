@@ -26,6 +26,10 @@ request are a 400 naming both; so is ignore_eos with one (a grammar ends on a st
 Fields that change nothing about the answer (`user`, `metadata`, `store`, vLLM's
 `guided_decoding_backend`, ...) are accepted and ignored; unknown ones are logged and ignored,
 as vLLM and Ollama do.
+The served model's default options (an Ollama model's params layer, common/model_defaults.py)
+lie under the request's fields, as in Ollama, whose OpenAI layer feeds the same handlers: a
+model's stop, top_k, num_predict, num_ctx, penalties apply to a request that leaves them out,
+but its temperature and top_p do not, since OpenAI's defaults (1.0) are always sent.
 Ranges are SamplingParams' (common/sampling_params.py): `presence_penalty` and
 `frequency_penalty` may lie in -100..100, wider than OpenAI's -2..2, since Ollama's OpenAI
 layer passes them through. Null `content` is refused except on assistant messages, as OpenAI
@@ -47,6 +51,7 @@ from coordinator.tool_calls import (
     ToolCall, ToolChoice, check_tool_list, forced_grammar, openai_tool_calls, parse_tool_choice,
 )
 from common.errors import InvalidOptionError
+from common.model_defaults import ModelDefaults
 from common.logprobs import MAX_LOGPROBS
 from common.sampling_params import MAX_COUNT, GrammarSpec, SamplingParams
 
@@ -145,10 +150,14 @@ def _message(index: int, m: Any) -> Any:
     return m
 
 
-def _params(body: dict[str, Any], zero_tokens: bool = False) -> SamplingParams:
+NO_DEFAULTS = ModelDefaults()
+
+
+def _params(body: dict[str, Any], zero_tokens: bool = False,
+            defaults: ModelDefaults = NO_DEFAULTS) -> SamplingParams:
     """zero_tokens: max_tokens 0 is allowed (echo scoring); it becomes num_predict 1, whose
-    token the route drops."""
-    options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    token the route drops. defaults: the model's options, under OpenAI's and the request's."""
+    options: dict[str, Any] = {"top_k": 0, **defaults.options, "temperature": 1.0, "top_p": 1.0}
     for field, option in _OPTION_FIELDS.items():
         if body.get(field) is not None:
             options[option] = body[field]
@@ -301,14 +310,15 @@ def reasoning_effort(body: dict[str, Any]) -> bool | str | None:
     return False if value in ("none", "minimal") else value
 
 
-def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequest:
+def parse_chat_completion(body: dict[str, Any], max_messages: int,
+                          defaults: ModelDefaults = NO_DEFAULTS) -> OpenAIRequest:
     model, stream, usage = _common(body, honoured=frozenset({"reasoning_effort"}))
     think = reasoning_effort(body)
     messages, tools = parse_messages(body, max_messages)
     # Tool calls (coordinator/tool_calls.py): a forced tool_choice is a grammar; "none"
     # renders no tools, so the model cannot call one.
     choice = parse_tool_choice(body.get("tool_choice"), tools)
-    params = replace(_params(body), logprobs=_chat_logprobs(body))
+    params = replace(_params(body, defaults=defaults), logprobs=_chat_logprobs(body))
     if choice.forced:
         if params.ignore_eos:
             raise RequestError("ignore_eos and a forced tool_choice cannot be combined: the "
@@ -324,7 +334,8 @@ def parse_chat_completion(body: dict[str, Any], max_messages: int) -> OpenAIRequ
                          tool_choice=choice, cache_salt=_cache_salt(body), think=think)
 
 
-def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
+def parse_completion(body: dict[str, Any], defaults: ModelDefaults = NO_DEFAULTS
+                     ) -> OpenAIRequest:
     model, stream, usage = _common(body, honoured=frozenset({"echo"}))
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
@@ -334,7 +345,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAIRequest:
         raise RequestError(f"prompt has {len(prompts)} prompts and n is {n}: at most "
                            f"{MAX_CHOICES} choices per request")
     logprobs = _count(body, "logprobs")
-    params = replace(_params(body, zero_tokens=echo), logprobs=logprobs,
+    params = replace(_params(body, zero_tokens=echo, defaults=defaults), logprobs=logprobs,
                      prompt_logprobs=logprobs if echo else None)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return OpenAIRequest(model=model, stream=stream, include_usage=usage, params=params,

@@ -61,8 +61,8 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = oa.parse_chat_completion(await read_json_body(request, self.limits.max_body_bytes),
-                                       self.limits.max_messages)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        req = oa.parse_chat_completion(body, self.limits.max_messages, self.ollama.defaults(body))
         model = self.coordinator.models.get(req.model)
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, req.tools,
                                                    req.params, timings, think=req.think)
@@ -104,7 +104,8 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = oa.parse_completion(await read_json_body(request, self.limits.max_body_bytes))
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        req = oa.parse_completion(body, self.ollama.defaults(body))
         model = self.coordinator.models.get(req.model)
         context = req.params.context_limit(model.context_len)
         prompts = [await off_loop(completion_prompt_ids, model, p, context) for p in req.prompts]

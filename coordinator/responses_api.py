@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.ollama_request import RequestError
+from common.model_defaults import ModelDefaults
 from common.sampling_params import MAX_COUNT, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,10 @@ def _number(body: dict[str, Any], field: str, default: float, low: float, high: 
     return float(value)
 
 
-def parse_responses(body: dict[str, Any], max_messages: int) -> ResponsesRequest:
+def parse_responses(body: dict[str, Any], max_messages: int,
+                    defaults: ModelDefaults = ModelDefaults()) -> ResponsesRequest:
+    """defaults: the model's options, under OpenAI's and the request's (as on
+    /v1/chat/completions: coordinator/openai_api.py)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model is required")
@@ -138,8 +142,9 @@ def parse_responses(body: dict[str, Any], max_messages: int) -> ResponsesRequest
                               or not 1 <= limit <= MAX_COUNT):
         raise RequestError(f"max_output_tokens must be an integer between 1 and {MAX_COUNT}, "
                            f"got {json.dumps(limit)[:60]}")
-    options: dict[str, Any] = {"temperature": _number(body, "temperature", 1.0, 0, 2),
-                               "top_p": _number(body, "top_p", 1.0, 0, 1), "top_k": 0}
+    options: dict[str, Any] = {"top_k": 0, **defaults.options,
+                               "temperature": _number(body, "temperature", 1.0, 0, 2),
+                               "top_p": _number(body, "top_p", 1.0, 0, 1)}
     if limit is not None:
         options["num_predict"] = limit
     known = {"model", "input", "instructions", "stream", "text", "max_output_tokens",

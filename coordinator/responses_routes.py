@@ -31,8 +31,8 @@ class ResponsesRoutes:
 
     async def create(self, request: Request) -> Response:
         timings = RequestTimings()
-        req = ra.parse_responses(await read_json_body(request, self.limits.max_body_bytes),
-                                 self.limits.max_messages)
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        req = ra.parse_responses(body, self.limits.max_messages, self.ollama.defaults(body))
         model = self.coordinator.models.get(req.model)
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, None,
                                                    req.params, timings)

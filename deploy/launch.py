@@ -63,29 +63,32 @@ def preflight(t: ClusterTopology) -> dict[str, dict]:
         listen[role.host.name] += [f"{role.host.bind}:{port}" for _, port in role.ports()]
     with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
         answers = dict(zip([h.name for h in t.hosts],
-                           pool.map(lambda h: _probe(h, t.model, listen[h.name], t.auth_args),
-                                    t.hosts)))
+                           pool.map(lambda h: _probe(h, t.models_on(h), listen[h.name],
+                                                     t.auth_args), t.hosts)))
     problems = [a for a in answers.values() if isinstance(a, str)]
-    fingerprints: dict[str, list[str]] = {}
+    # Each model's fingerprint per host that needs it (t.models_on): one per model, or its
+    # workers would be refused at registration.
+    fingerprints: dict[str, dict[str, list[str]]] = {m: {} for m in t.models}
     for host in t.hosts:
         answer = answers[host.name]
         if isinstance(answer, str):
             continue
-        model = answer["model"]
-        if "error" in model:
-            problems.append(f"{host.describe()}: model {t.model!r} is not available there: "
-                            f"{model['error']} (run `tandem pull {t.model}` on that host)")
-        else:
-            fingerprints.setdefault(model["fingerprint"], []).append(
-                f"{host.name} ({model['path']})")
+        for name, model in zip(t.models_on(host), answer.get("models", [answer["model"]])):
+            if "error" in model:
+                problems.append(f"{host.describe()}: model {name!r} is not available there: "
+                                f"{model['error']} (run `tandem pull {name}` on that host)")
+            else:
+                fingerprints[name].setdefault(model["fingerprint"], []).append(
+                    f"{host.name} ({model['path']})")
         problems += [f"{host.describe()}: {why}" for why in answer["listen"]]
         if answer.get("auth"):  # a probe of an older tandem reports no "auth"
             problems.append(f"{host.describe()}: [security]: {answer['auth']} on that host")
-    if len(fingerprints) > 1:
-        listed = "; ".join(f"{fp} on {', '.join(hosts)}" for fp, hosts in fingerprints.items())
-        problems.append(f"mismatched model: {t.model!r} is not the same model on every host "
-                        f"({listed}); workers of another model would be refused at "
-                        "registration. Pull the same model on every host.")
+    for name, seen in fingerprints.items():
+        if len(seen) > 1:
+            listed = "; ".join(f"{fp} on {', '.join(hosts)}" for fp, hosts in seen.items())
+            problems.append(f"mismatched model: {name!r} is not the same model on every host "
+                            f"({listed}); workers of another model would be refused at "
+                            "registration. Pull the same model on every host.")
     if problems:
         raise TopologyError(f"{t.source}: cannot launch, nothing was started:\n  - "
                             + "\n  - ".join(problems))
@@ -93,31 +96,36 @@ def preflight(t: ClusterTopology) -> dict[str, dict]:
 
 
 def pull_everywhere(t: ClusterTopology, out: Callable[[str], None] = print) -> None:
-    """`tandem pull MODEL` on every host at once, each into its own cache (a no-op where the
-    model is already there and verified); TopologyError naming the hosts where it failed."""
-    def pull(host: Host) -> str | None:
-        command = host_command(host, [python_of(host), "-m", "cli.main", "pull", t.model])
+    """`tandem pull MODEL` on every host at once, of each model the host's roles need
+    (t.models_on), each into its own cache (a no-op where the model is already there and
+    verified); TopologyError naming the hosts where it failed."""
+    def pull(host: Host, model: str) -> str | None:
+        command = host_command(host, [python_of(host), "-m", "cli.main", "pull", model])
         try:
             done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                   timeout=PULL_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{host.describe()}: cannot pull {t.model!r}: {exc}"
+            return f"{host.describe()}: cannot pull {model!r}: {exc}"
         if done.returncode != 0:
             detail = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
-            return f"{host.describe()}: `tandem pull {t.model}` failed: {detail}"
+            return f"{host.describe()}: `tandem pull {model}` failed: {detail}"
         out(f"{host.name}: {done.stdout.strip()}")
         return None
 
+    def pull_all(host: Host) -> list[str]:
+        return [p for p in (pull(host, m) for m in t.models_on(host)) if p]
+
     with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
-        problems = [p for p in pool.map(pull, t.hosts) if p]
+        problems = [p for found in pool.map(pull_all, t.hosts) for p in found]
     if problems:
         raise TopologyError(f"{t.source}: cannot launch, nothing was started:\n  - "
                             + "\n  - ".join(problems))
 
 
-def _probe(host: Host, model: str, listen: list[str], auth_args: tuple[str, ...] = ()
-           ) -> dict | str:
-    argv = [python_of(host), "-m", "deploy.probe", "--model", model, *auth_args]
+def _probe(host: Host, models: tuple[str, ...], listen: list[str],
+           auth_args: tuple[str, ...] = ()) -> dict | str:
+    argv = [python_of(host), "-m", "deploy.probe",
+            *(a for m in models for a in ("--model", m)), *auth_args]
     for item in listen:
         argv += ["--listen", item]
     command = host_command(host, argv)
@@ -210,7 +218,8 @@ def _internal_api_from(t: ClusterTopology) -> list[str]:
 def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
     host = role.host
     if role.role == "coordinator":
-        argv = ["coordinator", "--model", t.model, "--host", host.bind, "--port", str(role.port),
+        argv = ["coordinator", *(a for m in t.models for a in ("--model", m)),
+                "--host", host.bind, "--port", str(role.port),
                 "--registry-host", host.bind, "--registry-port", str(role.registry_port),
                 "--chunk-size", str(t.chunk_size)]
         if role.grpc_port:
@@ -220,7 +229,8 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
         return (argv + _internal_api_from(t) + list(t.auth_args) + list(t.coordinator_args)
                 + list(role.args))
     module = "prefill_node" if role.role == "prefill" else "decode_node"
-    argv = [module, "--model", t.model, "--host", host.bind, "--advertise-host", host.address,
+    argv = [module, "--model", role.model or t.model, "--host", host.bind,
+            "--advertise-host", host.address,
             "--port", str(role.port), "--coordinator", t.registry_address,
             "--kv-backend", t.kv_backend, "--worker-id", role.name,
             "--max-batched-tokens", str(t.chunk_size)]
@@ -293,7 +303,7 @@ def _print_endpoints(t: ClusterTopology, secret: str | None, out: Callable[[str]
         workers = {w["worker_id"]: w for w in get_internal(t.url, secret)["workers"]}
     except (OSError, ValueError, KeyError):
         workers = {}  # a process that just died is reported by the serving loop
-    out(f"tandem is serving {t.model} at {t.url}  (Ollama API: {t.url}/api/chat, "
+    out(f"tandem is serving {', '.join(t.models)} at {t.url}  (Ollama API: {t.url}/api/chat, "
         f"metrics: {t.url}/metrics); workers register at {t.registry_address}")
     for role in t.workers:
         w = workers.get(role.name, {})

@@ -3,6 +3,8 @@
     topology = Topology(model="smollm2", model_path=path, prefill=1, decode=1)
     # several models: the same worker counts for each, one coordinator for all
     topology = Topology(model="smollm2", model_path=path, more_models=(("qwen3", path2),))
+    # ... and counts of their own for some: qwen3 gets 2 prefill and 3 decode workers
+    topology = Topology(..., model_workers=(("qwen3", 2, 3),))
     specs, ready = plan(topology)          # argv of every process, ports chosen here
     with LocalCluster(specs, ready) as cluster:
         cluster.start()                     # waits until the coordinator reports the workers
@@ -30,7 +32,8 @@ Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, 
 
 Several models (`more_models`): one coordinator gets `--model` for each (the first is the
 default), and each model gets its own workers, `prefill` and `decode` of them (or one colocated
-worker), with the engine flags above. The first model's workers keep the names of a
+worker), with the engine flags above; `model_workers` gives a model counts of its own
+((name, prefill, decode), the name as in `models`; not with colocated). The first model's workers keep the names of a
 single-model topology (`decode-0`); another model's carry its name before them
 (`qwen3-decode-0`), so every worker id in the cluster is distinct. Ready means every worker,
 by name, is live.
@@ -126,6 +129,9 @@ class Topology:
     # More models served by the same cluster: (name as the user gave it, resolved path), each
     # with workers of its own (the module docstring). Empty: one model, `model`.
     more_models: tuple[tuple[str, Path], ...] = ()
+    # (model name as in `models`, prefill, decode): that model's worker counts instead of
+    # `prefill` and `decode` (tandem serve --workers MODEL=P:D). Disaggregated topologies only.
+    model_workers: tuple[tuple[str, int, int], ...] = ()
     log_format: str = "text"  # every process's --log-format (common/log_format.py)
     access_log: bool = True  # False: the coordinator gets --no-access-log
     otlp_traces_endpoint: str | None = None  # every process's --otlp-traces-endpoint
@@ -134,6 +140,12 @@ class Topology:
     def models(self) -> tuple[tuple[str, Path], ...]:
         """(name, path) of every model served, the default (`model`) first."""
         return ((self.model, self.model_path), *self.more_models)
+
+    def counts(self, index: int) -> tuple[int, int]:
+        """(prefill, decode) workers of the `index`-th model."""
+        name = self.models[index][0]
+        return next(((p, d) for n, p, d in self.model_workers if n == name),
+                    (self.prefill, self.decode))
 
     def worker_prefix(self, index: int) -> str:
         """What the names of the `index`-th model's workers start with ("" for the first)."""
@@ -150,12 +162,25 @@ class Topology:
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"kv_backend must be one of {', '.join(KV_BACKENDS)}, "
                              f"got {self.kv_backend!r}")
+        if self.model_workers and self.colocated:
+            raise ValueError("worker counts per model are prefill:decode counts; a colocated "
+                             "topology has one colocated worker per model")
+        for name, _, _ in self.model_workers:
+            if name not in names:
+                raise ValueError(f"worker counts are given for {name!r}, which is not a served "
+                                 f"model (models: {', '.join(names)})")
+        given = [n for n, _, _ in self.model_workers]
+        if len(set(given)) != len(given):
+            raise ValueError(f"worker counts are given twice for a model: {', '.join(given)}")
         if not self.colocated:
-            if self.decode < 1:
-                raise ValueError(f"a disaggregated topology needs at least one decode worker, "
-                                 f"got decode={self.decode}")
-            if self.prefill < 0:
-                raise ValueError(f"prefill must be >= 0, got {self.prefill}")
+            for index, (name, _) in enumerate(self.models):
+                prefill, decode = self.counts(index)
+                of = f" of {name!r}" if self.model_workers else ""
+                if decode < 1:
+                    raise ValueError(f"a disaggregated topology needs at least one decode "
+                                     f"worker{of}, got decode={decode}")
+                if prefill < 0:
+                    raise ValueError(f"prefill{of} must be >= 0, got {prefill}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.chunk_size < 1:
@@ -193,7 +218,8 @@ class Topology:
         n = len(self.models)
         if self.colocated:
             return {"colocated": n}
-        return {"prefill": self.prefill * n, "decode": self.decode * n}
+        counts = [self.counts(i) for i in range(n)]
+        return {"prefill": sum(p for p, _ in counts), "decode": sum(d for _, d in counts)}
 
     def coordinator_flags(self) -> list[str]:
         flags = ["--chunk-size", str(self.chunk_size), *self.log_flags()]
@@ -291,12 +317,14 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         coordinator += ["--api-tls-cert", t.api_tls[0], "--api-tls-key", t.api_tls[1]]
     specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
                          t.log_dir / "coordinator.log", env=secrets)]
-    if t.colocated:
-        roles = [("colocated", "decode_node")]
-    else:
-        roles = [("prefill", "prefill_node")] * t.prefill + [("decode", "decode_node")] * t.decode
+    def roles(index: int) -> list[tuple[str, str]]:
+        if t.colocated:
+            return [("colocated", "decode_node")]
+        prefill, decode = t.counts(index)
+        return [("prefill", "prefill_node")] * prefill + [("decode", "decode_node")] * decode
+
     workers = [(i, path, role, module) for i, (_, path) in enumerate(t.models)
-               for role, module in roles]
+               for role, module in roles(i)]
     counters: dict[tuple[int, str], int] = {}
     for model_index, model_path, role, module in workers:
         index = counters[model_index, role] = counters.get((model_index, role), -1) + 1

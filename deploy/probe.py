@@ -1,8 +1,9 @@
-"""`python -m deploy.probe --model M [--listen ADDR:PORT ...] [--cluster-secret-file F --tls-* F]`:
+"""`python -m deploy.probe --model M [--model M2 ...] [--listen ADDR:PORT ...] [--cluster-secret-file F --tls-* F]`:
 run on each host before a launch.
 
-Prints one JSON object: whether the model resolves in this host's own store (and its
-fingerprint, which must be the same on every host), which of the given addresses cannot be
+Prints one JSON object: whether each model resolves in this host's own store (and its
+fingerprint, which must be the same on every host; `models`, in --model order, and `model`,
+the first's, as probes before several models answered), which of the given addresses cannot be
 listened on (port in use, or an address this host does not have), and whether the internal
 plane's files (the [security] paths, as this host sees them) exist and hold what the roles will
 ask of them: the same start-up check a role makes (common/cluster_auth.py), made before any
@@ -23,10 +24,12 @@ def check_model(name: str) -> dict:
     from common.errors import TandemError
     from common.model_files import load_config
     from common.model_identity import model_fingerprint
-    from common.model_store import ModelStore, default_home
+    from common.model_store import default_store
 
     try:
-        path = ModelStore(default_home()).resolve(name)
+        # As the roles resolve it (worker/node_server.py): Ollama's store and the Hugging Face
+        # cache of this host included.
+        path = default_store().resolve(name)
         config = load_config(path)
         return {"path": str(path), "fingerprint": model_fingerprint(path, config)}
     except (TandemError, OSError, ValueError) as exc:
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.cluster_auth import add_auth_args
 
     p = argparse.ArgumentParser(prog="python -m deploy.probe")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, action="append")
     p.add_argument("--listen", action="append", default=[], metavar="ADDR:PORT")
     add_auth_args(p)  # the roles' own flags, checked as the roles will check them
     args = p.parse_args(argv)
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         problem = check_listen(address.strip("[]"), int(port))
         if problem:
             busy.append(problem)
-    print(json.dumps({"hostname": socket.gethostname(), "model": check_model(args.model),
+    models = [check_model(m) for m in args.model]
+    print(json.dumps({"hostname": socket.gethostname(), "model": models[0], "models": models,
                       "listen": busy, "auth": check_auth(args)}))
     return 0
 

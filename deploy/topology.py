@@ -1,6 +1,8 @@
 """A multi-host topology file (TOML): which roles run on which hosts, on which ports.
 
-    model = "smollm2"            # a name in each host's own store (`tandem pull`), or a path
+    model = "smollm2"            # a name in each host's own store (`tandem pull`), or a path;
+                                 # a list serves several: ["smollm2", "qwen3:0.6b"] (the first
+                                 # is the default), each worker naming its own (below)
     kv_backend = "zmq"           # zmq | grpc across hosts; shm only when all workers share one
     worker_args = ["--decode-quant", "int4"]   # optional: flags for every worker
 
@@ -25,6 +27,8 @@
     host = "gpu-b"
     port = 50071
     kv_port = 50081              # the KV receiver (0 or absent: any free port)
+    # model = "qwen3:0.6b"       # which of the models this worker serves (default: the first);
+                                 # each model needs a [[decode]] or [[colocated]] worker
 
     [security]                   # optional: the authenticated internal plane (common/cluster_auth.py)
     cluster_secret_file = "/etc/tandem/secret"   # paths as every host sees them
@@ -74,7 +78,7 @@ _SECURITY_PATHS = {"cluster_secret_file", "tls_cert", "tls_key", "tls_ca", "tls_
 _SECURITY_KEYS = _SECURITY_PATHS | {"insecure_internal_plane"}
 _HOST_KEYS = {"address", "bind", "ssh", "ssh_options", "exec", "python", "env", "workdir"}
 _COORDINATOR_KEYS = {"host", "port", "registry_port", "grpc_port", "args"}
-_WORKER_KEYS = {"host", "port", "kv_port", "name", "args"}
+_WORKER_KEYS = {"host", "port", "kv_port", "name", "args", "model"}
 
 
 class TopologyError(TandemError):
@@ -113,6 +117,7 @@ class Role:
     grpc_port: int = 0  # coordinator only: client gRPC API; 0 = the coordinator's default
     kv_port: int = 0  # decode/colocated only; 0 = any free port
     args: tuple[str, ...] = ()  # more flags for this process
+    model: str = ""  # workers: the model this one serves (one of the topology's); "" for the coordinator
 
     def ports(self) -> list[tuple[str, int]]:
         """(what, port) of every fixed port this role listens on."""
@@ -124,10 +129,11 @@ class Role:
 @dataclass(frozen=True)
 class ClusterTopology:
     source: Path  # the file, for messages and the launch's state folder
-    model: str
+    model: str  # the default model (the first of `model`'s list)
     kv_backend: str
     coordinator: Role
     workers: tuple[Role, ...]
+    more_models: tuple[str, ...] = ()  # the rest of `model`'s list: served too
     chunk_size: int = DEFAULT_TOKEN_BUDGET
     prefill_threshold: int | None = None
     log_dir: Path | None = None
@@ -140,6 +146,19 @@ class ClusterTopology:
     # [security] insecure_internal_plane: the operator allows an open plane off loopback.
     insecure_internal_plane: bool = False
     hosts: tuple[Host, ...] = field(default=(), repr=False)  # every host a role runs on
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model served, the default first."""
+        return (self.model, *self.more_models)
+
+    def models_on(self, host: Host) -> tuple[str, ...]:
+        """The models the roles on `host` need: all of them for the coordinator (it reads
+        every model's tokenizer), each worker's own."""
+        if host.name == self.coordinator.host.name:
+            return self.models
+        return tuple(m for m in self.models
+                     if any(w.model == m and w.host.name == host.name for w in self.workers))
 
     @property
     def secret_file(self) -> str | None:
@@ -192,7 +211,7 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
                                 f"{', '.join(ROLES)}")
         raise TopologyError(f"{where}: unknown setting {key!r}; settings are "
                             f"{', '.join(sorted(_TOP_KEYS - {'hosts'}))}")
-    model = _string(data, "model", where, required=True)
+    models = _models(data, where)
     kv_backend = _string(data, "kv_backend", where) or DEFAULT_KV_BACKEND
     if kv_backend not in KV_BACKENDS:
         raise TopologyError(f"{where}: kv_backend must be one of {', '.join(KV_BACKENDS)}, "
@@ -230,12 +249,17 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
             if "kv_port" in table and role == "prefill":
                 raise TopologyError(f"{at}: kv_port belongs to decode workers (prefill workers "
                                     "only send KV)")
+            model = _string(table, "model", at) or models[0]
+            if model not in models:
+                raise TopologyError(f"{at}: model {model!r} is not one of the topology's "
+                                    f"models ({', '.join(models)})")
             workers.append(Role(_string(table, "name", at) or f"{role}-{index}", role,
                                 host_of(table, at), port=_port(table, "port", at, required=True),
                                 kv_port=_port(table, "kv_port", at, default=0),
-                                args=_strings(table, "args", at)))
+                                args=_strings(table, "args", at), model=model))
     topology = ClusterTopology(
-        source=source, model=model, kv_backend=kv_backend, coordinator=coordinator,
+        source=source, model=models[0], more_models=models[1:], kv_backend=kv_backend,
+        coordinator=coordinator,
         workers=tuple(workers), chunk_size=_int(data, "chunk_size", where, DEFAULT_TOKEN_BUDGET, minimum=1),
         prefill_threshold=(_int(data, "prefill_threshold", where, 0, minimum=0)
                            if "prefill_threshold" in data else None),
@@ -249,6 +273,19 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         hosts=tuple(used.values()))
     _check_workers(topology, where)
     return topology
+
+
+def _models(data: dict, where: str) -> tuple[str, ...]:
+    """`model`: one name or path, or a list of distinct ones (the first is the default)."""
+    value = data.get("model")
+    if isinstance(value, list):
+        if not value or not all(isinstance(m, str) and m for m in value):
+            raise TopologyError(f"{where}: model must be a name or a non-empty list of names, "
+                                f"got {value!r}")
+        if len(set(value)) != len(value):
+            raise TopologyError(f"{where}: a model is listed twice in model: {', '.join(value)}")
+        return tuple(value)
+    return (_string(data, "model", where, required=True),)
 
 
 def _security_args(table: object, at: str, source: Path) -> tuple[str, ...]:
@@ -275,6 +312,10 @@ def _check_workers(t: ClusterTopology, where: str) -> None:
     if not any(w.role in ("decode", "colocated") for w in t.workers):
         raise TopologyError(f"{where}: no [[decode]] or [[colocated]] worker: nothing could "
                             "generate tokens")
+    for model in t.more_models and t.models:
+        if not any(w.role in ("decode", "colocated") and w.model == model for w in t.workers):
+            raise TopologyError(f"{where}: model {model!r} has no [[decode]] or [[colocated]] "
+                                "worker (a worker names its model with model = ...)")
     names: dict[str, Role] = {}
     for w in t.workers:
         if w.name in names or w.name == "coordinator":

@@ -395,3 +395,49 @@ def test_plan_refuses_a_model_twice_and_names_that_would_clash(tmp_path):
                  more_models=(("b:1", tmp_path), ("b.1", tmp_path)))
     assert [s.name for s in plan(t, ports())[0][1:]] == [
         "colocated-0", "b-1-1-colocated-0", "b-1-2-colocated-0"]
+
+
+def test_a_model_may_have_worker_counts_of_its_own(tmp_path):
+    t = Topology(model="smollm2", model_path=tmp_path / "a.gguf", log_dir=tmp_path, prefill=1,
+                 decode=1, more_models=(("qwen3:8b", tmp_path / "b.gguf"), ("c", tmp_path / "c")),
+                 model_workers=(("qwen3:8b", 2, 3), ("c", 0, 1)))
+    assert [t.counts(i) for i in range(3)] == [(1, 1), (2, 3), (0, 1)]
+    specs, ready = plan(t, ports())
+    assert [s.name for s in specs[1:]] == [
+        "prefill-0", "decode-0", "qwen3-8b-prefill-0", "qwen3-8b-prefill-1",
+        "qwen3-8b-decode-0", "qwen3-8b-decode-1", "qwen3-8b-decode-2", "c-decode-0"]
+    assert {parsed_worker(s).model for s in specs[3:8]} == {str(tmp_path / "b.gguf")}
+    assert ready.expected == {"prefill": 3, "decode": 5}
+    assert ready.worker_ids == tuple(s.name for s in specs[1:])
+
+
+@pytest.mark.parametrize("counts, colocated, message", [
+    ((("gamma", 1, 1),), False, r"given for 'gamma', which is not a served model \(models: a, b\)"),
+    ((("b", 1, 1), ("b", 2, 2)), False, "given twice for a model: b, b"),
+    ((("b", 1, 0),), False, "at least one decode worker of 'b', got decode=0"),
+    ((("b", 1, 1),), True, "a colocated topology has one colocated worker per model"),
+])
+def test_worker_counts_per_model_are_checked(tmp_path, counts, colocated, message):
+    with pytest.raises(ValueError, match=message):
+        Topology(model="a", model_path=tmp_path, log_dir=tmp_path, colocated=colocated,
+                 more_models=(("b", tmp_path),), model_workers=counts)
+
+
+def test_tandem_serve_takes_worker_counts_per_model(tmp_path, monkeypatch):
+    import cli.main
+    import deploy.local
+    from cli.serve import model_workers
+    from common.errors import TandemError
+
+    one, two = make_tiny_model_dir(tmp_path / "one"), make_tiny_model_dir(tmp_path / "two")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = {}
+    monkeypatch.setattr(deploy.local, "serve", lambda topology, **kw: seen.setdefault("t", topology) and 0)
+    assert cli.main.main(["serve", "--model", str(one), "--model", str(two), "--decode", "2",
+                          "--workers", f"{two}=0:3", "--log-dir", str(tmp_path / "logs")]) == 0
+    t = seen["t"]
+    assert (t.counts(0), t.counts(1)) == ((1, 2), (0, 3))
+    assert model_workers(["/m=x/y=1:2"]) == (("/m=x/y", 1, 2),)
+    for bad in ("qwen3=1", "qwen3=a:2", "=1:2", "qwen3=1:-2"):
+        with pytest.raises(TandemError, match="expected MODEL=PREFILL:DECODE"):
+            model_workers([bad])

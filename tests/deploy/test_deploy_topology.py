@@ -345,3 +345,99 @@ def test_pull_on_every_host_names_the_hosts_where_it_failed(tmp_path, models):
     for host in ("host 'one' (127.0.0.1", "host 'two' (127.0.0.2"):
         assert f"{host}, via this machine): `tandem pull tiny` failed: Error: unknown model " \
                "'tiny'" in message
+
+
+# ---- several models -----------------------------------------------------------------------------
+
+MULTI = """
+model = ["tiny", "qwen3:0.6b"]
+[coordinator]
+host = "127.0.0.1"
+port = 11434
+[[prefill]]
+host = "127.0.0.1"
+port = 50061
+[[decode]]
+host = "127.0.0.1"
+port = 50071
+[[decode]]
+host = "127.0.0.1"
+port = 50072
+model = "qwen3:0.6b"
+[[decode]]
+host = "127.0.0.1"
+port = 50073
+model = "qwen3:0.6b"
+"""
+
+
+def test_several_models_each_with_workers_of_its_own(tmp_path):
+    from coordinator.__main__ import build_parser
+
+    t = parse(MULTI)
+    assert t.models == ("tiny", "qwen3:0.6b") and t.model == "tiny"
+    assert [(w.name, w.model) for w in t.workers] == [
+        ("prefill-0", "tiny"), ("decode-0", "tiny"), ("decode-1", "qwen3:0.6b"),
+        ("decode-2", "qwen3:0.6b")]
+    specs, ready = plan_launch(t, tmp_path, "run", SECRET)
+    argv = specs[0].argv
+    coordinator = build_parser().parse_args(argv[argv.index("coordinator") + 1:])
+    assert coordinator.model == ["tiny", "qwen3:0.6b"]
+    for spec, model in zip(specs[1:], ("tiny", "tiny", "qwen3:0.6b", "qwen3:0.6b")):
+        assert spec.argv[spec.argv.index("--model") + 1] == model
+    assert ready.expected == {"prefill": 1, "decode": 3}
+    assert ready.worker_ids == ("prefill-0", "decode-0", "decode-1", "decode-2")
+    host = t.workers[0].host
+    assert t.models_on(host) == ("tiny", "qwen3:0.6b")  # the coordinator's host: every model
+
+
+@pytest.mark.parametrize("text, message", [
+    (MULTI.replace('model = "qwen3:0.6b"\n[[decode]]', 'model = "gamma"\n[[decode]]', 1),
+     r"\[\[decode\]\] #2: model 'gamma' is not one of the topology's models \(tiny, qwen3:0.6b\)"),
+    (MULTI.replace('model = ["tiny", "qwen3:0.6b"]', 'model = ["tiny", "qwen3:0.6b", "c"]'),
+     "model 'c' has no \\[\\[decode\\]\\] or \\[\\[colocated\\]\\] worker"),
+    (MULTI.replace('model = ["tiny", "qwen3:0.6b"]', 'model = ["tiny", "tiny"]'),
+     "a model is listed twice in model: tiny, tiny"),
+    (MULTI.replace('model = ["tiny", "qwen3:0.6b"]', "model = []"),
+     "model must be a name or a non-empty list of names"),
+])
+def test_several_models_mistakes_are_named(text, message):
+    with pytest.raises(TopologyError, match=message):
+        parse(text)
+
+
+def test_preflight_asks_each_host_for_the_models_its_roles_need(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for home, names in ((one, ("tiny", "other")), (two, ("other",))):
+        (home / "models").mkdir(parents=True)
+        for name in names:
+            make_tiny_gguf(home / "models" / f"{name}.gguf", seed=0 if name == "tiny" else 1)
+
+    def topology(model_on_one: str, model_on_two: str):
+        text = two_hosts(one, two).replace('model = "tiny"', 'model = ["tiny", "other"]', 1)
+        text = text.replace("[[prefill]]\nhost = \"one\"",
+                            f'[[decode]]\nhost = "one"\nmodel = "{model_on_one}"', 1)
+        return parse(text.replace("kv_port", f'model = "{model_on_two}"\nkv_port', 1))
+
+    t = topology("tiny", "other")
+    assert [(w.model, w.host.name) for w in t.workers] == [("tiny", "one"), ("other", "two")]
+    assert t.models_on(t.workers[1].host) == ("other",)
+    preflight(t)  # host two has no tiny, and needs none
+    with pytest.raises(TopologyError) as info:
+        preflight(topology("other", "tiny"))
+    message = str(info.value)
+    assert "host 'two' (127.0.0.2, via this machine): model 'tiny' is not available there" in message
+    assert "'other' is not available" not in message and "mismatched" not in message
+
+
+def test_the_probe_finds_a_model_in_ollamas_store_as_the_roles_do(tmp_path, monkeypatch):
+    from deploy.probe import check_model
+    from tests.helpers.foreign_stores import make_ollama_store
+
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf").path
+    store = make_ollama_store(tmp_path / "ollama", gguf, name="library/qwen3", tag="0.6b")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    found = check_model("qwen3:0.6b")
+    assert Path(found["path"]).parent == store / "blobs" and found["fingerprint"]
+    assert "error" in check_model("qwen3:8b")

@@ -48,11 +48,14 @@ def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", pre
                     worker_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = (),
                     start_timeout_s: float = 120.0, cluster_secret: str | None = None,
                     auth_args: tuple[str, ...] = (),
-                    more_models: tuple[tuple[str, Path], ...] = ()):
+                    more_models: tuple[tuple[str, Path], ...] = (),
+                    store_name: str | None = None):
     """more_models: (name clients use, path) of more models served by the same cluster, each
-    with workers of its own (deploy/local.py), as `tandem serve --model A --model B` runs."""
+    with workers of its own (deploy/local.py), as `tandem serve --model A --model B` runs.
+    store_name: what the coordinator is given as --model (a name it resolves in its stores to
+    `model_path`, as `tandem serve NAME` does); by default the path itself."""
     names = tuple(a for name, _ in more_models for a in ("--model-name", name))
-    topology = Topology(model=str(model_path), model_path=model_path,
+    topology = Topology(model=store_name or str(model_path), model_path=model_path,
                         more_models=tuple((str(path), path) for _, path in more_models),
                         log_dir=log_dir, port=free_port(), prefill=prefill, decode=decode,
                         colocated=colocated, kv_backend=kv_backend, chunk_size=chunk_size,

@@ -18,12 +18,16 @@ def _blob(root: Path, data: bytes) -> dict:
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
-def make_ollama_store(root: Path, gguf: Path, name: str = "library/tiny", tag: str = "latest") -> Path:
-    """Ollama's layout: a manifest naming digests, each layer a blob named by its digest."""
+def make_ollama_store(root: Path, gguf: Path, name: str = "library/tiny", tag: str = "latest",
+                      params: dict | None = None, system: str | None = "You are tiny.") -> Path:
+    """Ollama's layout: a manifest naming digests, each layer a blob named by its digest.
+    params: the params layer (PARAMS by default); system None: no system layer."""
+    kinds = [("model", gguf.read_bytes()), ("template", GO_TEMPLATE.encode()),
+             ("params", json.dumps(PARAMS if params is None else params).encode())]
+    if system is not None:
+        kinds.append(("system", system.encode()))
     layers = [{"mediaType": f"application/vnd.ollama.image.{kind}", **_blob(root, data)}
-              for kind, data in (("model", gguf.read_bytes()), ("template", GO_TEMPLATE.encode()),
-                                 ("params", json.dumps(PARAMS).encode()),
-                                 ("system", b"You are tiny."))]
+              for kind, data in kinds]
     manifest = root / "manifests" / "registry.ollama.ai" / name / tag
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps({
