@@ -7,16 +7,20 @@ needs the fingerprint. Everything else about the model lives on the workers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.chat_template_choice import choose_template
 from common.errors import ModelNotFoundError
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
 from common.model_name import display_name, name_key
 from common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,9 @@ class ServedModel:
     names: frozenset[str]  # every name a request may use for it
     path: Path
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # its chat_template is the one chosen (common/chat_template_choice.py)
     fingerprint: str
+    system: str | None = None  # the system message a chat without one gets (/api/create's)
 
     @property
     def context_len(self) -> int:
@@ -54,12 +59,21 @@ def shown(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = ()) -> ServedModel:
-    """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors."""
+def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = (),
+                      template_file: str | Path | None = None, stored_template: str | None = None,
+                      system: str | None = None) -> ServedModel:
+    """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors.
+    The chat template: `template_file` (--chat-template), else `stored_template` (the store's,
+    from /api/create), else a shipped one for the model's family, else the model's own
+    (common/chat_template_choice.py)."""
     path = Path(path).expanduser()
     config = load_config(path)
     tokenizer = Tokenizer.from_path(path)
+    choice = choose_template(tokenizer.chat_template, template_file, stored_template)
+    if choice.source != "model":
+        log.info("model %s renders the chat template of %s", name, choice.source)
+        tokenizer = tokenizer.with_chat_template(choice.template)
     names = {name, *aliases, str(path), path.name, path.stem}
     return ServedModel(name=name, names=frozenset(n for n in names if n), path=path,
                        config=config, tokenizer=tokenizer,
-                       fingerprint=model_fingerprint(path, config))
+                       fingerprint=model_fingerprint(path, config), system=system or None)

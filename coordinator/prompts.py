@@ -74,6 +74,10 @@ def chat_prompt_ids(model: ServedModel, messages: list[dict],
     """`context`: the request's context window in tokens (None: no size check);
     `template_args`: variables for the chat template (coordinator/thinking.py's)."""
     tokenizer = model.tokenizer
+    if model.system and not any(m.get("role") == "system" for m in messages):
+        # The model's stored system message (/api/create's), as Ollama adds it: only to a chat
+        # that brings none of its own.
+        messages = [{"role": "system", "content": model.system}, *messages]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
                                            **(template_args or {}))
     return encode(tokenizer, prompt, add_special_tokens=True, context=context)
@@ -126,6 +130,7 @@ def generate_prompt_ids(model: ServedModel, prompt: str, system: str | None = No
     if raw:
         text = prompt
     else:
+        system = system or model.system
         messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
