@@ -29,6 +29,10 @@ def register(subparsers) -> None:
                    help="model name (pulled if missing), GGUF file or Hugging Face directory; "
                         "repeat it to serve several models, each with its own workers "
                         f"(default {DEFAULT_MODEL})")
+    p.add_argument("--chat-template", action="append", metavar="FILE",
+                   help="a Jinja chat template file the n-th --model renders instead of its "
+                        "own, e.g. one that reads `tools` (repeatable; default: the model's, "
+                        "or the tools template tandem ships for its family)")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
                                   "as `ollama serve`, else 127.0.0.1)")
@@ -100,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             speculative=args.speculative,
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
-                            coordinator_args=("--grpc-port", str(args.grpc_port)),
+                            coordinator_args=("--grpc-port", str(args.grpc_port),
+                                              *_chat_template_args(args.chat_template, models)),
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
                             otlp_traces_endpoint=args.otlp_traces_endpoint)
@@ -114,6 +119,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         more_models=tuple((m, resolve_or_pull(m)) for m in models[1:]))
     return serve(topology, start_timeout_s=args.start_timeout, out=_log,
                  lock_dir=default_home() / "run", more_ports=(args.grpc_port,))
+
+
+def _chat_template_args(files: list[str] | None, models: list[str]) -> tuple[str, ...]:
+    """--chat-template for the coordinator (which renders prompts; workers get token ids),
+    each file checked to parse here, before anything starts."""
+    from common.chat_template_choice import read_template_file
+
+    if files and len(files) > len(models):
+        raise ValueError(f"{len(files)} --chat-template for {len(models)} --model: give at "
+                         "most one per model")
+    for file in files or ():
+        try:
+            read_template_file(file)
+        except TandemError as exc:
+            raise ValueError(str(exc)) from None
+    return tuple(a for f in files or () for a in ("--chat-template", str(Path(f).resolve())))
 
 
 def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:
