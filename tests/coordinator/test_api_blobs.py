@@ -164,3 +164,5 @@ def test_create_from_a_served_models_blob_with_a_template_is_kept_not_served(
     prompt = served.tokenizer.decode(list(worker.requests[0].prompt_token_ids))
     assert "Hello there" in prompt and "<|sys|>" not in prompt
     assert unserved.status_code == 404
+    assert "the model store holds it, but this server does not serve it" in unserved.error
+    assert "tandem serve --model templated" in unserved.error
