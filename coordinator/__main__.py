@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(args.log_level, args.log_format)
         setup_tracing("tandem-coordinator", endpoint_from(args.otlp_traces_endpoint, os.environ))
-        from coordinator.model import load_served_model
+        from coordinator.model import load_from_store
         from coordinator.server import serve
         from common.model_store import default_store
 
@@ -184,19 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{len(given)} {flag} for {len(args.model)} --model: give "
                                  "at most one per model")
         store = default_store()
-        models = []
-        for i, given in enumerate(args.model):
-            path = store.resolve(given)
-            entry = store.entry(given)
-            # Every store name of the same file answers too (copies made by /api/copy).
-            aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
-            name = args.model_name[i] if i < len(args.model_name) else given
-            # What /api/create kept with the name (its template, its system message).
-            stored = store.overrides(given)
-            models.append(load_served_model(
-                path, name, aliases,
-                template_file=args.chat_template[i] if i < len(args.chat_template) else None,
-                stored_template=stored.template, system=stored.system))
+        models = [load_from_store(
+            store, given, args.model_name[i] if i < len(args.model_name) else given,
+            args.chat_template[i] if i < len(args.chat_template) else None)
+            for i, given in enumerate(args.model)]
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models

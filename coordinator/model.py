@@ -18,6 +18,7 @@ from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
 from common.model_name import display_name, name_key
+from common.model_store import ModelStore
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,21 @@ def shown(text: str, limit: int = 100) -> str:
     """`text` as an error message may echo it: at most `limit` characters, then "..."."""
     text = str(text)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_from_store(store: ModelStore, given: str, name: str,
+                    template_file: str | Path | None = None) -> ServedModel:
+    """The model `given` names in the store (or a path), served as `name`, with what
+    /api/create kept with that name (its template, its system message)."""
+    path = store.resolve(given)
+    entry = store.entry(given)
+    stored = store.overrides(given)
+    # Every store name of the same file answers too (copies made by /api/copy, names made from
+    # its blob), except those create gave another template or system message.
+    aliases = [*(entry.names if entry is not None else ()),
+               *(n for n in store.names_for(path) if store.overrides(n) == stored)]
+    return load_served_model(path, name, aliases, template_file=template_file,
+                             stored_template=stored.template, system=stored.system)
 
 
 def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = (),

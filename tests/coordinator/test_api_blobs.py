@@ -11,9 +11,10 @@ import ollama
 import pytest
 
 from common.model_store import ModelStore
-from coordinator.model import load_served_model
+from coordinator.model import load_from_store, load_served_model
+from coordinator.prompts import chat_prompt_ids
 from tests.helpers.coordinator_fakes import (
-    Script, coordinator_harness, load_model, make_tiny_model_dir, run,
+    Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
 )
 from tests.coordinator.test_api_models import in_thread, refusal
 
@@ -90,9 +91,19 @@ def test_blob_upload_then_create_with_files_template_and_system(served, tiny_ggu
     kept = store.overrides("uploaded:latest")
     assert (kept.template, kept.system) == (TEMPLATE, "Be brief.")
     assert store.overrides("plain") == type(kept)()
-    # ... so that serving the name renders with them (python -m coordinator --model uploaded).
-    model = load_served_model(path, "uploaded", stored_template=kept.template, system=kept.system)
+    # ... so that serving the name renders with them (python -m coordinator --model uploaded),
+    # and serving the other name of the same file does not answer to this one.
+    model = load_from_store(store, "uploaded", "uploaded")
     assert model.tokenizer.chat_template == TEMPLATE and model.system == "Be brief."
+    assert "plain" not in model.names
+    plain = load_from_store(store, "plain", "plain")
+    assert plain.system is None and "uploaded" not in plain.names
+    assert plain.tokenizer.chat_template == load_served_model(blob, "b").tokenizer.chat_template
+    # The stored system message reaches a chat without one, never one that brings its own.
+    prompt = lambda messages: model.tokenizer.decode(chat_prompt_ids(model, messages))  # noqa: E731
+    assert prompt(MESSAGES).startswith("<|sys|>Be brief.<system>Be brief.<user>Hello there")
+    own = [{"role": "system", "content": "Mine."}, *MESSAGES]
+    assert "Be brief." not in prompt(own) and prompt(own).startswith("<|sys|>Mine.")
     store.delete("uploaded")
     assert blob.is_file() and store.resolve("plain").samefile(blob)
 
@@ -113,6 +124,14 @@ def test_blob_uploads_are_verified_bounded_and_need_the_key(served, tmp_path):
                 for i in range(0, len(data), size):
                     yield data[i:i + size]
 
+            def cut(data: bytes):  # the client fails half way through its body
+                yield data[:len(data) // 2]
+                raise ConnectionAbortedError("client gave up")
+
+            with pytest.raises(ConnectionAbortedError):
+                await in_thread(post, digest, cut(body))
+            partials = lambda: list(store.blob_store(1).root.glob(".*.partial"))  # noqa: E731
+            await wait_until(lambda: not partials(), "the cut upload's partial file to go")
             return store, {
                 "no_key": (await in_thread(post, digest, body, {})).status_code,
                 "head_no_key": (await in_thread(httpx.head, f"{h.url}/api/blobs/{digest}")
