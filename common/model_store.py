@@ -138,6 +138,10 @@ class Overrides:
     template: str | None = None
     system: str | None = None
 
+    def over(self, base: Overrides) -> Overrides:
+        """These, with `base`'s where these have none (create from a model inherits its own)."""
+        return Overrides(self.template or base.template, self.system or base.system)
+
 
 def default_home() -> Path:
     """$TANDEM_HOME or ~/.cache/tandem. Only entry points call this."""
@@ -393,13 +397,12 @@ class ModelStore:
     def copy(self, source: str, destination: str, paths: bool = True,
              overrides: Overrides | None = None) -> Path:
         """Give the model `source` (a name, or a path unless `paths` is False) a second name;
-        returns the new name's path. `overrides`: kept with the new name instead of the
-        source's."""
+        returns the new name's path. `overrides`: kept with the new name over the source's."""
         if normalize_name(source) == normalize_name(destination):
             raise ModelNameError(f"cannot copy {source!r} onto itself")
         # The copy keeps what create stored with the source (as Ollama's copy keeps its layers).
         return self._add_name(destination, self.resolve(source, paths),
-                              self.overrides(source) if overrides is None else overrides)
+                              (overrides or Overrides()).over(self.overrides(source)))
 
     def delete(self, name: str) -> None:
         """Remove a name. A known model loses its file and its downloaded wheel; a copy its own

@@ -26,9 +26,10 @@ other than one .gguf blob (a safetensors set: register its directory with `from`
 
 The served models are fixed when the coordinator starts: the workers loaded them and keep them.
 So a pulled or created model is served by `tandem serve --model NAME`; a copy of a served model
-answers under its new name at once (one with its own template or system message does not: the
-served model keeps its own, and the name is served by `tandem serve --model NAME`); a name whose files the workers hold (a served model's
-name, or a name that would delete its file) is not deleted: 409. Store work (pip, hashing, hard
+answers under its new name at once (one created with another template or system message does
+not: the served model keeps its own, and `tandem serve --model NAME` serves the name); a name
+whose files the workers hold (a served model's name, or a name that would delete its file) is
+not deleted: 409. Store work (pip, hashing, hard
 links, reading a GGUF header) runs on threads, never on the event loop.
 
 `from` names a path on the server's host, so what create answers must not tell a client what
@@ -159,7 +160,7 @@ class ModelRoutes:
             raise RequestError(f"cannot create a model from blob {digest}: "
                                f"{str(exc).replace(str(blob), blob.name)}") from None
         served = next((m for m in self.coordinator.models if _same(path, m.path)), None)
-        if served is not None and overrides == Overrides():
+        if served is not None and await _served_alike(models, name, served.name):
             self.coordinator.add_model_name(normalize_name(name), served)
 
     async def delete(self, request: Request) -> Response:
@@ -196,7 +197,9 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
     elif served is not None:
         # The served model may not be in the store at all (served from a path, named by
         # --model-name): copy its path.
-        path = await asyncio.to_thread(models.copy, str(served.path), name, True, overrides)
+        # A copy keeps what create stored with the served name, unless given its own.
+        kept = (overrides or Overrides()).over(models.overrides(served.name))
+        path = await asyncio.to_thread(models.copy, str(served.path), name, True, kept)
     else:  # a name: never looked up as a path (that would tell what files the host has)
         try:
             path = await asyncio.to_thread(models.copy, source, name, False, overrides)
@@ -206,7 +209,9 @@ async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, sou
             raise ModelNotFoundError(f"model '{shown(source)}' not found") from None
     if served is None:
         served = next((m for m in coordinator.models if _same(path, m.path)), None)
-    if served is not None and not (overrides and overrides != Overrides()):
+    # The new name answers now only if it would be served as the served model is (what its
+    # manifest keeps is what the served name's keeps).
+    if served is not None and await _served_alike(models, name, served.name):
         coordinator.add_model_name(normalize_name(name), served)
 
 
@@ -220,6 +225,10 @@ async def _create_from_path(models: ModelStore, name: str, source: str,
     except (TandemError, OSError, ValueError) as exc:
         log.info("/api/create of %r from %s refused: %s", shown(name), shown(source), exc)
         raise RequestError(UNSERVABLE_SOURCE) from None
+
+
+async def _served_alike(models: ModelStore, name: str, served: str) -> bool:
+    return await asyncio.to_thread(lambda: models.overrides(name) == models.overrides(served))
 
 
 def _in_use(name: str) -> RequestError:

@@ -41,7 +41,10 @@ _ERRORS = {
     "429": "too many open streams; Retry-After says when to retry",
     "501": "this coordinator was started without a model store",
     "503": "no live worker, or the queue is full; Retry-After says when to retry",
+    "507": "the model store's disk has no room for the blob",
 }
+# Successes other than 200, by path.
+_CREATED = {"/api/blobs/{digest}": "the blob's bytes hash to its digest and are kept"}
 
 _NDJSON = "application/x-ndjson"
 _SSE = "text/event-stream"
@@ -65,6 +68,8 @@ def _responses(path: str) -> dict[str, Any]:
     if types:
         success["content"] = {t: {"schema": {}} for t in types}
     out = {"200": success}
+    if path in _CREATED:
+        out["201"] = {"description": _CREATED[path]}
     out.update({status: {"description": why, "content": {"application/json": {"schema": error}}}
                 for status, why in _ERRORS.items()})
     return out
