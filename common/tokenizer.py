@@ -11,6 +11,7 @@ table (llama-vocab.cpp), so the ids equal llama.cpp's for the same file.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import json
@@ -262,6 +263,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def with_chat_template(self, chat_template: str | None) -> Tokenizer:
+        """This tokenizer rendering `chat_template` instead (the vocabulary is shared, not copied)."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra: Any

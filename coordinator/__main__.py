@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", action="append", default=[],
                    help="name clients use, the n-th for the n-th --model (default: --model "
                         "as given)")
+    p.add_argument("--chat-template", action="append", default=[], metavar="FILE",
+                   help="a Jinja chat template file the n-th --model renders instead of its "
+                        "own (Hugging Face's template language; e.g. one that reads `tools`)")
     p.add_argument("--host", default=DEFAULTS.host)
     p.add_argument("--port", type=int, default=DEFAULTS.port)
     p.add_argument("--registry-host", default=DEFAULTS.registry_host,
@@ -74,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(comma-separated, repeatable, added to $TANDEM_ALLOWED_HOSTS; "
                         "*.example.com for subdomains; * for any Host); others get a 403")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
-                   help="largest HTTP request body (413 above)")
+                   help="largest HTTP request body (413 above); not for /api/blobs")
+    p.add_argument("--max-blob-bytes", type=int, default=DEFAULTS.max_blob_bytes,
+                   help="largest blob uploaded to /api/blobs (a model file, streamed to the "
+                        "model store; 413 above)")
     p.add_argument("--internal-api-from", action="append", default=[], metavar="CIDR",
                    help="without a cluster secret, also serve GET /internal/workers to "
                         "clients in this network (repeatable; by default only to clients on "
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(args.log_level, args.log_format)
         setup_tracing("tandem-coordinator", endpoint_from(args.otlp_traces_endpoint, os.environ))
-        from coordinator.model import load_served_model
+        from coordinator.model import load_from_store
         from coordinator.server import serve
         from common.model_store import default_store
 
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port, registry_host=args.registry_host,
             registry_port=args.registry_port, grpc_host=args.grpc_host,
             grpc_port=args.grpc_port, max_body_bytes=args.max_body_bytes,
+            max_blob_bytes=args.max_blob_bytes,
             max_messages=args.max_messages, max_streams=args.max_streams,
             **{name: getattr(args, name) for _, name, _ in CONNECTION_FLAGS},
             prefill_threshold=args.prefill_threshold,
@@ -171,20 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             allowed_hosts=_allowed_hosts(args.allowed_hosts),
             allowed_origins=tuple(o.strip() for o in _env("OLLAMA_ORIGINS").split(",")
                                   if o.strip()))
-        if len(args.model_name) > len(args.model):
-            raise ValueError(f"{len(args.model_name)} --model-name for {len(args.model)} "
-                             "--model: give at most one name per model")
+        for flag, given in (("--model-name", args.model_name),
+                            ("--chat-template", args.chat_template)):
+            if len(given) > len(args.model):
+                raise ValueError(f"{len(given)} {flag} for {len(args.model)} --model: give "
+                                 "at most one per model")
         store = default_store()
-        models = []
-        for i, given in enumerate(args.model):
-            path = store.resolve(given)
-            entry = store.entry(given)
-            # Every store name of the same file answers too (copies made by /api/copy).
-            aliases = [*(entry.names if entry is not None else ()), *store.names_for(path)]
-            name = args.model_name[i] if i < len(args.model_name) else given
-            # An Ollama model's params and system layers: its requests' defaults.
-            defaults = store.defaults_for(given, path, logging.getLogger("coordinator").warning)
-            models.append(load_served_model(path, name, aliases, defaults))
+        models = [load_from_store(
+            store, given, args.model_name[i] if i < len(args.model_name) else given,
+            args.chat_template[i] if i < len(args.chat_template) else None,
+            logging.getLogger("coordinator").warning)
+            for i, given in enumerate(args.model)]
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models

@@ -64,6 +64,9 @@ class CoordinatorConfig:
     retry_after_s: int = 1  # Retry-After header of a 503
     # Limits on what one client may ask (each refusal is a one-line error naming the limit).
     max_body_bytes: int = 4 << 20  # HTTP request body (413 above)
+    # A blob uploaded to /api/blobs (a model file, streamed to disk, never held in memory;
+    # max_body_bytes does not apply to it): 413 above.
+    max_blob_bytes: int = 256 << 30
     max_messages: int = 1024  # messages in one chat request
     max_streams: int = 512  # requests open at once, queued or running, on every API (429 above)
     # HTTP connections (coordinator/connection_limits.py): a socket that holds a descriptor
@@ -121,7 +124,7 @@ class CoordinatorConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port!r}")
         for name in ("chunk_size", "local_chunk_size", "max_running_per_worker", "heartbeat_misses", "retry_after_s",
-                     "max_body_bytes", "max_messages", "max_streams", "max_connections",
+                     "max_body_bytes", "max_blob_bytes", "max_messages", "max_streams", "max_connections",
                      "max_connections_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

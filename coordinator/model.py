@@ -9,17 +9,22 @@ about the model lives on the workers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.chat_template_choice import choose_template
 from common.errors import ModelNotFoundError
 from common.model_defaults import ModelDefaults
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
 from common.model_name import display_name, name_key
+from common.model_store import ModelStore
 from common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,11 @@ class ServedModel:
     names: frozenset[str]  # every name a request may use for it
     path: Path
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # its chat_template is the one chosen (common/chat_template_choice.py)
     fingerprint: str
-    defaults: ModelDefaults = ModelDefaults()  # options under each request's, system prompt
+    # Options under each request's, and the system prompt of a chat without one: an Ollama
+    # model's params/system layers, the system message /api/create kept overriding the layer's.
+    defaults: ModelDefaults = ModelDefaults()
 
     @property
     def context_len(self) -> int:
@@ -58,12 +65,41 @@ def shown(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def load_from_store(store: ModelStore, given: str, name: str,
+                    template_file: str | Path | None = None,
+                    warn: Callable[[str], None] | None = None) -> ServedModel:
+    """The model `given` names in the store (or a path), served as `name`, with what
+    /api/create kept with that name (its template, its system message)."""
+    path = store.resolve(given)
+    entry = store.entry(given)
+    stored = store.overrides(given)
+    # Every store name of the same file answers too (copies made by /api/copy, names made from
+    # its blob), except those create gave another template or system message.
+    aliases = [*(entry.names if entry is not None else ()),
+               *(n for n in store.names_for(path) if store.overrides(n) == stored)]
+    # An Ollama model's params and system layers: its requests' defaults (`warn` hears the
+    # options tandem does not read).
+    defaults = store.defaults_for(given, path, warn)
+    if stored.system:
+        defaults = replace(defaults, system=stored.system)
+    return load_served_model(path, name, aliases, template_file=template_file,
+                             stored_template=stored.template, defaults=defaults)
+
+
 def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = (),
+                      template_file: str | Path | None = None, stored_template: str | None = None,
                       defaults: ModelDefaults = ModelDefaults()) -> ServedModel:
-    """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors."""
+    """Reads metadata and tokenizer only (no tensor data); raises the engine's TandemErrors.
+    The chat template: `template_file` (--chat-template), else `stored_template` (the store's,
+    from /api/create), else a shipped one for the model's family, else the model's own
+    (common/chat_template_choice.py)."""
     path = Path(path).expanduser()
     config = load_config(path)
     tokenizer = Tokenizer.from_path(path)
+    choice = choose_template(tokenizer.chat_template, template_file, stored_template)
+    if choice.source != "model":
+        log.info("model %s renders the chat template of %s", name, choice.source)
+        tokenizer = tokenizer.with_chat_template(choice.template)
     names = {name, *aliases, str(path), path.name, path.stem}
     return ServedModel(name=name, names=frozenset(n for n in names if n), path=path,
                        config=config, tokenizer=tokenizer,

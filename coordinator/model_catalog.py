@@ -18,9 +18,10 @@ one model and given to another here (model_routes.py refuses names in use first)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from common.errors import ModelNotFoundError
+from common.errors import ModelNotFoundError, TandemError
+from common.model_store import ModelStore
 from common.model_name import name_key
 from coordinator.model import ServedModel, shown
 
@@ -42,6 +43,9 @@ class ModelCatalog:
             self._models[model.fingerprint] = model
         if not self._models:
             raise ValueError("a coordinator serves at least one model")
+        # What a 404 adds for a name that is not served (the coordinator's store says whether
+        # it holds the name: then restarting with --model serves it).
+        self.missing_hint: Callable[[str], str] = lambda name: ""
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(list(self._models.values()))
@@ -67,7 +71,7 @@ class ModelCatalog:
         """The model a request names; ModelNotFoundError (HTTP 404, gRPC NOT_FOUND) if none."""
         model = self.find(name)
         if model is None:
-            raise ModelNotFoundError(f"model '{shown(name)}' not found")
+            raise ModelNotFoundError(f"model '{shown(name)}' not found{self.missing_hint(name)}")
         return model
 
     # ---- names added and dropped at run time (/api/copy, /api/create, /api/delete) --------------
@@ -87,6 +91,18 @@ class ModelCatalog:
             path = model.path
             if name in model.names and name not in (model.name, str(path), path.name, path.stem):
                 self._models[fingerprint] = dataclasses.replace(model, names=model.names - {name})
+
+
+def not_served_hint(store: ModelStore, name: str) -> str:
+    """For a 404: a name the store holds (pulled, created, copied) but this server does not
+    serve can be served by a restart: the workers are started with the server, not per request."""
+    try:
+        store.resolve(name, paths=False)
+    except (TandemError, OSError, ValueError):
+        return ""
+    return (f": the model store holds it, but this server does not serve it (its workers "
+            f"load the models given at start): restart with `tandem serve --model "
+            f"{shown(name)}`")
 
 
 def _path_names(model: ServedModel) -> set[str]:

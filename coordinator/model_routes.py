@@ -5,22 +5,31 @@
                                                   own count of the wheel); verifying sha256
                                                   digest; success. stream false: one object.
     POST   /api/copy    {source, destination}     200, empty body
-    POST   /api/create  {model, from, stream?}    `from`: an absolute path on this host to a
-                                                  .gguf file or a Hugging Face directory
-                                                  (registered where it lies), or a model name;
-                                                  a path that cannot be served is one 400 (below)
+    POST   /api/create  {model, from | files,     `from`: an absolute path on this host to a
+                         template?, system?,      .gguf file or a Hugging Face directory
+                         stream?}                 (registered where it lies), or a model name;
+                                                  a path that cannot be served is one 400 (below).
+                                                  `files`: {"NAME.gguf": "sha256:<hex>"}, one
+                                                  GGUF blob uploaded to /api/blobs
+                                                  (coordinator/blob_routes.py). NDJSON lines:
+                                                  parsing GGUF, using existing layer <digest>,
+                                                  writing manifest, success
     DELETE /api/delete  {model}                   200, empty body
 
-Refused with a 400 naming the field, never dropped: create's `files` and `adapters` (blobs
-uploaded to /api/blobs, which tandem does not keep: name the file with `from`), `quantize`
-(weight formats are chosen per role when serving: --prefill-quant, --decode-quant), and
-`template`, `system`, `parameters`, `messages`, `license` (tandem serves a model's own chat
-template and takes options per request; a stored override would never be applied).
+`template` (a Jinja chat template, as Hugging Face's; an Ollama Go template is a 400 that says
+so) and `system` (the system message of a chat that has none) are kept in the name's manifest
+and applied when that name is served (common/chat_template_choice.py, coordinator/prompts.py).
+Refused with a 400 naming the field, never dropped: `adapters`, `quantize` (weight formats are
+chosen per role when serving: --prefill-quant, --decode-quant), `parameters`, `messages` and
+`license` (tandem takes options per request; stored ones would never be applied), and `files`
+other than one .gguf blob (a safetensors set: register its directory with `from`).
 
 The served models are fixed when the coordinator starts: the workers loaded them and keep them.
 So a pulled or created model is served by `tandem serve --model NAME`; a copy of a served model
-answers under its new name at once; a name whose files the workers hold (a served model's
-name, or a name that would delete its file) is not deleted: 409. Store work (pip, hashing, hard
+answers under its new name at once (one created with another template or system message does
+not: the served model keeps its own, and `tandem serve --model NAME` serves the name); a name
+whose files the workers hold (a served model's name, or a name that would delete its file) is
+not deleted: 409. Store work (pip, hashing, hard
 links, reading a GGUF header) runs on threads, never on the event loop.
 
 `from` names a path on the server's host, so what create answers must not tell a client what
@@ -45,20 +54,21 @@ from coordinator.model import shown
 from coordinator.ollama_request import RequestError, stream_flag
 from coordinator.ollama_response import error_body, ndjson
 from coordinator.service import Coordinator
-from common.errors import ModelNameError, ModelNotFoundError, TandemError
-from common.model_store import ModelStore, PullProgress, PullStatus, check_name, normalize_name
+from common.blob_store import BlobDigestError, parse_digest
+from common.chat_template import check_template
+from common.errors import ChatTemplateError, ModelNameError, ModelNotFoundError, TandemError
+from common.model_store import (
+    ModelStore, Overrides, PullProgress, PullStatus, check_name, normalize_name,
+)
 
 log = logging.getLogger(__name__)
 
 UNSUPPORTED_CREATE = {
-    "files": "files (blobs uploaded to /api/blobs) are not supported: tandem keeps no blobs; "
-             "send `from` with the absolute path of a .gguf file or a Hugging Face directory "
-             "on the server's host",
     "adapters": "adapters (LoRA) are not supported",
     "quantize": "quantize is not supported: tandem chooses weight formats per role when "
                 "serving (--prefill-quant, --decode-quant)",
 }
-UNSUPPORTED_OVERRIDES = ("template", "system", "parameters", "messages", "license")
+UNSUPPORTED_OVERRIDES = ("parameters", "messages", "license")
 UNSERVABLE_SOURCE = ("cannot create a model from that path: `from` must be the absolute path "
                      "of a .gguf file or a Hugging Face directory that the server can read and "
                      "serve (the server's log says why it could not)")
@@ -110,16 +120,48 @@ class ModelRoutes:
         body = await read_json_body(request, self.limits.max_body_bytes)
         name, stream = _model_field(body), stream_flag(body)
         _refuse_unsupported(body)
-        source = body.get("from")
-        if not isinstance(source, str) or not source:
-            raise RequestError("from is required: the absolute path of a .gguf file or a "
-                               "Hugging Face directory on the server's host, or a model name")
-        await _add_name(self.coordinator, self.store(), name, source)
+        overrides = _overrides(body)
+        source, files = body.get("from"), body.get("files")
+        lines: list[dict[str, Any]] = []
+        if files:
+            if source:
+                raise RequestError("send either from or files, not both")
+            digest = _one_gguf_blob(files)
+            lines += [{"status": "parsing GGUF"}, {"status": f"using existing layer {digest}"}]
+            await self._create_from_blob(name, digest, overrides)
+        else:
+            if not isinstance(source, str) or not source:
+                raise RequestError("from or files is required: the absolute path of a .gguf "
+                                   "file or a Hugging Face directory on the server's host, a "
+                                   "model name, or {\"NAME.gguf\": \"sha256:...\"} of a blob "
+                                   "uploaded to /api/blobs")
+            await _add_name(self.coordinator, self.store(), name, source, overrides)
         if not stream:
             return JSONResponse({"status": PullStatus.SUCCESS.value})
-        lines = [{"status": "writing manifest"}, {"status": PullStatus.SUCCESS.value}]
+        lines += [{"status": "writing manifest"}, {"status": PullStatus.SUCCESS.value}]
         return Response(b"".join(ndjson(line) for line in lines),
                         media_type="application/x-ndjson")
+
+    async def _create_from_blob(self, name: str, digest: str, overrides: Overrides) -> None:
+        models = self.store()
+        check_name(name)
+        if self.coordinator.models.find(name) is not None:
+            raise _in_use(name)
+        blob = models.blob_store(self.limits.max_blob_bytes).path(digest)
+        if not blob.is_file():
+            raise RequestError(f"blob {digest} not found: upload it first "
+                               f"(POST /api/blobs/{digest})")
+        try:
+            path = await asyncio.to_thread(models.create_from_blob, name, blob, overrides)
+        except ModelNameError:
+            raise
+        except (TandemError, OSError, ValueError) as exc:
+            # The client's own bytes: the reason is theirs to see (no host path in it).
+            raise RequestError(f"cannot create a model from blob {digest}: "
+                               f"{str(exc).replace(str(blob), blob.name)}") from None
+        served = next((m for m in self.coordinator.models if _same(path, m.path)), None)
+        if served is not None and await _served_alike(models, name, served.name):
+            self.coordinator.add_model_name(normalize_name(name), served)
 
     async def delete(self, request: Request) -> Response:
         body = await read_json_body(request, self.limits.max_body_bytes)
@@ -140,42 +182,53 @@ class ModelRoutes:
         return Response(status_code=200)
 
 
-async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, source: str) -> None:
+async def _add_name(coordinator: Coordinator, models: ModelStore, name: str, source: str,
+                    overrides: Overrides | None = None) -> None:
     """/api/copy and /api/create: `name` for the model `source` (a name, or a path to register);
-    a served model answers to `name` too when `source` is that model."""
+    a served model answers to `name` too when `source` is that model, unless `overrides` give
+    the name a template or system message of its own (then only its manifest has them)."""
     if normalize_name(source) == normalize_name(name):
         raise RequestError(f"source and destination are the same model '{shown(name)}'")
     if coordinator.models.find(name) is not None:
         raise _in_use(name)
     served = None if source.startswith(("/", "~", ".")) else coordinator.models.find(source)
     if source.startswith(("/", "~", ".")):
-        path = await _create_from_path(models, name, source)
+        path = await _create_from_path(models, name, source, overrides or Overrides())
     elif served is not None:
         # The served model may not be in the store at all (served from a path, named by
         # --model-name): copy its path.
-        path = await asyncio.to_thread(models.copy, str(served.path), name)
+        # A copy keeps what create stored with the served name, unless given its own.
+        kept = (overrides or Overrides()).over(models.overrides(served.name))
+        path = await asyncio.to_thread(models.copy, str(served.path), name, True, kept)
     else:  # a name: never looked up as a path (that would tell what files the host has)
         try:
-            path = await asyncio.to_thread(models.copy, source, name, False)
+            path = await asyncio.to_thread(models.copy, source, name, False, overrides)
         except ModelNotFoundError as exc:
             # The store's message names the server's folders: the log's, not the client's.
             log.info("/api/copy or /api/create from %r: %s", shown(source), exc)
             raise ModelNotFoundError(f"model '{shown(source)}' not found") from None
     if served is None:
         served = next((m for m in coordinator.models if _same(path, m.path)), None)
-    if served is not None:
+    # The new name answers now only if it would be served as the served model is (what its
+    # manifest keeps is what the served name's keeps).
+    if served is not None and await _served_alike(models, name, served.name):
         coordinator.add_model_name(normalize_name(name), served)
 
 
-async def _create_from_path(models: ModelStore, name: str, source: str) -> Path:
+async def _create_from_path(models: ModelStore, name: str, source: str,
+                            overrides: Overrides) -> Path:
     check_name(name)
     try:
-        return await asyncio.to_thread(models.create, name, source)
+        return await asyncio.to_thread(models.create, name, source, overrides)
     except ModelNameError:
         raise  # about the name, the client's own; raised only once the path checked out
     except (TandemError, OSError, ValueError) as exc:
         log.info("/api/create of %r from %s refused: %s", shown(name), shown(source), exc)
         raise RequestError(UNSERVABLE_SOURCE) from None
+
+
+async def _served_alike(models: ModelStore, name: str, served: str) -> bool:
+    return await asyncio.to_thread(lambda: models.overrides(name) == models.overrides(served))
 
 
 def _in_use(name: str) -> RequestError:
@@ -271,5 +324,37 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise RequestError(message)
     for field in UNSUPPORTED_OVERRIDES:
         if body.get(field):
-            raise RequestError(f"{field} is not supported: tandem serves the model's own chat "
-                               "template and takes options with each request")
+            raise RequestError(f"{field} is not supported: tandem takes options with each "
+                               "request (a stored template and system message are kept)")
+
+
+def _overrides(body: dict[str, Any]) -> Overrides:
+    """create's `template` (checked to parse now, not when the name is served) and `system`."""
+    template, system = body.get("template"), body.get("system")
+    for field, value in (("template", template), ("system", system)):
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"{field} must be a string")
+    if template:
+        try:
+            check_template(template)
+        except ChatTemplateError as exc:
+            raise RequestError(f"template: {exc}") from None
+    return Overrides(template or None, system or None)
+
+
+def _one_gguf_blob(files: Any) -> str:
+    """The digest of `files`' one .gguf entry ({"NAME.gguf": "sha256:<hex>"})."""
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in files.items()):
+        raise RequestError('files must be an object of file names and digests: '
+                           '{"NAME.gguf": "sha256:<hex>"}')
+    if len(files) != 1 or not next(iter(files)).lower().endswith(".gguf"):
+        raise RequestError("files must name exactly one .gguf file (a safetensors model: "
+                           "register its directory with `from`), got "
+                           f"{', '.join(shown(k, 60) for k in list(files)[:4])}")
+    digest = next(iter(files.values()))
+    try:
+        parse_digest(digest)
+    except BlobDigestError as exc:
+        raise RequestError(f"files: {exc}") from None
+    return digest

@@ -37,11 +37,14 @@ _ERRORS = {
     "404": "no such model or route",
     "405": "a method the route does not take",
     "409": "the model is being served, so it cannot be deleted or replaced",
-    "413": "the body is larger than --max-body-bytes",
+    "413": "the body is larger than --max-body-bytes (a blob: --max-blob-bytes)",
     "429": "too many open streams; Retry-After says when to retry",
     "501": "this coordinator was started without a model store",
     "503": "no live worker, or the queue is full; Retry-After says when to retry",
+    "507": "the model store's disk has no room for the blob",
 }
+# Successes other than 200, by path.
+_CREATED = {"/api/blobs/{digest}": "the blob's bytes hash to its digest and are kept"}
 
 _NDJSON = "application/x-ndjson"
 _SSE = "text/event-stream"
@@ -50,7 +53,7 @@ _SUCCESS: dict[str, list[str]] = {
     "/": ["text/plain"], "/metrics": ["text/plain"],
     "/api/chat": ["application/json", _NDJSON], "/api/generate": ["application/json", _NDJSON],
     "/api/pull": ["application/json", _NDJSON], "/api/create": ["application/json", _NDJSON],
-    "/api/copy": [], "/api/delete": [],
+    "/api/copy": [], "/api/delete": [], "/api/blobs/{digest}": [],
     "/v1/chat/completions": ["application/json", _SSE],
     "/v1/completions": ["application/json", _SSE],
     "/v1/responses": ["application/json", _SSE],
@@ -65,6 +68,8 @@ def _responses(path: str) -> dict[str, Any]:
     if types:
         success["content"] = {t: {"schema": {}} for t in types}
     out = {"200": success}
+    if path in _CREATED:
+        out["201"] = {"description": _CREATED[path]}
     out.update({status: {"description": why, "content": {"application/json": {"schema": error}}}
                 for status, why in _ERRORS.items()})
     return out

@@ -130,11 +130,15 @@ class CopyRequest(_Body):
 
 
 class CreateRequest(ModelName):
-    """POST /api/create: `from` is an absolute path on the server's host or a model name.
-    files, adapters, quantize, template, system, parameters, messages and license are
-    refused with a 400 when they ask for anything."""
+    """POST /api/create: `from` (an absolute path on the server's host or a model name) or
+    `files` (one {"NAME.gguf": "sha256:<hex>"} blob uploaded to /api/blobs); `template` (Jinja)
+    and `system` are kept with the name. adapters, quantize, parameters, messages and license
+    are refused with a 400 when they ask for anything."""
 
-    from_: str = Field(alias="from", min_length=1)
+    from_: str | None = Field(default=None, alias="from", min_length=1)
+    files: dict[str, str] | None = None
+    template: str | None = None
+    system: str | None = None
     stream: bool | None = None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coordinator.blob_routes import BlobRoutes
 from coordinator.embedding_routes import EmbeddingRoutes
 from coordinator.model_routes import ModelRoutes
 from coordinator.ollama_routes import OllamaRoutes
@@ -29,6 +30,7 @@ class Route:
 def generate_routes(c: Coordinator) -> list[Route]:
     ops, ollama = OpsRoutes(c), OllamaRoutes(c)
     models, embeddings = ModelRoutes(c), EmbeddingRoutes(c)
+    blobs = BlobRoutes(models)
     openai = OpenAIRoutes(c, ollama)  # chat completions goes through Ollama's chat
     responses = ResponsesRoutes(c, ollama)  # so does the Responses API
     tokens = TokenRoutes(c)
@@ -64,6 +66,8 @@ def generate_routes(c: Coordinator) -> list[Route]:
         Route("POST",   "/api/copy",              models.copy),
         Route("POST",   "/api/create",            models.create),
         Route("DELETE", "/api/delete",            models.delete),
+        Route("HEAD",   "/api/blobs/{digest}",    blobs.head),
+        Route("POST",   "/api/blobs/{digest}",    blobs.push),
 
         # Embeddings
         Route("POST",   "/api/embed",             embeddings.embed),

@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
-from coordinator.model_catalog import ModelCatalog
+from coordinator.model_catalog import ModelCatalog, not_served_hint
 from coordinator.model_pool import ModelPool
 from coordinator.placement import choose_embedder
 from coordinator.prompts import off_loop
@@ -49,6 +49,8 @@ class Coordinator:
             models = (models,)
         self.models = models if isinstance(models, ModelCatalog) else ModelCatalog(models)
         self.store = store
+        if store is not None:
+            self.models.missing_hint = lambda name: not_served_hint(store, name)
         self.registry = WorkerRegistry(config, self.models.fingerprints)
         # One pool per model: its workers, admission queue, request flow and keep_alive.
         self.pools = {f: ModelPool(self.registry, f, config) for f in self.models.fingerprints}

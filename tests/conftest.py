@@ -33,6 +33,7 @@ INTEGRATION_FILES = {
     "cli/test_bench.py", "cli/test_cli.py",
     "common/test_cluster_auth.py",
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
+    "coordinator/test_default_model_tools.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
     "coordinator/test_isolation_attacks.py", "coordinator/test_multi_model_cluster.py",

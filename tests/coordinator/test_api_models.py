@@ -126,8 +126,8 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
                 "chat_alias": await in_thread(c.chat, model="tiny-alias", messages=MESSAGES),
                 "list": await in_thread(c.list),
                 "refusals": [await refusal(c.create, "x", from_=str(tiny_gguf), **kw) for kw in (
-                    {"files": {"m.gguf": "sha256:" + "0" * 64}}, {"quantize": "q4_0"},
-                    {"system": "be brief"}, {"template": "{{ .Prompt }}"})],
+                    {"adapters": {"a.gguf": "sha256:" + "0" * 64}}, {"quantize": "q4_0"},
+                    {"parameters": {"temperature": 0}}, {"template": "{{ .Prompt }}"})],
                 "no_from": await refusal(c.create, "x"),
                 "relative": await refusal(c.create, "x", from_="./model.gguf"),
                 "unknown_from": await refusal(c.create, "x", from_="nope"),
@@ -151,9 +151,9 @@ def test_create_copy_show_delete_with_the_ollama_client(served, tiny_gguf, tmp_p
     assert out["show_alias"].modelinfo["general.architecture"] == "llama"
     assert out["chat_alias"].done and out["chat_alias"].message.content == "Hi!"
     assert [m.model for m in out["list"].models] == ["tiny:latest"]  # /api/tags: the served model
-    for error, field in zip(out["refusals"], ("files", "quantize", "system", "template")):
+    for error, field in zip(out["refusals"], ("adapters", "quantize", "parameters", "template")):
         assert error.status_code == 400 and error.error.startswith(field), error
-    assert out["no_from"].status_code == 400 and "from is required" in out["no_from"].error
+    assert out["no_from"].status_code == 400 and "from or files is required" in out["no_from"].error
     assert out["relative"].status_code == 400 and "absolute path" in out["relative"].error
     assert out["unknown_from"].status_code == 404
     assert out["bad_name"].status_code == 400 and "invalid model name" in out["bad_name"].error
