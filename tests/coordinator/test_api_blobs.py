@@ -94,10 +94,10 @@ def test_blob_upload_then_create_with_files_template_and_system(served, tiny_ggu
     # ... so that serving the name renders with them (python -m coordinator --model uploaded),
     # and serving the other name of the same file does not answer to this one.
     model = load_from_store(store, "uploaded", "uploaded")
-    assert model.tokenizer.chat_template == TEMPLATE and model.system == "Be brief."
+    assert model.tokenizer.chat_template == TEMPLATE and model.defaults.system == "Be brief."
     assert "plain" not in model.names
     plain = load_from_store(store, "plain", "plain")
-    assert plain.system is None and "uploaded" not in plain.names
+    assert plain.defaults.system is None and "uploaded" not in plain.names
     assert plain.tokenizer.chat_template == load_served_model(blob, "b").tokenizer.chat_template
     # The stored system message reaches a chat without one, never one that brings its own.
     prompt = lambda messages: model.tokenizer.decode(chat_prompt_ids(model, messages))  # noqa: E731
