@@ -99,8 +99,10 @@ def test_blob_upload_then_create_with_files_template_and_system(served, tiny_ggu
     plain = load_from_store(store, "plain", "plain")
     assert plain.defaults.system is None and "uploaded" not in plain.names
     assert plain.tokenizer.chat_template == load_served_model(blob, "b").tokenizer.chat_template
-    # The stored system message reaches a chat without one, never one that brings its own.
-    prompt = lambda messages: model.tokenizer.decode(chat_prompt_ids(model, messages))  # noqa: E731
+    # The stored system message reaches a chat without one, never one that brings its own
+    # (the routes lay the model's defaults under each chat: ModelDefaults.with_system).
+    prompt = lambda messages: model.tokenizer.decode(  # noqa: E731
+        chat_prompt_ids(model, model.defaults.with_system(messages)))
     assert prompt(MESSAGES).startswith("<|sys|>Be brief.<system>Be brief.<user>Hello there")
     own = [{"role": "system", "content": "Mine."}, *MESSAGES]
     assert "Be brief." not in prompt(own) and prompt(own).startswith("<|sys|>Mine.")
