@@ -19,13 +19,25 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # coordinator/metrics.py holds this window: no import back at run time
-    from coordinator.metrics import RequestTimings
+from typing import Protocol
 
 FIGURES = ("ttft", "tpot", "itl")
 QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+
+
+class Timings(Protocol):
+    """What a window reads of a finished request: coordinator/metrics.py's RequestTimings
+    (not imported: metrics.py holds the window, and imports go one way)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    itl: list[float]
+
+    @property
+    def ttft(self) -> float | None: ...
+
+    @property
+    def tpot(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ class LatencyWindow:
         for index in [i for i in self._buckets if i < oldest or i > now_index]:
             del self._buckets[index]
 
-    def observe(self, timings: RequestTimings, outcome: str) -> None:
+    def observe(self, timings: Timings, outcome: str) -> None:
         """One finished request (Metrics.observe_request): counted in the bucket of now."""
         index = self._index(self._clock())
         self._prune(index)
