@@ -31,6 +31,7 @@ JSDOM_VERSION = "26.1.0"  # npm `jsdom`, pinned
 DRIVER = Path(__file__).with_name("ui_page_driver.mjs")
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"
 PROMPT = "Name a colour, any colour at all."
+CHAT = "Hello there, who are you?"  # what the page's chat box is given
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,15 @@ def test_the_data_shows_workers_kv_and_latencies_after_a_request(url):
     assert PROMPT not in text and API_KEY not in text
 
 
+def _api_answer(url: str, prompt: str) -> str:
+    """The API's own greedy answer to what the page sends (max tokens 16, temperature 0)."""
+    answer = httpx.post(f"{url}/api/chat", headers=AUTH, timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": False,
+        "options": {"temperature": 0, "num_predict": 16}})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["message"]["content"]
+
+
 def _jsdom() -> str:
     """npm's `jsdom` at JSDOM_VERSION, installed once into $TANDEM_HOME/npm (outside the repo,
     kept between runs); its node_modules folder."""
@@ -144,8 +154,8 @@ def _jsdom() -> str:
                     reason="Node.js (node and npm) is not installed on this machine, so the "
                            "page's script cannot run; CI machines have it")
 def test_the_page_fills_from_the_cluster_and_streams_a_chat(url):
-    run = subprocess.run(["node", str(DRIVER), url, API_KEY, _jsdom()], capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(["node", str(DRIVER), url, API_KEY, _jsdom(), CHAT],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr + run.stdout
     out = json.loads(run.stdout.strip().splitlines()[-1])
     print(json.dumps(out, indent=1))  # shown when an assertion fails
@@ -165,7 +175,8 @@ def test_the_page_fills_from_the_cluster_and_streams_a_chat(url):
     assert rows["prefill"]["kv-link"].endswith("B/s")
     # The chat: typed, streamed in more than one piece, finished with its figures.
     chat = out["chat"]
-    assert chat["done"] == "true" and chat["text"].strip() and chat["chunks"] > 1
+    assert chat["done"] == "true" and chat["chunks"] > 1
+    assert chat["text"] == _api_answer(url, CHAT)  # the stream, put together, is the answer
     assert chat["model"] == MODEL and chat["messages"] == 2 and "TTFT" in chat["stats"]
     assert out["models"] == [MODEL]
     # The charts: the request's TTFT and tokens drawn, with the window's percentiles.
@@ -209,11 +220,13 @@ def test_the_page_works_in_a_real_browser_under_its_csp(url):
             page.wait_for_selector("#workers tbody tr:nth-child(2)", timeout=30_000)
             roles = sorted(page.locator('#workers td[data-col="role"]').all_text_contents())
             page.fill("#chat-max", "16")
-            page.fill("#chat-input", "Hello from a browser")
+            page.fill("#chat-temp", "0")
+            page.fill("#chat-input", CHAT)
             page.press("#chat-input", "Enter")  # Enter sends
             answer = page.wait_for_selector('.msg.assistant:not([data-done="false"])',
                                             timeout=120_000)
             done, chunks = answer.get_attribute("data-done"), answer.get_attribute("data-chunks")
+            text = answer.text_content()
             page.wait_for_selector('#chart-ttft svg[data-points]:not([data-points="0"])',
                                    timeout=30_000)
             legend = page.text_content("#chart-ttft .legend")
@@ -226,5 +239,5 @@ def test_the_page_works_in_a_real_browser_under_its_csp(url):
     assert [line for line in logged if refused_poll not in line] == []
     assert any(refused_poll in line for line in logged)
     assert roles == ["decode", "prefill"]
-    assert done == "true" and int(chunks) > 1
+    assert done == "true" and int(chunks) > 1 and text == _api_answer(url, CHAT)
     assert "p50" in legend and status == "ok"

@@ -4,7 +4,7 @@
 // a chat from /api/chat. Prints one JSON line of what the page showed (tests/coordinator/
 // test_ui_page.py asserts on it).
 //
-// node ui_page_driver.mjs URL API_KEY NODE_MODULES_DIR
+// node ui_page_driver.mjs URL API_KEY NODE_MODULES_DIR PROMPT
 import { createRequire } from "node:module";
 import path from "node:path";
 
@@ -74,7 +74,8 @@ const storedKey = window.sessionStorage.getItem("tandem.apiKey") === apiKey;
 
 // 3. A chat, typed and sent: the answer streams into the page.
 $("chat-max").value = "16";  // a random model rarely stops by itself
-$("chat-input").value = "Hello there, who are you?";
+$("chat-temp").value = "0";  // greedy: the test compares the text with the API's own answer
+$("chat-input").value = process.argv[5];
 $("chat-form").requestSubmit();
 const answer = await until("the streamed answer", () => {
   const out = doc.querySelector(".msg.assistant");
