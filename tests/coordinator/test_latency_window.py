@@ -106,3 +106,29 @@ def test_metrics_feed_the_window():
 def test_a_window_that_cannot_hold_a_bucket_is_refused(config):
     with pytest.raises(ValueError, match="latency window"):
         WindowConfig(**config)
+
+
+def test_the_cached_closed_buckets_give_what_a_fresh_count_gives():
+    from coordinator.latency_window import FIGURES, weighted_quantiles
+    clock = Clock(1000.0)
+    window = LatencyWindow(WindowConfig(window_s=60, bucket_s=10, samples=8), clock=clock, seed=2)
+    for step in range(9):  # buckets close as the clock moves; one step goes back into one
+        clock.now += (7, 5, -12, 9, 3, 11, 2, -4, 6)[step]
+        for i in range(step + 3):
+            window.observe(timings(0.1 * (i + step), [0.01 * i] * (i + 1)), "stop")
+        overall = window.report()["overall"]
+        for name in FIGURES:
+            fresh = weighted_quantiles([b.figures[name] for b in window._buckets.values()])
+            assert overall[name] == fresh, (step, name)
+
+
+def test_a_request_counted_in_a_closed_bucket_after_a_clock_step_is_not_lost():
+    clock = Clock(1055.0)
+    window = LatencyWindow(WindowConfig(window_s=60, bucket_s=10), clock=clock)
+    window.observe(timings(0.1, [0.01]), "stop")
+    assert window.report()["overall"]["ttft"]["p99"] == pytest.approx(0.1)
+    clock.now -= 20  # a step back: this request lands in a bucket the window had closed
+    window.observe(timings(0.9, [0.01]), "stop")
+    clock.now += 20
+    overall = window.report()["overall"]
+    assert overall["requests"] == 2 and overall["ttft"]["p99"] == pytest.approx(0.9)
