@@ -33,11 +33,12 @@ for a server behind a proxy that checks names itself). Any other Host is a 403.
 The key is compared in constant time: hmac.compare_digest over SHA-256 digests, so that neither
 its bytes nor its length show in the timing. Open without it: `/` (GET and HEAD: the health
 check of load balancers and of the Kubernetes manifests), /health, /metrics (Prometheus
-scrapers, as vLLM serves it), /internal/workers (behind the cluster's proof with a secret,
-else only for peers on this host or in --internal-api-from; polled by the launchers), and gRPC's
-grpc.health.v1 (Kubernetes' grpc probes cannot send metadata). On the gRPC API the key is the
-metadata `authorization: Bearer KEY`; without it a call ends UNAUTHENTICATED before its method
-runs (ApiKeyInterceptor).
+scrapers, as vLLM serves it), /ui (the built-in page; /ui/data, what it polls, needs the
+key), /internal/workers (behind the cluster's proof with a secret, else only for peers on
+this host or in --internal-api-from; polled by the launchers), and gRPC's grpc.health.v1
+(Kubernetes' grpc probes cannot send metadata). On the gRPC API the key is the metadata
+`authorization: Bearer KEY`; without it a call ends UNAUTHENTICATED before its method runs
+(ApiKeyInterceptor).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ OLLAMA_DEFAULT_ORIGINS = (
 # Served without the key: Ollama's liveness page, the launchers' worker list (behind the
 # cluster proof instead: coordinator/ops_routes.py), /health for load balancers and Kubernetes
 # probes (it says only whether a worker serves), and /metrics for Prometheus (vLLM's choice:
-# the key protects the API routes; the counters name no prompt and no key).
-OPEN_PATHS = frozenset({"/", "/internal/workers", "/health", "/metrics"})
+# the key protects the API routes; the counters name no prompt and no key), and the page at
+# /ui (static, it asks for the key and sends it with its calls: coordinator/ui_routes.py).
+OPEN_PATHS = frozenset({"/", "/internal/workers", "/health", "/metrics", "/ui"})
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 VERSION_HEADER = "X-Tandem-Version"
 # gin-contrib/cors' defaults, as Ollama serves them.

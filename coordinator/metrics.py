@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from coordinator.latency_window import LatencyWindow
 from coordinator.registry import ROLES, WorkerRecord
 
 # vLLM v1's boundaries (vllm/v1/metrics/loggers.py), so its dashboards' quantiles line up.
@@ -215,6 +216,8 @@ class Metrics:
                                   registry=r)
         self._relayed = _RelayedCounters()
         r.register(self._relayed)
+        # The last minutes' latencies of every model's requests, for the page at /ui.
+        self.recent = LatencyWindow()
         self._worker_gauges = (self.kv_used, self.kv_free, self.worker_running,
                                self.worker_waiting, self.worker_queued_tokens)
         for outcome in OUTCOMES:
@@ -247,6 +250,7 @@ class Metrics:
         for gap in timings.itl:
             s.itl.observe(gap)
             s.tpot_gaps.observe(gap)
+        self.recent.observe(timings, outcome)
 
     def observe_transfer(self, decode_worker: str, kv_bytes: int, remote: bool,
                          migrations: int) -> None:

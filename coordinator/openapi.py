@@ -50,7 +50,7 @@ _NDJSON = "application/x-ndjson"
 _SSE = "text/event-stream"
 # path -> the content types of a success, when not JSON alone; [] = an empty body
 _SUCCESS: dict[str, list[str]] = {
-    "/": ["text/plain"], "/metrics": ["text/plain"],
+    "/": ["text/plain"], "/metrics": ["text/plain"], "/ui": ["text/html"],
     "/api/chat": ["application/json", _NDJSON], "/api/generate": ["application/json", _NDJSON],
     "/api/pull": ["application/json", _NDJSON], "/api/create": ["application/json", _NDJSON],
     "/api/copy": [], "/api/delete": [], "/api/blobs/{digest}": [],

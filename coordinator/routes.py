@@ -18,6 +18,7 @@ from coordinator.responses_routes import ResponsesRoutes
 from coordinator.ops_routes import OpsRoutes
 from coordinator.service import Coordinator
 from coordinator.token_routes import TokenRoutes
+from coordinator.ui_routes import UiRoutes
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ def generate_routes(c: Coordinator) -> list[Route]:
     openai = OpenAIRoutes(c, ollama)  # chat completions goes through Ollama's chat
     responses = ResponsesRoutes(c, ollama)  # so does the Responses API
     tokens = TokenRoutes(c)
+    ui = UiRoutes(c)
     return [
         Route("GET",    "/",                      ollama.root),
         Route("HEAD",   "/",                      ollama.root),
@@ -41,6 +43,8 @@ def generate_routes(c: Coordinator) -> list[Route]:
         Route("GET",    "/internal/workers",      ops.workers),
         Route("GET",    "/health",                ops.health),
         Route("GET",    "/version",               ops.version),
+        Route("GET",    "/ui",                    ui.page),  # the built-in page
+        Route("GET",    "/ui/data",               ui.data),  # what it polls
 
         # Ollama (HEAD on version and tags, as Ollama)
         Route("GET",    "/api/version",           ollama.api_version),
