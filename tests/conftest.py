@@ -35,6 +35,7 @@ INTEGRATION_FILES = {
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
+    "coordinator/test_response_cache_cluster.py", "coordinator/test_response_cache_semantic.py",
     "coordinator/test_isolation_attacks.py", "coordinator/test_multi_model_cluster.py",
     "deploy/test_cluster_auth_netns.py", "deploy/test_cluster_lifetime.py",
     "deploy/test_coordinator_deploy.py",
