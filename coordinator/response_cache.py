@@ -29,7 +29,9 @@ the request in hand, so a hit streams exactly like a computed answer.
 
 The semantic key is the same digest with the last user turn cut out of the prompt (its text
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
-the turn's vector is compared. A hit must also fit the new request's max_tokens.
+the turn's vector is compared. A hit must also have the same numbers and names in its turn
+(literals(): an embedding of a chat model's hidden states does not separate "12 times 7" from
+"12 times 8") and fit the new request's max_tokens.
 
 Memory: an LRU bounded by entries and by estimated bytes (token ids, logprobs, vector, keys);
 an evicted answer leaves the semantic index with it. A replayed answer's timings are its own
@@ -43,6 +45,7 @@ import asyncio
 import contextvars
 import hashlib
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -89,6 +92,7 @@ class CachedAnswer:
     cached_tokens: int  # the prompt tokens its workers had cached (usage reports it again)
     partition: bytes | None = None  # its semantic partition, if it is in the index
     vector: np.ndarray | None = None  # its last user turn's unit vector (float32), if it is
+    literals: tuple[str, ...] = ()  # its last user turn's numbers and names (literals())
 
 
 def entry_bytes(answer: CachedAnswer) -> int:
@@ -140,6 +144,30 @@ def without_turn(prompt_text: str, turn: str) -> str | None:
     if at < 0:
         return None
     return prompt_text[:at] + _TURN + prompt_text[at + len(turn):]
+
+
+_WORD = re.compile(r"\d+(?:[.,:]\d+)*|[^\W\d_]+")
+_SENTENCE_END = ".!?\n"
+
+
+def literals(text: str) -> tuple[str, ...]:
+    """The numbers and names of a turn, sorted: every run of digits (12, 3.5, 1,000, 3:30) and
+    every capitalized word that does not start a sentence (France, Alice, II; not "I").
+    A semantic hit needs the same ones: the default model's embedding puts "What is 12 times
+    8?" closer to "What is 12 times 7?" (cosine 0.9996) than most paraphrases are to each other,
+    so it cannot tell them apart by itself (README, Response cache). Capitalization makes this
+    a guard for scripts with case (English and the like); it does not see common words."""
+    found = []
+    for m in _WORD.finditer(text):
+        word = m.group()
+        if word[0].isdigit():
+            found.append(word)
+            continue
+        before = text[:m.start()].rstrip()
+        starts = not before or before[-1] in _SENTENCE_END
+        if word[0].isupper() and not starts and word != "I":
+            found.append(word)
+    return tuple(sorted(found))
 
 
 def last_user_text(messages: Sequence[dict]) -> str | None:
@@ -281,7 +309,11 @@ class ResponseCache:
         if self.config.semantic and turn:
             partition, vector = await self._turn_vector(request, model, turn, embed)
         if partition is not None and vector is not None:
+            names = literals(turn or "")
+
             def fits(a: CachedAnswer) -> bool:
+                if a.literals != names:  # another number or name: another question
+                    return False
                 if a.finish_reason == "length":  # cut by its limit: the same limit only
                     return a.max_tokens == request.max_tokens
                 return len(a.output_ids) <= request.max_tokens
@@ -294,7 +326,8 @@ class ResponseCache:
                 return self._replay(request, timings, model, metrics, found[0])
         self.stats.misses += 1
         generation = await begin(request, timings, keep_alive_s, model)
-        generation.on_finish = lambda g: self._put(key, g, partition, vector)
+        generation.on_finish = lambda g: self._put(key, g, partition, vector,
+                                                   literals(turn) if vector is not None else ())
         return self._mark(generation, MISS)
 
     async def _turn_vector(self, request: FlowRequest, model: ServedModel, turn: str,
@@ -327,12 +360,13 @@ class ResponseCache:
         return self._mark(generation, HIT)
 
     def _put(self, key: bytes, g: Generation, partition: bytes | None,
-             vector: np.ndarray | None) -> None:
+             vector: np.ndarray | None, names: tuple[str, ...] = ()) -> None:
         answer = CachedAnswer(
             output_ids=tuple(g.output_ids), chunk_sizes=tuple(g.chunk_sizes),
             logprobs=tuple(g.logprobs), prompt_logprobs=tuple(g.prompt_logprobs),
             finish_reason=g.done_reason or "stop", max_tokens=g.request.max_tokens,
-            cached_tokens=g.outcome.cached_tokens, partition=partition, vector=vector)
+            cached_tokens=g.outcome.cached_tokens, partition=partition, vector=vector,
+            literals=names)
         if self.store.put(key, answer):
             self.stats.stored += 1
 

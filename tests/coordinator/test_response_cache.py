@@ -16,7 +16,7 @@ from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, TokenIds, WorkerError
 from coordinator.response_cache import (
     AnswerStore, CachedAnswer, ResponseCache, ResponseCacheCollector, eligible, entry_bytes,
-    header_value, last_user_text, without_turn,
+    header_value, last_user_text, literals, without_turn,
 )
 from coordinator.response_cache_config import DEFAULT_THRESHOLD, ResponseCacheConfig
 from common.logprobs import TokenLogprob
@@ -320,6 +320,8 @@ TURNS = {  # the fake embedder's vectors, by the turn's text
     "What is 2 + 2?": [1.0, 0.0, 0.0],
     "What's 2 + 2?": [0.99, 0.1, 0.0],  # cosine 0.995
     "What is 2 + 9?": [0.6, 0.8, 0.0],  # cosine 0.6
+    "What is 3 + 2?": [0.9999, 0.01, 0.0],  # cosine 0.99995, another number
+    "What is 2 + 2, Bob?": [0.9999, 0.01, 0.0],  # ... another name
 }
 
 
@@ -330,6 +332,8 @@ def _chat(turn: str, system: str = "be brief") -> str:
 @pytest.mark.parametrize("turn, system, hit", [
     ("What's 2 + 2?", "be brief", True),  # a paraphrase, above the threshold
     ("What is 2 + 9?", "be brief", False),  # a near miss, below it
+    ("What is 3 + 2?", "be brief", False),  # above it, but another number
+    ("What is 2 + 2, Bob?", "be brief", False),  # above it, but a name more
     ("What's 2 + 2?", "be verbose", False),  # the rest of the prompt differs
 ])
 def test_semantic_hit_needs_the_threshold_and_everything_else_equal(model, turn, system, hit):
@@ -384,6 +388,17 @@ def test_an_embedding_failure_leaves_the_request_to_the_workers(model):
     g, _ = run(ask(cache, workers, request(model, prompt=_chat("What is 2 + 2?")),
                    "What is 2 + 2?"))
     assert g.cache == "miss" and cache.stats.embed_failures == 1 and len(workers.begun) == 1
+
+
+@pytest.mark.parametrize("text, found", [
+    ("What is 12 times 7?", ("12", "7")),
+    ("What year did World War II end?", ("II", "War", "World")),
+    ("How do I make pancakes? Paris is nice.", ()),  # "I", and sentence starts, are no names
+    ("Who wrote 'Romeo and Juliet'?", ("Juliet", "Romeo")),
+    ("Convert 1,000.5 km at 3:30", ("1,000.5", "3:30")),
+])
+def test_literals_are_numbers_and_names(text, found):
+    assert literals(text) == found
 
 
 def test_helpers():
