@@ -35,7 +35,8 @@ the turn's vector is compared. A hit must also have the same numbers and names i
 
 Memory: an LRU bounded by entries and by estimated bytes (token ids, logprobs, vector, keys);
 an evicted answer leaves the semantic index with it. A replayed answer's timings are its own
-(arrival to each replayed token: honest, and tiny), it is marked `"cache": "hit"` and counted by
+(arrival to each replayed token: honest, and tiny), its whole prompt counts as cached tokens
+(usage, `tandem.cached_tokens`: none was computed again), it is marked `"cache": "hit"`, counted by
 the tandem_response_cache_* series, not by vLLM's latency series (they describe the workers).
 """
 
@@ -89,7 +90,6 @@ class CachedAnswer:
     prompt_logprobs: tuple[TokenLogprob, ...]  # with the first token, when asked
     finish_reason: str  # "stop" | "length"
     max_tokens: int  # the request's; a semantic hit must fit the new one's
-    cached_tokens: int  # the prompt tokens its workers had cached (usage reports it again)
     partition: bytes | None = None  # its semantic partition, if it is in the index
     vector: np.ndarray | None = None  # its last user turn's unit vector (float32), if it is
     literals: tuple[str, ...] = ()  # its last user turn's numbers and names (literals())
@@ -267,7 +267,7 @@ class ReplayFlow:
 
     async def stream(self, req: FlowRequest, out: FlowOutcome) -> AsyncIterator[TokenIds]:
         a = self.answer
-        out.cached_tokens = a.cached_tokens
+        out.cached_tokens = len(req.prompt_ids)  # nothing of the prompt was computed again
         out.placement_reason = "response cache"
         start = 0
         for i, size in enumerate(a.chunk_sizes):
@@ -365,7 +365,7 @@ class ResponseCache:
             output_ids=tuple(g.output_ids), chunk_sizes=tuple(g.chunk_sizes),
             logprobs=tuple(g.logprobs), prompt_logprobs=tuple(g.prompt_logprobs),
             finish_reason=g.done_reason or "stop", max_tokens=g.request.max_tokens,
-            cached_tokens=g.outcome.cached_tokens, partition=partition, vector=vector,
+            partition=partition, vector=vector,
             literals=names)
         if self.store.put(key, answer):
             self.stats.stored += 1

@@ -130,6 +130,7 @@ def test_identical_deterministic_request_is_replayed_without_a_worker(model):
     assert again.chunk_sizes == [len(c) for c in CHUNKS]  # streamed as it was computed
     assert again.done_reason == first.done_reason == "length"
     assert again.timings.output_tokens == first.timings.output_tokens
+    assert again.outcome.cached_tokens == len(again.request.prompt_ids)  # none computed again
     assert (cache.stats.hits_exact, cache.stats.misses, len(cache.store)) == (1, 1, 1)
 
 
@@ -264,7 +265,7 @@ def test_an_abandoned_answer_is_not_stored(model):
 # ---- bounds -----------------------------------------------------------------------------------
 
 def _answer(n: int, vector=None, partition=None) -> CachedAnswer:
-    return CachedAnswer(tuple(range(n)), (n,), (), (), "stop", 64, 0, partition, vector)
+    return CachedAnswer(tuple(range(n)), (n,), (), (), "stop", 64, partition, vector)
 
 
 def test_the_lru_keeps_at_most_its_entries(model):

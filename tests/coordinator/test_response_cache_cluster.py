@@ -88,6 +88,10 @@ def test_an_identical_deterministic_request_is_a_hit_on_every_api(url, path):
     assert answer(path, again) == answer(path, first) and answer(path, first)
     if path == "/v1/completions":  # logprobs come back with their tokens
         assert again.json()["choices"][0]["logprobs"] == first.json()["choices"][0]["logprobs"]
+    if path.startswith("/v1/"):  # none of the prompt was computed again
+        usage = again.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] > 0
+        assert usage["completion_tokens"] == first.json()["usage"]["completion_tokens"]
     if path.startswith("/api/"):
         a, b = first.json(), again.json()
         assert b["eval_count"] == a["eval_count"] and b["done_reason"] == a["done_reason"]
