@@ -13,12 +13,17 @@ import re
 import httpx
 import pytest
 
+from coordinator.client import TandemClient
+from deploy.local import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.cluster import running_cluster
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
 MAX_ENTRIES = 12
 GREEDY = {"temperature": 0, "num_predict": 6}
+
+
+GRPC_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,8 @@ def url(tmp_path_factory):
     try:
         with running_cluster(model_dir, root / "logs", worker_args=(
                 "--kv-cache-gb", "0.05", "--decode-quant", "fp32", "--prefill-quant", "fp32"),
-                coordinator_args=("--response-cache", f"exact:entries={MAX_ENTRIES}")) as c:
+                coordinator_args=("--response-cache", f"exact:entries={MAX_ENTRIES}",
+                                  "--grpc-port", str(GRPC_PORT))) as c:
             yield c.url
     finally:
         if before is None:
@@ -110,6 +116,18 @@ def test_generate_hits_the_chat_that_renders_the_same_prompt(url):
                                             "stream": False, "options": dict(GREEDY)})
     assert generated.headers["X-Tandem-Cache"] == "hit"
     assert generated.json()["response"] == chatted.json()["message"]["content"]
+
+
+def test_the_responses_api_and_grpc_go_through_the_cache(url):
+    body = {"model": "tiny", "input": "Respond twice.", "temperature": 0, "max_output_tokens": 5}
+    first, again = post(url, "/v1/responses", body), post(url, "/v1/responses", body)
+    assert (first.headers["X-Tandem-Cache"], again.headers["X-Tandem-Cache"]) == ("miss", "hit")
+    # gRPC's Chat stores what /api/chat then finds: the same prompt, options and tenant
+    with TandemClient(f"127.0.0.1:{GRPC_PORT}", api_key=KEYS["alice"]) as client:
+        text = client.chat_text("tiny", [{"role": "user", "content": "Over gRPC first."}],
+                                options=GREEDY)
+    r = post(url, "/api/chat", chat("Over gRPC first."))
+    assert r.headers["X-Tandem-Cache"] == "hit" and answer("/api/chat", r) == text
 
 
 def test_a_hit_streams_like_the_computed_answer_ollama(url):
