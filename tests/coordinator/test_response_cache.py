@@ -15,9 +15,10 @@ from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, TokenIds, WorkerError
 from coordinator.response_cache import (
-    AnswerStore, CachedAnswer, ResponseCache, ResponseCacheCollector, eligible, entry_bytes,
-    header_value, last_user_text, literals, without_turn,
+    ResponseCache, ResponseCacheCollector, eligible, header_value, last_user_text, literals,
+    without_turn,
 )
+from coordinator.response_store import AnswerStore, CachedAnswer, entry_bytes
 from coordinator.response_cache_config import DEFAULT_THRESHOLD, ResponseCacheConfig
 from common.logprobs import TokenLogprob
 from common.sampling_params import GrammarSpec, SamplingParams

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from coordinator.__main__ import build_parser
 from coordinator.__main__ import main as coordinator_main
 from coordinator.response_cache_config import ResponseCacheConfig
