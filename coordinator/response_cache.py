@@ -31,7 +31,7 @@ The semantic key is the same digest with the last user turn cut out of the promp
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
 the turn's vector is compared. A hit must also have the same numbers and names in its turn
 (literals(): an embedding of a chat model's hidden states does not separate "12 times 7" from
-"12 times 8") and fit the new request's max_tokens.
+"12 times 8") and fit the new request's max_tokens; a request for prompt logprobs is matched exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
 ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed answer's timings are its own
@@ -210,7 +210,8 @@ class ResponseCache:
             self.stats.hits_exact += 1
             return self._replay(request, timings, model, metrics, answer)
         partition = vector = None
-        if self.config.semantic and turn:
+        # Prompt logprobs describe one prompt's tokens: another prompt's are no answer.
+        if self.config.semantic and turn and request.params.prompt_logprobs is None:
             partition, vector = await self._turn_vector(request, model, turn, embed)
         if partition is not None and vector is not None:
             names = literals(turn or "")

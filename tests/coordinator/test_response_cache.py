@@ -353,6 +353,24 @@ def test_semantic_hit_needs_the_threshold_and_everything_else_equal(model, turn,
     assert len(workers.embedded) == 2
 
 
+def test_prompt_logprobs_are_never_served_from_another_prompt(model):
+    cache = ResponseCache(ResponseCacheConfig("semantic", threshold=0.95))
+    workers = Workers(model, vectors=TURNS)
+    params = replace(GREEDY, prompt_logprobs=0)
+
+    async def scenario():
+        await ask(cache, workers, request(model, params, _chat("What is 2 + 2?")), "What is 2 + 2?")
+        g, _ = await ask(cache, workers, request(model, params, _chat("What's 2 + 2?")),
+                         "What's 2 + 2?")
+        again, _ = await ask(cache, workers, request(model, params, _chat("What's 2 + 2?")),
+                             "What's 2 + 2?")
+        return g, again
+
+    g, again = run(scenario())
+    assert (g.cache, again.cache) == ("miss", "hit")  # the exact repeat still hits
+    assert workers.embedded == []
+
+
 def test_semantic_hit_must_fit_the_new_requests_limit(model):
     cache = ResponseCache(ResponseCacheConfig("semantic", threshold=0.95))
     workers = Workers(model, vectors=TURNS)
