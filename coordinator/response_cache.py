@@ -31,7 +31,8 @@ The semantic key is the same digest with the last user turn cut out of the promp
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
 the turn's vector is compared. A hit must also have the same numbers and names in its turn
 (literals(): an embedding of a chat model's hidden states does not separate "12 times 7" from
-"12 times 8") and fit the new request's max_tokens; a request for prompt logprobs is matched exactly only.
+"12 times 8") and fit the new request's max_tokens; a request for prompt logprobs is matched
+exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
 ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed answer's timings are its own
