@@ -155,8 +155,8 @@ def rates(found: list[Match], threshold: float, guard: bool = True) -> dict[str,
 def report(found: list[Match]) -> None:
     para = sorted(m.own_score for m in found if m.kind == "paraphrase")
     near = sorted(m.own_score for m in found if m.kind != "paraphrase")
-    print(f"{len(PROBES)} questions, {len(para)} paraphrases, {len(near)} near-misses "
-          f"({', '.join(f'{sum(m.kind == k for m in found)} {k}' for k in ('number', 'name', 'word'))})")
+    kinds = ", ".join(f"{sum(m.kind == k for m in found)} {k}" for k in ("number", "name", "word"))
+    print(f"{len(PROBES)} questions, {len(para)} paraphrases, {len(near)} near-misses ({kinds})")
     print(f"cosine with its own question: paraphrases min {para[0]:.4f} median "
           f"{np.median(para):.4f} max {para[-1]:.4f}; near-misses min {near[0]:.4f} median "
           f"{np.median(near):.4f} max {near[-1]:.4f}; any query with another question: max "

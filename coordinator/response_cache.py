@@ -35,10 +35,11 @@ the turn's vector is compared. A hit must also have the same numbers and names i
 exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
-ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed answer's timings are its own
-(arrival to each replayed token: honest, and tiny), its whole prompt counts as cached tokens
-(usage, `tandem.cached_tokens`: none was computed again), it is marked `"cache": "hit"`, counted by
-the tandem_response_cache_* series, not by vLLM's latency series (they describe the workers).
+ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed
+answer's timings are its own (arrival to each replayed token: honest, and tiny), its whole
+prompt counts as cached tokens (usage, `tandem.cached_tokens`: none was computed again), it is
+marked `"cache": "hit"`, and it is counted by the tandem_response_cache_* series, not by vLLM's
+latency series (they describe the workers).
 """
 
 from __future__ import annotations
