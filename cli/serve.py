@@ -68,6 +68,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-streams", type=int,
                    help="most requests open at once, queued or running (429 above; coordinator "
                         "default 512)")
+    p.add_argument("--response-cache", metavar="MODE",
+                   help="the coordinator answers repeated requests from memory: exact, or "
+                        "semantic[:threshold=T] (also a paraphrased last user turn); "
+                        "',entries=N,bytes=B' bound it (default off)")
     add_api_tls_args(p)
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -110,7 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
                             coordinator_args=("--grpc-port", str(args.grpc_port),
-                                              *_chat_template_args(args.chat_template, models)),
+                                              *_chat_template_args(args.chat_template, models),
+                                              *_response_cache(args.response_cache)),
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
                             otlp_traces_endpoint=args.otlp_traces_endpoint)
@@ -154,6 +159,16 @@ def _chat_template_args(files: list[str] | None, models: list[str]) -> tuple[str
         except TandemError as exc:
             raise ValueError(str(exc)) from None
     return tuple(a for f in files or () for a in ("--chat-template", str(Path(f).resolve())))
+
+
+def _response_cache(spec: str | None) -> tuple[str, ...]:
+    """The coordinator's --response-cache, checked here first (a ValueError naming it)."""
+    if spec is None:
+        return ()
+    from coordinator.response_cache_config import ResponseCacheConfig  # torch-free
+
+    ResponseCacheConfig.parse(spec)
+    return ("--response-cache", spec)
 
 
 def _api_tls(args: argparse.Namespace) -> tuple[str, str] | None:

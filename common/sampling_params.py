@@ -39,6 +39,9 @@ arithmetic overflow, and every integer fits the worker protocol's fields):
   body field): false opts the request out of speculative decoding on a worker started with
   `--speculative`; greedy output is the same either way, sampled output has the same
   distribution.
+- cache: true, false or null (a tandem extension, like speculative): whether the coordinator's
+  response cache may answer a sampled request (true), or none at all (false); null leaves it to
+  the cache, which serves only deterministic requests.
 - stop_token_ids (vLLM's): at most MAX_STOP_TOKEN_IDS ids, added to the model's stop tokens;
   ignore_eos (vLLM's): the model's end-of-text tokens do not stop the request. Both decide the
   stop set that the coordinator sends (coordinator/service.py prepare); workers never see them.
@@ -168,6 +171,11 @@ class SamplingParams:
     # False: this request never speculates, even on a worker started with --speculative
     # (engine/speculative.py). Greedy answers are the same either way.
     speculative: bool = True
+    # The coordinator's response cache (coordinator/response_cache.py), a tandem extension in
+    # Ollama's `options` and as an OpenAI body field: None serves and stores deterministic
+    # requests only (greedy or seeded), true also this sampled one, false bypasses the cache.
+    # Never sent to the workers, and not part of a cache key.
+    cache: bool | None = None
 
     def __post_init__(self) -> None:
         # Type-check (and coerce 40.0 -> 40, "x" -> ("x",)) on every path, not only
@@ -383,7 +391,7 @@ def _kind(annotation: str) -> str:
         return "int"
     if annotation == "float":
         return "float"
-    if annotation == "bool":
+    if annotation in ("bool", "bool | None"):
         return "bool"
     return "stop"
 

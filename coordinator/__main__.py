@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from coordinator.tenants import read_keys_file
 from coordinator.api_tls import add_api_tls_args, api_tls_from
 from coordinator.config import CoordinatorConfig
+from coordinator.response_cache_config import ResponseCacheConfig
 from common.cluster_auth import add_auth_args, auth_from_args
 from common.addresses import is_loopback
 from common.errors import TandemError
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no access log line per HTTP request (method, path, status, duration, "
                         "request id; on by default at INFO, logger coordinator.access)")
+    p.add_argument("--response-cache", metavar="MODE",
+                   help="answer repeated requests from memory: exact, or semantic[:threshold=T] "
+                        "(also a paraphrased last user turn); ',entries=N,bytes=B' bound it "
+                        "(coordinator/response_cache.py; default off)")
     add_auth_args(p)  # the internal plane's secret and TLS files
     add_api_tls_args(p)  # the client APIs' TLS, separate from the internal plane's
     return p
@@ -172,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             internal_api_from=tuple(args.internal_api_from),
             cluster_auth=auth_from_args(args),
             api_tls=api_tls_from(args.api_tls_cert, args.api_tls_key),
+            response_cache=(ResponseCacheConfig.parse(args.response_cache)
+                            if args.response_cache else None),
             api_key=os.environ.get("TANDEM_API_KEY", "").strip() or None,
             tenant_keys=tuple(read_keys_file(keys_file).items()) if (
                 keys_file := os.environ.get("TANDEM_API_KEYS_FILE", "").strip()) else (),

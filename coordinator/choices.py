@@ -49,10 +49,12 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 async def submit_choices(coordinator: Coordinator, prompts: Sequence[list[int]], n: int,
                          params: SamplingParams, timings: RequestTimings,
                          cache_salt: bytes = b"",
-                         model: ServedModel | None = None) -> list[Choice]:
+                         model: ServedModel | None = None,
+                         turns: Sequence[str | None] = ()) -> list[Choice]:
     """Every choice admitted (Coordinator.submit), in index order; `timings` (started when the
     request arrived) are the first choice's, the others get their own. A refusal (a limit, no
-    worker, overload) closes the ones admitted already and is raised."""
+    worker, overload) closes the ones admitted already and is raised. turns: each prompt's
+    last user turn as text, for the semantic response cache (coordinator/response_cache.py)."""
     choices: list[Choice] = []
     try:
         for p, prompt_ids in enumerate(prompts):
@@ -61,7 +63,7 @@ async def submit_choices(coordinator: Coordinator, prompts: Sequence[list[int]],
                 generation = await coordinator.submit(
                     prompt_ids, choice_params(params, i),
                     timings if not choices else RequestTimings(), cache_salt=cache_salt,
-                    model=model, siblings=siblings)
+                    model=model, siblings=siblings, turn=turns[p] if p < len(turns) else None)
                 choices.append(Choice(len(choices), p, generation))
     except BaseException:
         await close_all(choices)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from coordinator.tenants import DEFAULT_TENANT, ApiKeys
 from coordinator.api_tls import ApiTLS
+from coordinator.response_cache_config import ResponseCacheConfig
 from common.cluster_auth import ClusterAuth
 
 # The longest keep_alive: a year. Longer ones are refused (a 400 naming keep_alive) rather
@@ -104,6 +105,8 @@ class CoordinatorConfig:
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth, repr=False)
     # TLS of the client APIs, HTTP and gRPC alike (coordinator/api_tls.py); None = plaintext.
     api_tls: ApiTLS | None = None
+    # The response cache (coordinator/response_cache.py; --response-cache); None = off.
+    response_cache: ResponseCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

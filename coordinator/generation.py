@@ -41,6 +41,12 @@ class Generation:
         # The prompt tokens' after the first, when the request asked (prompt_logprobs); they
         # come with the first token.
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.chunk_sizes: list[int] = []  # tokens per arrival, so a cached replay matches them
+        # The response cache (coordinator/response_cache.py): None when it is off, else "hit"
+        # (replayed: no worker, no vLLM series), "miss" or "bypass"; on_finish stores a miss
+        # once it finished normally (close()).
+        self.cache: str | None = None
+        self.on_finish: Callable[[Generation], None] | None = None
         self._flow = flow
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -85,6 +91,7 @@ class Generation:
                 async for token_ids in tokens:
                     piece, stopped = text.push(token_ids)
                     self.output_ids.extend(token_ids)
+                    self.chunk_sizes.append(len(token_ids))
                     self.logprobs.extend(token_ids.logprobs)
                     self.prompt_logprobs.extend(token_ids.prompt_logprobs)
                     self.timings.on_tokens(len(token_ids))
@@ -115,6 +122,12 @@ class Generation:
             self.timings.cached_tokens = self.outcome.cached_tokens
             self.timings.prefill_worker_s = self.outcome.prefill_seconds
             outcome = self.done_reason or ("error" if self.error else "cancelled")
+            if self.on_finish is not None and self.done_reason and self.error is None:
+                self.on_finish(self)
+            if self.cache == "hit":  # counted by the cache's own series only
+                log.info("request %s: %s, %d output tokens from the response cache",
+                         self.request.request_id, outcome, self.timings.output_tokens)
+                return
             self._metrics.observe_request(self.timings, outcome)
             flow = self.outcome
             self._metrics.observe_transfer(flow.decode_worker, flow.kv_bytes,

@@ -30,6 +30,7 @@ from coordinator.ollama_request import RequestError
 from coordinator.ollama_routes import tandem_version
 from coordinator.openapi import install_openapi
 from coordinator.request_flow import NoWorkers, WorkerError
+from coordinator.response_cache_header import install_cache_header
 from coordinator.routes import generate_routes
 from coordinator.service import Coordinator
 from common.errors import ModelNotFoundError, TandemError
@@ -123,6 +124,8 @@ def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
                   redoc_url=None, openapi_url="/openapi.json")
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
+    if coordinator.response_cache is not None:
+        install_cache_header(app)  # X-Tandem-Cache (coordinator/response_cache_header.py)
     install_http_access(app, limits.api_keys(), (limits.host, *limits.allowed_hosts),
                         limits.allowed_origins, tandem_version())
     install_request_log(app, limits.access_log)  # outermost: every answer gets an id

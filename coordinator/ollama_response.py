@@ -2,7 +2,8 @@
 figures in integer nanoseconds (see /work/shared/OLLAMA-API.md for the field meanings).
 
 tandem adds one field to final objects, `tandem`, with the request's serving figures (TTFT,
-TPOT, ITL, queue time, workers, KV bytes moved to the decode worker, migrations); Ollama
+TPOT, ITL, queue time, workers, KV bytes moved to the decode worker, migrations, whether the
+response cache answered); Ollama
 clients ignore fields they do not know.
 """
 
@@ -57,6 +58,9 @@ def serving_figures(g: Generation) -> dict[str, Any]:
         "decode_worker": g.outcome.decode_worker or None,
         "prefill_worker": g.outcome.prefill_worker or None,
         "kv_bytes": g.outcome.kv_bytes, "migrations": g.outcome.migrations,
+        # coordinator/response_cache.py: "hit" (replayed, no worker), "miss", "bypass"; None
+        # with the cache off
+        "cache": g.cache,
     }
 
 

@@ -31,6 +31,7 @@ from coordinator.ollama_response import (
 )
 from coordinator.prompts import chat_prompt_ids, fit_chat, generate_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
+from coordinator.response_cache import last_user_text
 from coordinator.service import Coordinator
 from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking, template_args
 from coordinator.tool_calls import (
@@ -113,7 +114,7 @@ class OllamaRoutes:
         prompt_ids = await self.chat_prompt(model, name, messages, tools, params, timings,
                                             truncate, think)
         return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
-                                             model)
+                                             model, turn=last_user_text(messages))
 
     async def chat_prompt(self, model: ServedModel, name: str, messages: list[dict],
                           tools: list[dict] | None, params: SamplingParams,
@@ -180,7 +181,8 @@ class OllamaRoutes:
                                     req.context, req.params.context_limit(model.context_len),
                                     args)
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,
-                                                   req.keep_alive, request_salt(request), model)
+                                                   req.keep_alive, request_salt(request), model,
+                                                   turn=req.prompt or None)
         thinking = (ThinkSplitter(started=opens_thinking(model.tokenizer, generation))
                     if req.think else None)
 

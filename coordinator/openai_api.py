@@ -67,7 +67,9 @@ _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed"
                   "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty",
                   "min_tokens": "min_tokens",
                   # tandem's: false opts the request out of speculative decoding
-                  "speculative": "speculative"}
+                  "speculative": "speculative",
+                  # tandem's: the response cache may (true) or may not (false) answer it
+                  "cache": "cache"}
 _TOKEN_FIELDS = ("logit_bias", "stop_token_ids", "ignore_eos")  # SamplingParams' API-only fields
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",

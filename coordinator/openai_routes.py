@@ -25,6 +25,7 @@ from coordinator.metrics import RequestTimings
 from coordinator.ollama_routes import OllamaRoutes
 from coordinator.prompts import completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
+from coordinator.response_cache import cache_state, last_user_text
 from coordinator.service import Coordinator
 from coordinator.thinking import ThinkSplitter, opens_thinking, split_thinking
 from coordinator.tool_calls import ToolCallParser, call_format, openai_tool_calls
@@ -34,6 +35,15 @@ def _usage(choices: list[Choice], score_only: bool = False) -> dict[str, Any]:
     """Summed over the choices (coordinator/choices.py); score_only: no completion tokens."""
     prompt, completion, cached = choice_usage(choices)
     return oa.usage(prompt, 0 if score_only else completion, cached)
+
+
+def _cache_marked(body: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
+    """`tandem.cache` (coordinator/response_cache.py) on a whole answer, when the cache is on;
+    streams carry it in the X-Tandem-Cache header only."""
+    state = cache_state([c.generation for c in choices])
+    if state is not None:
+        body["tandem"] = {"cache": state}
+    return body
 
 
 def _chat_logprobs(g: Generation) -> list[dict[str, Any]] | None:
@@ -67,7 +77,8 @@ class OpenAIRoutes:
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, req.tools,
                                                    req.params, timings, think=req.think)
         choices = await submit_choices(self.coordinator, [prompt_ids], req.n, req.params,
-                                       timings, request_salt(request, req.cache_salt), model)
+                                       timings, request_salt(request, req.cache_salt), model,
+                                       turns=[last_user_text(req.messages)])
         rid = oa.new_id("chatcmpl")
         # Tools (coordinator/tool_calls.py): the output is parsed into tool_calls; a forced
         # tool_choice makes the whole output the call. One parser per choice.
@@ -100,7 +111,8 @@ class OpenAIRoutes:
                 content, found = calls.split(content)
             shaped.append(oa.chat_choice(c.index, content, c.generation.done_reason, found,
                                          _chat_logprobs(c.generation), reasoning))
-        return JSONResponse(oa.chat_completion(rid, req.model, shaped, _usage(choices)))
+        return JSONResponse(_cache_marked(oa.chat_completion(rid, req.model, shaped,
+                                                             _usage(choices)), choices))
 
     async def completions(self, request: Request) -> Response:
         timings = RequestTimings()
@@ -110,7 +122,9 @@ class OpenAIRoutes:
         context = req.params.context_limit(model.context_len)
         prompts = [await off_loop(completion_prompt_ids, model, p, context) for p in req.prompts]
         choices = await submit_choices(self.coordinator, prompts, req.n, req.params, timings,
-                                       request_salt(request, req.cache_salt), model)
+                                       request_salt(request, req.cache_salt), model,
+                                       turns=[p if isinstance(p, str) else None
+                                              for p in req.prompts])
         rid = oa.new_id("cmpl")
         echoes = [_Echo(req, req.prompts[c.prompt], prompts[c.prompt], model.tokenizer)
                   if req.echo else None for c in choices]
@@ -135,8 +149,9 @@ class OpenAIRoutes:
                 text, logprobs = echo.whole(g, text)
                 shaped.append(oa.completion_choice(c.index, text, echo.reason(g),
                                                    logprobs=logprobs))
-        return JSONResponse(oa.completion(rid, req.model, shaped,
-                                          _usage(choices, req.score_only)))
+        return JSONResponse(_cache_marked(oa.completion(rid, req.model, shaped,
+                                                        _usage(choices, req.score_only)),
+                                          choices))
 
 
 async def _collect(request: Request, choices: list[Choice]) -> list[str] | None:

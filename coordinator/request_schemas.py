@@ -51,6 +51,7 @@ class Options(_Body):
     num_thread: int | None = Count
     min_tokens: int | None = Count  # tandem's extension (vLLM's name)
     speculative: bool | None = None  # tandem's: false opts out of speculative decoding
+    cache: bool | None = None  # tandem's: the response cache may (true) or may not (false) answer
 
 
 KeepAlive = Union[str, float, None]  # a Go duration ("5m"), or seconds; 0 unloads
@@ -236,6 +237,7 @@ class _OpenAIGeneration(_Body):
     min_tokens: int | None = Count
     ignore_eos: bool | None = None
     speculative: bool | None = None  # tandem's: false opts out of speculative decoding
+    cache: bool | None = None  # tandem's: the response cache may (true) or may not (false) answer
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # vLLM's structured output; one grammar source per request, response_format included
     structured_outputs: StructuredOutputs | None = None

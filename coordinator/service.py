@@ -26,6 +26,7 @@ from coordinator.placement import choose_embedder
 from coordinator.prompts import off_loop
 from coordinator.registry import WorkerRegistry
 from coordinator.residency import Residency
+from coordinator.response_cache import ResponseCache, ResponseCacheCollector
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
 from common import request_id
 from common.errors import ContextLengthError, InvalidOptionError
@@ -63,6 +64,11 @@ class Coordinator:
         self.grpc_port: int | None = None  # the client-facing gRPC API
         self.open_requests = 0  # queued or running, on every API (config.max_streams)
         self._sweeper: asyncio.Task | None = None
+        # Opt-in (config.response_cache): answers of repeated requests, served in submit().
+        self.response_cache = (ResponseCache(config.response_cache)
+                               if config.response_cache is not None else None)
+        if self.response_cache is not None:
+            self.metrics.registry.register(ResponseCacheCollector(self.response_cache))
 
     # ---- the models served ----------------------------------------------------------------------
 
@@ -156,18 +162,24 @@ class Coordinator:
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      timings: RequestTimings, keep_alive_s: float | None = None,
                      cache_salt: bytes = b"", model: ServedModel | None = None,
-                     siblings: Siblings | None = None) -> Generation:
+                     siblings: Siblings | None = None, turn: str | None = None) -> Generation:
         """prepare + begin, for every client API; `timings` started when the request arrived.
         A grammar that does not compile is refused here (InvalidOptionError: a 400).
         keep_alive_s: how long the model stays loaded after this request (None = the
         server's default; math.inf = forever). cache_salt: the caller's prefix-cache tenant.
         model: the model the request named (None: the default model). siblings: shared by the
-        choices of one request (coordinator/choices.py)."""
+        choices of one request (coordinator/choices.py). turn: the last user turn's text, for
+        the semantic response cache (coordinator/response_cache.py)."""
         timings.prompt_tokens = len(prompt_ids)
         request = self.prepare(prompt_ids, params, cache_salt, model, siblings)
         if params.grammar is not None:
             # In-process (llguidance, torch-free), off the loop: a large grammar takes a while.
             await off_loop(check_grammar, params.grammar)
+        if self.response_cache is not None:
+            model = model or self.model
+            return await self.response_cache.submit(request, timings, keep_alive_s, model,
+                                                    self.metrics.of(model.name), self.begin,
+                                                    self.embed, turn)
         return await self.begin(request, timings, keep_alive_s, model)
 
     async def begin(self, request: FlowRequest, timings: RequestTimings,

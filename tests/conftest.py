@@ -36,6 +36,7 @@ INTEGRATION_FILES = {
     "coordinator/test_default_model_tools.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
+    "coordinator/test_response_cache_cluster.py", "coordinator/test_response_cache_semantic.py",
     "coordinator/test_isolation_attacks.py", "coordinator/test_multi_model_cluster.py",
     "coordinator/test_ollama_layers_cluster.py",
     "coordinator/test_ui_page.py",

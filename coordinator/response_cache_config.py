@@ -1,0 +1,75 @@
+"""The response cache's settings (coordinator/response_cache.py), parsed from the coordinator's
+`--response-cache` flag:
+
+    exact                              identical requests only
+    semantic                           also a paraphrased last user turn, at DEFAULT_THRESHOLD
+    semantic:threshold=0.97            ... at that cosine similarity or above
+    exact:entries=256,bytes=16000000   the bounds (both modes; the LRU drops beyond either)
+
+Off unless the flag is given. Its own module (not response_cache.py) so that
+coordinator/config.py can hold it without importing the request flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("exact", "semantic")
+# The cosine at and above which a last user turn counts as the same question. Measured on the
+# default model (SmolLM2-135M-Instruct's mean-pooled hidden states; README "Response cache",
+# `python -m benchmarks.bench_semantic_cache`): unrelated questions reached 0.955 with each
+# other, paraphrases 0.87-0.998, and near-misses 0.83-0.9999, so no threshold separates a
+# near-miss by itself (the cache's numbers-and-names rule catches those that differ in one);
+# 0.96 sits just above the unrelated ones.
+DEFAULT_THRESHOLD = 0.96
+DEFAULT_MAX_ENTRIES = 1024
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ResponseCacheConfig:
+    mode: str = "exact"  # "exact" | "semantic"
+    threshold: float = DEFAULT_THRESHOLD  # semantic: least cosine similarity of a hit, -1..1
+    max_entries: int = DEFAULT_MAX_ENTRIES  # answers kept, at most
+    max_bytes: int = DEFAULT_MAX_BYTES  # their estimated size (ResponseCache.entry_bytes), at most
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"response cache mode must be one of {', '.join(MODES)}, "
+                             f"got {self.mode!r}")
+        if isinstance(self.threshold, bool) or not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"response cache threshold must be a cosine similarity in -1..1, "
+                             f"got {self.threshold!r}")
+        for name in ("max_entries", "max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"response cache {name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def semantic(self) -> bool:
+        return self.mode == "semantic"
+
+    @classmethod
+    def parse(cls, spec: str) -> ResponseCacheConfig:
+        """`MODE[:key=value,...]` with keys threshold (semantic only), entries and bytes;
+        ValueError naming what is wrong."""
+        mode, _, rest = spec.strip().partition(":")
+        values: dict[str, object] = {"mode": mode}
+        names = {"threshold": ("threshold", float), "entries": ("max_entries", int),
+                 "bytes": ("max_bytes", int)}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or key.strip() not in names:
+                raise ValueError(f"--response-cache {spec!r}: expected key=value with keys "
+                                 f"{', '.join(names)}, got {item!r}")
+            field, kind = names[key.strip()]
+            if field == "threshold" and mode != "semantic":
+                raise ValueError(f"--response-cache {spec!r}: threshold applies to the "
+                                 "semantic mode only")
+            try:
+                values[field] = kind(value.strip())
+            except ValueError:
+                raise ValueError(f"--response-cache {spec!r}: {key.strip()} must be "
+                                 f"{'a number' if kind is float else 'an integer'}, "
+                                 f"got {value.strip()!r}") from None
+        return cls(**values)  # type: ignore[arg-type]

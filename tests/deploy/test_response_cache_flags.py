@@ -1,0 +1,46 @@
+"""--response-cache from `tandem serve` to the coordinator (its only user), checked by both."""
+
+from __future__ import annotations
+
+from coordinator.__main__ import build_parser
+from coordinator.__main__ import main as coordinator_main
+from coordinator.response_cache_config import ResponseCacheConfig
+from deploy.local import plan
+from tests.helpers.coordinator_fakes import make_tiny_model_dir
+
+
+def _served(tmp_path, monkeypatch, *flags: str):
+    import cli.main
+    import deploy.local
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    seen = {}
+    monkeypatch.setattr(deploy.local, "serve",
+                        lambda topology, **kw: seen.setdefault("t", topology) and 0)
+    code = cli.main.main(["serve", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs"),
+                          *flags])
+    return code, seen.get("t")
+
+
+def test_tandem_serve_gives_the_coordinator_its_response_cache(tmp_path, monkeypatch):
+    code, topology = _served(tmp_path, monkeypatch, "--response-cache", "semantic:threshold=0.9")
+    assert code == 0
+    ports = iter(range(23100, 23200))
+    specs, _ = plan(topology, lambda: next(ports))
+    coordinator = next(s for s in specs if s.name == "coordinator")
+    args = build_parser().parse_args(coordinator.argv[3:])
+    assert ResponseCacheConfig.parse(args.response_cache) == ResponseCacheConfig("semantic", 0.9)
+    assert all("--response-cache" not in s.argv for s in specs if s.name != "coordinator")
+    _, plain = _served(tmp_path, monkeypatch)
+    specs, _ = plan(plain, lambda: next(ports))
+    assert all("--response-cache" not in s.argv for s in specs)  # off by default
+
+
+def test_a_bad_response_cache_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    code, topology = _served(tmp_path, monkeypatch, "--response-cache", "semantic:threshold=2")
+    assert code != 0 and topology is None
+    assert "threshold must be a cosine similarity in -1..1" in capsys.readouterr().err
+    assert coordinator_main(["--model", str(tmp_path / "absent"), "--response-cache",
+                             "fuzzy"]) == 1
+    assert "mode must be one of exact, semantic" in capsys.readouterr().err
