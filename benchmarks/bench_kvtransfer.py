@@ -9,7 +9,9 @@ acknowledged by the receiver, i.e. written and checksummed). The receiver expect
 before the first send, as a decode worker that reserved its blocks would.
 The receiver runs in a separate spawned process; the sender here. GB/s = request bytes / time;
 the best of --reps runs is reported. The baseline copies the same bytes with torch in this
-process: the ceiling no transport on this machine can beat.
+process (a row of its own, and beside each backend: timed right before each of its runs, so
+the ratio compares runs under the same load on a shared host): the ceiling no transport on
+this machine can beat.
 
 shm verifies the copy on the sender (crc32c of each ~384 KiB chunk before and after its
 memmove, both from cache); shm-rverify is shm with the receiver also crc32c-ing the blocks in
@@ -54,13 +56,16 @@ def _receiver(conn, name: str, num_blocks: int, shm_name: str) -> None:
         cache.close()
 
 
-def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, float]:
+def _bench_backend(backend: str, tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(transfer GB/s, torch copy GB/s) per prompt size: a copy of the same bytes is timed right
+    before every transfer run, so a noisy host slows both alike."""
     num_blocks = max(tokens) // LAYOUT.block_size
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, backend, num_blocks, f"tkvbench-{os.getpid()}"), daemon=True)
     proc.start()
     results: dict[int, float] = {}
+    copies: dict[int, float] = {}
     try:
         if not conn.poll(60):
             raise RuntimeError(f"{backend} receiver did not start")
@@ -70,11 +75,15 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, floa
             blocks = list(range(n_tokens // LAYOUT.block_size))
             source = torch.randn(LAYOUT.cache_shape(len(blocks)))  # the prefill worker's cache
             nbytes = source.numel() * source.element_size()
-            best = float("inf")
+            copy_src, copy_dst = torch.randn(source.shape), torch.empty(source.shape)
+            best = best_copy = float("inf")
             for rep in range(reps + 1):  # the first run warms up
                 rid = f"{n_tokens}-{rep}"
                 conn.send((rid, blocks))
                 conn.recv()
+                start = time.perf_counter()
+                copy_dst.copy_(copy_src)
+                best_copy = min(best_copy, time.perf_counter() - start)
                 start = time.perf_counter()
                 for layer in range(LAYOUT.num_layers):
                     sender.send(rid, layer, 0, source[layer], blocks)
@@ -86,13 +95,14 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, floa
                 if rep:
                     best = min(best, time.perf_counter() - start)
             results[n_tokens] = nbytes / best / 1e9
+            copies[n_tokens] = nbytes / best_copy / 1e9
         sender.close()
     finally:
         conn.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return results
+    return results, copies
 
 
 def _bench_copy(tokens: list[int], reps: int) -> dict[int, float]:
@@ -121,15 +131,21 @@ def main() -> None:
     if bad:
         parser.error(f"--tokens must be positive multiples of {LAYOUT.block_size}: {bad}")
     rows = {"torch copy": _bench_copy(args.tokens, args.reps)}
+    beside: dict[str, dict[int, float]] = {}
     for backend in args.backends:
-        rows[backend] = _bench_backend(backend, args.tokens, args.reps)
+        rows[backend], beside[backend] = _bench_backend(backend, args.tokens, args.reps)
+    last = args.tokens[-1]
     print(f"KV transfer, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
           f"{LAYOUT.head_dim} dims, block {LAYOUT.block_size}, {LAYOUT.dtype}; GB/s, best of {args.reps}")
+    print(f"(copy @ {last}: a torch copy of the same bytes timed before each of that backend's runs, "
+          "best of them; the ratio is against it)")
     sizes = [f"{t} tok ({LAYOUT.cache_nbytes(t // LAYOUT.block_size) / 2**20:.1f} MiB)" for t in args.tokens]
-    print(f"{'backend':<12}" + "".join(f"{s:>22}" for s in sizes) + f"{'vs copy @ ' + str(args.tokens[-1]):>16}")
-    ref = rows["torch copy"][args.tokens[-1]]
+    print(f"{'backend':<12}" + "".join(f"{s:>22}" for s in sizes) + f"{'copy @ ' + str(last):>14}"
+          f"{'vs copy @ ' + str(last):>16}")
     for name, res in rows.items():
-        print(f"{name:<12}" + "".join(f"{res[t]:>22.2f}" for t in args.tokens) + f"{res[args.tokens[-1]] / ref:>15.1%}")
+        ref = beside.get(name, res)[last]
+        print(f"{name:<12}" + "".join(f"{res[t]:>22.2f}" for t in args.tokens) + f"{ref:>14.2f}"
+              f"{res[last] / ref:>15.1%}")
 
 
 if __name__ == "__main__":
