@@ -17,7 +17,8 @@ shm verifies the copy on the sender (crc32c of each ~384 KiB chunk before and af
 memmove, both from cache); shm-rverify is shm with the receiver also crc32c-ing the blocks in
 place (ShmReceiver(verify="receiver")), a second full read of the bytes on the other core that
 competes with the copy for memory bandwidth. Small prompts also pay the grant round trip, the
-finish ack and tens of microseconds of Python per unit.
+finish ack and tens of microseconds of Python per unit. The copy+crc32c row is shm's byte path
+without the protocol: the native kernel (kernels/copy_crc32c.py) once per layer, in process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 import torch
 
 import kvtransfer as kt
+from kernels.copy_crc32c import copy_crc32c
 
 LAYOUT = kt.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                      model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -120,6 +122,31 @@ def _bench_copy(tokens: list[int], reps: int) -> dict[int, float]:
     return results
 
 
+def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    """The shm writer's byte path alone: kernels/copy_crc32c.py over the same bytes, one call
+    per layer as the writer makes them (copy, crc32c and read-back check), no protocol; with a
+    torch copy timed before each run as for the backends."""
+    results, copies = {}, {}
+    for n_tokens in tokens:
+        n = n_tokens // LAYOUT.block_size
+        src = torch.randn(LAYOUT.num_layers, *LAYOUT.payload_shape(n))
+        dst, copy_src, copy_dst = torch.empty_like(src), torch.randn(src.shape), torch.empty_like(src)
+        layer_bytes = src[0].numel() * src.element_size()
+        layers = [(dst[i].data_ptr(), src[i].data_ptr(), layer_bytes) for i in range(LAYOUT.num_layers)]
+        best = best_copy = float("inf")
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            copy_dst.copy_(copy_src)
+            best_copy = min(best_copy, time.perf_counter() - start)
+            start = time.perf_counter()
+            for layer in layers:
+                copy_crc32c([layer])
+            best = min(best, time.perf_counter() - start)
+        nbytes = src.numel() * src.element_size()
+        results[n_tokens], copies[n_tokens] = nbytes / best / 1e9, nbytes / best_copy / 1e9
+    return results, copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc", "dist"])
@@ -132,6 +159,7 @@ def main() -> None:
         parser.error(f"--tokens must be positive multiples of {LAYOUT.block_size}: {bad}")
     rows = {"torch copy": _bench_copy(args.tokens, args.reps)}
     beside: dict[str, dict[int, float]] = {}
+    rows["copy+crc32c"], beside["copy+crc32c"] = _bench_kernel(args.tokens, args.reps)
     for backend in args.backends:
         rows[backend], beside[backend] = _bench_backend(backend, args.tokens, args.reps)
     last = args.tokens[-1]

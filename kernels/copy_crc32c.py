@@ -8,7 +8,7 @@ bytes instead of two or three; it runs without the GIL (a ctypes call).
 
 Both continue `value` exactly as crc32c.crc32c(data, value) does, so either side of a transfer
 may compute its CRC either way. With verify, each copied chunk is compared with its source
-while both are in L1, and a copy that does not read back raises CopyMismatch.
+while both are in cache, and a copy that does not read back raises CopyMismatch.
 
 Addresses are raw pointers: the caller has checked every range against the tensors it belongs
 to (nothing here can). Without the native library (no compiler) the same results come from the

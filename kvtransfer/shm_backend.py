@@ -15,14 +15,14 @@ headers cross it, never payload bytes:
     (pre_write_hook: tests hold the writer here)
     one native pass over the unit's runs of ids (kernels/copy_crc32c.py): each word of
       the source is loaded once, folded into the crc32c and stored into kv_cache[layer,
-      kv, ids]; each 16 KiB chunk is then compared with its source while both are in L1
+      kv, ids]; each 24 KiB chunk is then compared with its source while both are in cache
       (a chunk that does not read back fails the unit)
     [N, header with the crc]               --->   validate the header (owner, shape, layout);
                                            <---   verify="receiver": crc32c the blocks in
                                                   place too; [A, ack]
 
 Integrity. By default (verify="sender") the writer checks its own copy, each chunk against
-its source right after the copy, both in L1, and sends the crc32c of the source bytes it
+its source right after the copy, both in cache, and sends the crc32c of the source bytes it
 copied: a copy that went wrong fails the unit, and the whole transfer costs about one memory
 copy. verify="receiver" (ShmReceiver(verify=...)) adds
 the receiver's own crc32c of the blocks in place, an end-to-end check by the other process,
@@ -203,7 +203,7 @@ class ShmSender(ZmqSender):
             self.pre_write_hook(self.data_header(t, layer, dst_ids, None, seq, crc=0))
         # One native pass per unit (kernels/copy_crc32c.py, GIL released): each word of the
         # source is read once, folded into the crc32c and stored into the shared cache, and each
-        # 16 KiB chunk is compared with its source while both are in L1. Bounds were checked
+        # 24 KiB chunk is compared with its source while both are in cache. Bounds were checked
         # against both tensors: dst ids above, src ids by send().
         itemsize = source.element_size()
         block_bytes = source[0, 0].numel() * itemsize

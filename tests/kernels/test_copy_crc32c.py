@@ -14,7 +14,7 @@ from kernels import copy_crc32c as cc
 from kernels import native
 
 # Lengths around the kernel's boundaries: 8-byte words, 3 x 256 and 3 x 8192 byte stream
-# groups, the 16 KiB read-back chunk.
+# groups (the 24 KiB read-back chunk), a 16 KiB boundary.
 LENGTHS = [0, 1, 7, 8, 9, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 16384, 16385,
            100_003]
 
