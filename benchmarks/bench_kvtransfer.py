@@ -9,13 +9,16 @@ acknowledged by the receiver, i.e. written and checksummed). The receiver expect
 before the first send, as a decode worker that reserved its blocks would.
 The receiver runs in a separate spawned process; the sender here. GB/s = request bytes / time;
 the best of --reps runs is reported. The baseline copies the same bytes with torch in this
-process: the ceiling no transport on this machine can beat.
+process (a row of its own, and beside each backend: timed right before each of its runs, so
+the ratio compares runs under the same load on a shared host): the ceiling no transport on
+this machine can beat.
 
 shm verifies the copy on the sender (crc32c of each ~384 KiB chunk before and after its
 memmove, both from cache); shm-rverify is shm with the receiver also crc32c-ing the blocks in
 place (ShmReceiver(verify="receiver")), a second full read of the bytes on the other core that
 competes with the copy for memory bandwidth. Small prompts also pay the grant round trip, the
-finish ack and tens of microseconds of Python per unit.
+finish ack and tens of microseconds of Python per unit. The copy+crc32c row is shm's byte path
+without the protocol: the native kernel (kernels/copy_crc32c.py) once per layer, in process.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import torch
 
 import kvtransfer as kt
+from kernels.copy_crc32c import copy_crc32c
 
 LAYOUT = kt.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                      model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -45,22 +49,32 @@ def _receiver(conn, name: str, num_blocks: int, shm_name: str) -> None:
     conn.send(receiver.endpoint)
     try:
         while (msg := conn.recv()) is not None:
+            if msg == "cpu":
+                conn.send(time.process_time())
+                continue
             rid, blocks = msg
             receiver.poll()  # drop the previous request's event
             receiver.expect(rid, blocks, LAYOUT.num_layers, deadline_s=60.0)
-            conn.send(None)
+            conn.send(time.process_time())  # this process's CPU so far (every thread)
     finally:
         receiver.close()
         cache.close()
 
 
-def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, float]:
+def _bench_backend(backend: str, tokens: list[int], reps: int) -> tuple[dict[int, float], ...]:
+    """(transfer GB/s, torch copy GB/s, transfer GB per CPU-second) per prompt size: a copy of
+    the same bytes is timed right before every transfer run, so a noisy host slows both alike;
+    the CPU figure is the request's bytes over the CPU time both processes spent on it (every
+    thread; the receiver's counted up to its next expect), which time slicing on a busy host
+    does not inflate."""
     num_blocks = max(tokens) // LAYOUT.block_size
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, backend, num_blocks, f"tkvbench-{os.getpid()}"), daemon=True)
     proc.start()
     results: dict[int, float] = {}
+    copies: dict[int, float] = {}
+    per_cpu: dict[int, float] = {}
     try:
         if not conn.poll(60):
             raise RuntimeError(f"{backend} receiver did not start")
@@ -70,12 +84,21 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, floa
             blocks = list(range(n_tokens // LAYOUT.block_size))
             source = torch.randn(LAYOUT.cache_shape(len(blocks)))  # the prefill worker's cache
             nbytes = source.numel() * source.element_size()
-            best = float("inf")
-            for rep in range(reps + 1):  # the first run warms up
+            copy_src, copy_dst = torch.randn(source.shape), torch.empty(source.shape)
+            best = best_copy = best_cpu = float("inf")
+            last: tuple[float, float] | None = None  # (our CPU, receiver CPU) after the last run
+            for rep in range(reps + 2):  # the first run warms up; the last only reads the CPU
                 rid = f"{n_tokens}-{rep}"
-                conn.send((rid, blocks))
-                conn.recv()
+                conn.send((rid, blocks) if rep <= reps else "cpu")
+                receiver_cpu = conn.recv()
+                if last is not None and rep > 1:
+                    best_cpu = min(best_cpu, last[0] + receiver_cpu - last[1])
+                if rep == reps + 1:
+                    break
                 start = time.perf_counter()
+                copy_dst.copy_(copy_src)
+                best_copy = min(best_copy, time.perf_counter() - start)
+                cpu_start, start = time.process_time(), time.perf_counter()
                 for layer in range(LAYOUT.num_layers):
                     sender.send(rid, layer, 0, source[layer], blocks)
                 sender.finish(rid, 0)
@@ -85,29 +108,61 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> dict[int, floa
                     raise RuntimeError(f"{backend}: {status.reason}")
                 if rep:
                     best = min(best, time.perf_counter() - start)
+                last = (time.process_time() - cpu_start, receiver_cpu)
             results[n_tokens] = nbytes / best / 1e9
+            copies[n_tokens] = nbytes / best_copy / 1e9
+            per_cpu[n_tokens] = nbytes / best_cpu / 1e9
         sender.close()
     finally:
         conn.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return results
+    return results, copies, per_cpu
 
 
-def _bench_copy(tokens: list[int], reps: int) -> dict[int, float]:
-    results = {}
+def _bench_copy(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    results, per_cpu = {}, {}
     for n_tokens in tokens:
         n = n_tokens // LAYOUT.block_size
         src = torch.randn(LAYOUT.num_layers, *LAYOUT.payload_shape(n))
         dst = torch.empty_like(src)
-        best = float("inf")
+        best = best_cpu = float("inf")
         for _ in range(reps + 1):
-            start = time.perf_counter()
+            cpu_start, start = time.process_time(), time.perf_counter()
             dst.copy_(src)
             best = min(best, time.perf_counter() - start)
+            best_cpu = min(best_cpu, time.process_time() - cpu_start)
         results[n_tokens] = src.numel() * src.element_size() / best / 1e9
-    return results
+        per_cpu[n_tokens] = src.numel() * src.element_size() / best_cpu / 1e9
+    return results, per_cpu
+
+
+def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    """The shm writer's byte path alone: kernels/copy_crc32c.py over the same bytes, one call
+    per layer as the writer makes them (copy, crc32c and read-back check), no protocol; with a
+    torch copy timed before each run as for the backends."""
+    results, copies, per_cpu = {}, {}, {}
+    for n_tokens in tokens:
+        n = n_tokens // LAYOUT.block_size
+        src = torch.randn(LAYOUT.num_layers, *LAYOUT.payload_shape(n))
+        dst, copy_src, copy_dst = torch.empty_like(src), torch.randn(src.shape), torch.empty_like(src)
+        layer_bytes = src[0].numel() * src.element_size()
+        layers = [(dst[i].data_ptr(), src[i].data_ptr(), layer_bytes) for i in range(LAYOUT.num_layers)]
+        best = best_copy = best_cpu = float("inf")
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            copy_dst.copy_(copy_src)
+            best_copy = min(best_copy, time.perf_counter() - start)
+            cpu_start, start = time.process_time(), time.perf_counter()
+            for layer in layers:
+                copy_crc32c([layer])
+            best = min(best, time.perf_counter() - start)
+            best_cpu = min(best_cpu, time.process_time() - cpu_start)
+        nbytes = src.numel() * src.element_size()
+        results[n_tokens], copies[n_tokens] = nbytes / best / 1e9, nbytes / best_copy / 1e9
+        per_cpu[n_tokens] = nbytes / best_cpu / 1e9
+    return results, copies, per_cpu
 
 
 def main() -> None:
@@ -120,17 +175,27 @@ def main() -> None:
     bad = [t for t in args.tokens if t <= 0 or t % LAYOUT.block_size]
     if bad:
         parser.error(f"--tokens must be positive multiples of {LAYOUT.block_size}: {bad}")
-    rows = {"torch copy": _bench_copy(args.tokens, args.reps)}
+    rows: dict[str, dict[int, float]] = {}
+    beside: dict[str, dict[int, float]] = {}
+    cpu: dict[str, dict[int, float]] = {}
+    rows["torch copy"], cpu["torch copy"] = _bench_copy(args.tokens, args.reps)
+    rows["copy+crc32c"], beside["copy+crc32c"], cpu["copy+crc32c"] = _bench_kernel(args.tokens, args.reps)
     for backend in args.backends:
-        rows[backend] = _bench_backend(backend, args.tokens, args.reps)
+        rows[backend], beside[backend], cpu[backend] = _bench_backend(backend, args.tokens, args.reps)
+    last = args.tokens[-1]
     print(f"KV transfer, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
           f"{LAYOUT.head_dim} dims, block {LAYOUT.block_size}, {LAYOUT.dtype}; GB/s, best of {args.reps}")
+    print(f"(copy @ {last}: a torch copy of the same bytes timed before each of that backend's runs, "
+          "best of them; the ratio is against it. per CPU-s: bytes over the CPU seconds both "
+          "processes spent, every thread, against the copy's own)")
     sizes = [f"{t} tok ({LAYOUT.cache_nbytes(t // LAYOUT.block_size) / 2**20:.1f} MiB)" for t in args.tokens]
-    print(f"{'backend':<12}" + "".join(f"{s:>22}" for s in sizes) + f"{'vs copy @ ' + str(args.tokens[-1]):>16}")
-    ref = rows["torch copy"][args.tokens[-1]]
+    print(f"{'backend':<12}" + "".join(f"{s:>22}" for s in sizes) + f"{'copy @ ' + str(last):>14}"
+          f"{'vs copy @ ' + str(last):>16}{'GB per CPU-s':>14}{'vs copy':>9}")
     for name, res in rows.items():
-        print(f"{name:<12}" + "".join(f"{res[t]:>22.2f}" for t in args.tokens) + f"{res[args.tokens[-1]] / ref:>15.1%}")
-
+        ref = beside.get(name, res)[last]
+        print(f"{name:<12}" + "".join(f"{res[t]:>22.2f}" for t in args.tokens) + f"{ref:>14.2f}"
+              f"{res[last] / ref:>15.1%}{cpu[name][last]:>14.2f}"
+              f"{cpu[name][last] / cpu['torch copy'][last]:>9.1%}")
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,9 @@ thread; best of 5 calls on a buffer of random float32 bytes):
     90 MiB     2.3 GB/s      24.2 GB/s      (all 30 layers, from memory)
 
 It guards against corruption and misdirected writes, not against an adversary. It is computed
-only on I/O threads, never on the engine thread.
+only on I/O threads, never on the engine thread. The zmq and shm senders compute the same CRC
+in the pass that copies the bytes (kernels/copy_crc32c.py, native, GIL released), so a payload
+costs one read of its source for both.
 """
 
 from __future__ import annotations

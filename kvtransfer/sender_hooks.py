@@ -6,6 +6,8 @@ sender (sender.py, engine thread; sender_io.py, I/O thread) and one transport.
     _io_wait          I/O                          every loop turn; block until woken, a message
                                                    arrives (hand it to self.io.on_*) or timeout
     _io_ask           I/O                          once per transfer (again after a "pending")
+    _io_can_transmit  I/O                          before each queued unit: False holds it queued
+                                                   (flow control; _io_next_due says when to look again)
     _io_transmit      I/O                          once per granted unit; returns "" or an error
     _io_control       I/O                          a finish or abort unit
     _io_revoked       I/O                          after a revocation: nothing more is written
@@ -30,11 +32,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kernels.copy_crc32c import copy_crc32c
+
 from .auth import KVAuth
 from .base import KVLayoutMismatch
 from .fence import own_identity
 from .layout import KVLayout
-from .message import Ack, HandshakeRequest, KVHeader
+from .message import Ack, HandshakeRequest, KVHeader, block_runs, checksum
 from .transfer import OutgoingTransfer
 from .waker import Waker
 
@@ -81,6 +85,10 @@ class SenderHooks(ABC):
     def _io_ask(self, t: OutgoingTransfer) -> None:
         """Ask the receiver for t's grant."""
 
+    def _io_can_transmit(self) -> bool:
+        """Whether the transport takes another unit now (zmq: a free staging buffer)."""
+        return True
+
     @abstractmethod
     def _io_transmit(
         self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
@@ -121,6 +129,29 @@ class SenderHooks(ABC):
         """source[:, src_ids] as a fresh contiguous CPU tensor (the payload)."""
         idx = torch.tensor(src_ids, dtype=torch.long, device=source.device)
         return source.index_select(1, idx).cpu().contiguous()
+
+    def gather_crc(self, source: torch.Tensor, src_ids: tuple[int, ...], out: torch.Tensor) -> int:
+        """source[:, src_ids] into the first bytes of `out` (contiguous, CPU, at least the
+        payload's size) and the payload's crc32c, in one native pass (kernels/copy_crc32c.py:
+        each word is read once for both). The receiver checks that crc against what it got,
+        so the staging copy itself is covered end to end."""
+        if source.device.type != "cpu" or not source.is_contiguous():  # rare: slice-free gather
+            payload = self.gather(source, src_ids).view(-1).view(torch.uint8)
+            out[:payload.numel()].copy_(payload)
+            return checksum(payload)
+        itemsize = source.element_size()
+        block_bytes = source[0, 0].numel() * itemsize
+        count = len(src_ids)
+        if out.device.type != "cpu" or not out.is_contiguous() or \
+                out.numel() * out.element_size() < 2 * count * block_bytes:
+            raise ValueError("gather_crc needs a contiguous CPU buffer of the payload's size")
+        copies = []
+        for kv in (0, 1):  # the payload is [2, count, ...]: every K block, then every V block
+            src_base = source.data_ptr() + kv * source.stride(0) * itemsize
+            dst_base = out.data_ptr() + kv * count * block_bytes
+            copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
+                       for src, dst, length in block_runs(src_ids, range(count))]
+        return copy_crc32c(copies, verify=False)
 
     def data_header(
         self, t: OutgoingTransfer, layer: int, dst_ids: tuple[int, ...], payload: torch.Tensor | None,

@@ -130,7 +130,8 @@ class SendLoop:
                 log.exception("closing the KV sender transport for %s failed", self.endpoint)
 
     def _timeout(self) -> float:
-        if self._inbox or any(t.grant is not None and t.queue for t in self._open.values()):
+        if self._inbox or (any(t.grant is not None and t.queue for t in self._open.values())
+                           and self.transport._io_can_transmit()):
             return 0.0
         now = time.monotonic()
         due = now + MAX_WAIT_S
@@ -239,6 +240,8 @@ class SendLoop:
         for t in list(self._open.values()):
             if t.grant is None or not t.queue or t.result is not None:
                 continue
+            if not self.transport._io_can_transmit():
+                return  # flow control: the loop comes back at the transport's _io_next_due
             item = t.queue.popleft()
             if isinstance(item, SendUnit):
                 self._transmit_unit(t, item)
@@ -252,25 +255,23 @@ class SendLoop:
             self._fail(t, f"layer {unit.layer} beyond the {grant.num_layers} layers granted",
                        tell_receiver="layer beyond the grant")
             return
+        # Block index first + k of the request is destination grant.block_ids[first + k - skip]
+        # (indices below skip are cached on the receiver): slices, not a loop per block.
+        first, count, skip = unit.first_block, len(unit.src_block_ids), grant.skip_blocks
         granted = len(grant.block_ids)
-        src_ids: list[int] = []
-        dst_ids: list[int] = []
-        for k, src in enumerate(unit.src_block_ids):
-            index = unit.first_block + k
-            if index < grant.skip_blocks:
-                continue  # the receiver has it cached
-            j = index - grant.skip_blocks
-            if j >= granted:
-                self._fail(t, f"block {index} beyond the {grant.skip_blocks + granted} blocks granted",
-                           tell_receiver="block beyond the grant")
-                return
-            src_ids.append(src)
-            dst_ids.append(grant.block_ids[j])
-            t.sent[unit.layer].add(index)
+        lo = min(count, max(0, skip - first))  # unit.src_block_ids[:lo] are cached
+        if first + count - skip > granted:
+            index = max(first + lo, skip + granted)
+            self._fail(t, f"block {index} beyond the {skip + granted} blocks granted",
+                       tell_receiver="block beyond the grant")
+            return
+        src_ids = unit.src_block_ids[lo:]
+        dst_ids = grant.block_ids[first + lo - skip:first + count - skip]
+        t.sent[unit.layer].update(range(first + lo, first + count))
         if not src_ids:
             return
         seq = self._track(t, unit.layer)
-        error = self.transport._io_transmit(t, unit.layer, unit.source, tuple(src_ids), tuple(dst_ids), seq)
+        error = self.transport._io_transmit(t, unit.layer, unit.source, src_ids, dst_ids, seq)
         if error:
             self._untrack(t, seq)
             self._fail(t, error, tell_receiver=error)

@@ -13,16 +13,18 @@ headers cross it, never payload bytes:
     owner[block ids] == tag(transfer)? --- no --> abort unit, nothing written
       | yes
     (pre_write_hook: tests hold the writer here)
-    per chunk of a run of ids (~384 KiB, so it stays in L2):
-      crc32c(source chunk); memmove into kv_cache[layer, kv, ids]; crc32c(written chunk)
-      the two must agree (else the unit fails): the copy is verified while both are hot
+    one native pass over the unit's runs of ids (kernels/copy_crc32c.py): each word of
+      the source is loaded once, folded into the crc32c and stored into kv_cache[layer,
+      kv, ids]; each 24 KiB chunk is then compared with its source while both are in cache
+      (a chunk that does not read back fails the unit)
     [N, header with the crc]               --->   validate the header (owner, shape, layout);
                                            <---   verify="receiver": crc32c the blocks in
                                                   place too; [A, ack]
 
-Integrity. By default (verify="sender") the writer checks its own copy, each chunk's crc32c
-before and after the memmove, both from cache: a copy that went wrong fails the unit, and the
-whole transfer costs about one memory copy. verify="receiver" (ShmReceiver(verify=...)) adds
+Integrity. By default (verify="sender") the writer checks its own copy, each chunk against
+its source right after the copy, both in cache, and sends the crc32c of the source bytes it
+copied: a copy that went wrong fails the unit, and the whole transfer costs about one memory
+copy. verify="receiver" (ShmReceiver(verify=...)) adds
 the receiver's own crc32c of the blocks in place, an end-to-end check by the other process,
 at the price of a second full read of the bytes on the other core, concurrent with the copy
 (about half the bandwidth on a 2-core host: benchmarks.bench_kvtransfer prints both).
@@ -54,25 +56,25 @@ peers in the same trust domain (same host, same deployment); use zmq when that d
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import time
-from dataclasses import replace
 from collections.abc import Callable
 from multiprocessing import shared_memory
 
+import numpy as np
 import torch
+
+from kernels.copy_crc32c import CopyMismatch, copy_crc32c
 
 from .auth import KVAuth
 from .base import KVTransferError
 from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor, unlink_segment
-from .message import HandshakeReply, KVHeader, block_runs, checksum, tensor_bytes
+from .message import HandshakeReply, KVHeader, block_runs
 from .receive_table import ReceiveTable
 from .transfer import OutgoingTransfer
 from .zmq_backend import NOTIFY, ZmqReceiver, ZmqSender, default_ipc_endpoint
 
 FENCE_INTERVAL_S = 0.1
-CHUNK_BYTES = 384 << 10  # copy granule: fits L2 beside the next one
 
 
 def owner_tag(transfer_id: str) -> int:
@@ -160,6 +162,7 @@ class ShmSender(ZmqSender):
         self._segments: list[AttachedSegment] = []
         self._cache: torch.Tensor | None = None
         self._owners: torch.Tensor | None = None
+        self._owner_view: np.ndarray | None = None  # numpy view of _owners
 
     def _on_handshake(self, reply: HandshakeReply, endpoint: str) -> None:
         if not reply.shm_name or not reply.owner_shm_name:
@@ -175,6 +178,7 @@ class ShmSender(ZmqSender):
         shape = reply.layout.cache_shape(reply.num_blocks)
         self._cache = map_shared_tensor(cache_shm, reply.layout.torch_dtype, shape)
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
+        self._owner_view = self._owners.numpy()  # fancy indexing without a torch op per unit
 
     def _io_transmit(
         self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
@@ -182,47 +186,39 @@ class ShmSender(ZmqSender):
     ) -> str:
         cache, owners = self._cache, self._owners
         assert cache is not None and owners is not None  # set by connect()
-        bad = [b for b in dst_ids if not 0 <= b < owners.numel()]
-        if bad:
+        if min(dst_ids) < 0 or max(dst_ids) >= owners.numel():
+            bad = [b for b in dst_ids if not 0 <= b < owners.numel()]
             return f"granted block ids {bad} out of range"
         if source.device.type != "cpu" or not source.is_contiguous():
             source = self.gather(source, src_ids)  # rare: a source the runs cannot slice
             src_ids = tuple(range(len(src_ids)))
-        runs = _chunked(list(block_runs(src_ids, dst_ids)), self._blocks_per_chunk(source))
         tag = owner_tag(t.transfer_id)
         # The owner check, then (nothing but the test hook) the write: the revocation protocol
         # covers whatever time passes in between.
-        held = owners[torch.tensor(dst_ids, dtype=torch.long)].tolist()
-        foreign = [b for b, owner in zip(dst_ids, held) if owner != tag]
-        if foreign:
+        held = self._owner_view[list(dst_ids)]
+        if (held != tag).any():
+            foreign = [b for b, owner in zip(dst_ids, held.tolist()) if owner != tag]
             return f"owner table: blocks {foreign} not owned by {t.transfer_id}"
-        header = self.data_header(t, layer, dst_ids, None, seq, crc=0)
         if self.pre_write_hook is not None:
-            self.pre_write_hook(header)
-        # crc32c of the source chunk by chunk, each chunk copied right after its crc so that the
-        # memmove reads it from cache, not memory: one memory read of the source, not two.
-        # (ctypes.memmove and crc32c both release the GIL; bounds were checked against both
-        # tensors: dst ids above, src ids by send().)
-        block_bytes = source[0, 0].numel() * source.element_size()
-        crc = written = 0
+            self.pre_write_hook(self.data_header(t, layer, dst_ids, None, seq, crc=0))
+        # One native pass per unit (kernels/copy_crc32c.py, GIL released): each word of the
+        # source is read once, folded into the crc32c and stored into the shared cache, and each
+        # 24 KiB chunk is compared with its source while both are in cache. Bounds were checked
+        # against both tensors: dst ids above, src ids by send().
+        itemsize = source.element_size()
+        block_bytes = source[0, 0].numel() * itemsize
+        copies = []
         for kv in (0, 1):
-            src_bytes = tensor_bytes(source[kv])  # sliced per chunk: no tensor op in the loop
-            dst_bytes = tensor_bytes(cache[layer, kv])
-            src_base, dst_base = source[kv].data_ptr(), cache[layer, kv].data_ptr()
-            for src, dst, length in runs:
-                offset, at, nbytes = src * block_bytes, dst * block_bytes, length * block_bytes
-                crc = checksum(src_bytes[offset:offset + nbytes], crc)
-                ctypes.memmove(dst_base + at, src_base + offset, nbytes)
-                written = checksum(dst_bytes[at:at + nbytes], written)  # still in cache
-        if written != crc:
+            src_base = source.data_ptr() + kv * source.stride(0) * itemsize
+            dst_base = cache.data_ptr() + (layer * cache.stride(0) + kv * cache.stride(1)) * itemsize
+            copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
+                       for src, dst, length in block_runs(src_ids, dst_ids)]
+        try:
+            crc = copy_crc32c(copies)
+        except CopyMismatch:
             return f"layer {layer}: the copy into the shared cache does not read back"
-        header = replace(header, checksum=crc)
-        self._send([NOTIFY, header.encode()])
+        self._send([NOTIFY, self.data_header(t, layer, dst_ids, None, seq, crc=crc).encode()])
         return ""
-
-    @staticmethod
-    def _blocks_per_chunk(source: torch.Tensor) -> int:
-        return max(1, CHUNK_BYTES // (source[0, 0].numel() * source.element_size()))
 
     def _io_close(self) -> None:
         super()._io_close()
@@ -233,7 +229,7 @@ class ShmSender(ZmqSender):
         self._unmap()
 
     def _unmap(self) -> None:
-        self._cache = self._owners = None
+        self._cache = self._owners = self._owner_view = None
         for shm in self._segments:
             try:
                 shm.close()
@@ -241,8 +237,3 @@ class ShmSender(ZmqSender):
                 pass  # a tensor view escaped; the mapping goes at process exit
         self._segments.clear()
 
-
-def _chunked(runs: list[tuple[int, int, int]], most: int) -> list[tuple[int, int, int]]:
-    """Split (src, dst, length) runs into pieces of at most `most` blocks."""
-    return [(src + k, dst + k, min(most, length - k))
-            for src, dst, length in runs for k in range(0, length, most)]

@@ -24,9 +24,10 @@ handshake and no frame of its reaches `_handle`; a socket monitor counts each fa
 in the receiver's `auth_rejected`. Every header and grant request also carries its transfer's
 token, checked by the table (shm inherits all of this: its control channel is this one).
 
-Zero copy: the payload frame is a memoryview of the gathered tensor sent with copy=False, so
-libzmq reads it directly; the receiver views the received frame as a tensor and copies it once,
-into the cache. No high-water marks: the payloads are ours anyway, and the engine never waits.
+Copies: the sender gathers a unit's blocks into a reused staging buffer (payload_pool.py) in
+one native pass that also computes its crc32c (SenderHooks.gather_crc), and sends it with
+copy=False, so libzmq reads it directly; the receiver checksums the received frame and copies
+it once, into the cache. No high-water marks: the payloads are ours anyway, and the engine never waits.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .message import (
     Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
     Revoked, tensor_bytes,
 )
+from .payload_pool import PayloadPool
 from .receive_table import ReceiveTable
 from .receiver import TableReceiver
 from .sender import IOSender
@@ -84,6 +86,7 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 # A sender pings every second at most while it has a transfer open (sender_io.py), so this
 # much silence from a sender that holds a grant means a cut link or a frozen peer.
 SENDER_SILENCE_S = 8.0
+POOL_RECHECK_S = 0.0005  # a sender whose staging buffers are all in flight looks again this soon
 
 
 class ZmqReceiver(TableReceiver):
@@ -307,6 +310,7 @@ class ZmqSender(IOSender):
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
+        self._pool = PayloadPool()  # staging buffers of DATA frames (I/O thread)
 
     def _handshake(self, endpoint: str, layout: KVLayout) -> None:
         ctx = zmq.Context()
@@ -378,11 +382,31 @@ class ZmqSender(IOSender):
         self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...], seq: int,
     ) -> str:
-        payload = self.gather(source, src_ids)
-        header = self.data_header(t, layer, dst_ids, payload, seq)
-        # The memoryview keeps `payload` (our gathered copy) alive until libzmq has sent it.
-        self._send([DATA, header.encode(), tensor_bytes(payload)], copy=False)
+        assert self.layout is not None and self._sock is not None  # set by connect()
+        nbytes = self.layout.payload_nbytes(len(dst_ids))
+        buffer = self._pool.take(nbytes)
+        assert buffer is not None  # _io_can_transmit said so, and nothing took one since
+        try:
+            payload = buffer[:nbytes]
+            crc = self.gather_crc(source, src_ids, payload)
+            header = self.data_header(t, layer, dst_ids, None, seq, crc=crc)
+            # copy=False: libzmq reads the staging buffer itself; the tracker says when it is
+            # done, and only then does the pool hand the buffer out again.
+            tracker = self._sock.send_multipart([DATA, header.encode(), tensor_bytes(payload)],
+                                                copy=False, track=True)
+        except BaseException:
+            self._pool.release(buffer)
+            raise
+        self._pool.sent(buffer, lambda: tracker.done)
         return ""
+
+    def _io_can_transmit(self) -> bool:
+        return self._pool.has_free()
+
+    def _io_next_due(self) -> float | None:
+        # Staging buffers come free when libzmq has written them to the socket, which wakes
+        # nothing here: look again soon while they are all in flight.
+        return None if self._pool.has_free() else time.monotonic() + POOL_RECHECK_S
 
     def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
         self._send([CONTROL, header.encode()])
@@ -396,6 +420,7 @@ class ZmqSender(IOSender):
     def _io_close(self) -> None:
         sock, ctx = self._sock, self._ctx
         self._sock = self._ctx = self._poller = None
+        self._pool.drop()
         if sock is None or ctx is None:
             return
         try:

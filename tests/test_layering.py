@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "kernels": set(),
     "engine": {"common", "kernels"},
-    "kvtransfer": {"common"},  # shapes and dtypes only: no engine, no models
+    # shapes and dtypes only: no engine, no models; kernels for the fused copy+crc32c
+    "kvtransfer": {"common", "kernels"},
     "worker": {"common", "kernels", "engine", "kvtransfer"},
     "prefill_node": {"common", "kernels", "engine", "kvtransfer", "worker"},
     "decode_node": {"common", "kernels", "engine", "kvtransfer", "worker"},

@@ -146,20 +146,21 @@ def test_shm_killed_sender_is_fenced_by_its_pid(shm_pair):
 
 
 def test_shm_sender_verifies_its_copy(hosts, monkeypatch):
-    """verify="sender" (the default): the writer crc32cs each chunk before and after its memmove;
-    a copy that does not read back fails the transfer, and the receiver reports it."""
+    """verify="sender" (the default): the writer compares each copied chunk with its source;
+    a copy that does not read back fails the transfer, and the receiver reports it. The byte
+    is flipped inside the real copy loop (copy_crc32c's corrupt_at), after its store and
+    before the comparison."""
     import kvtransfer.shm_backend as shm
 
     host = hosts("shm")
     layout = make_layout()
     key, endpoint = open_receiver(host)
     expect(host, key, "flipped", [3, 4])
-    real = shm.ctypes.memmove
+    real = shm.copy_crc32c
 
-    def bad_memmove(dst, src, n):
-        real(dst, src, n)
-        shm.ctypes.memset(dst + n // 2, 0x5A, 1)  # one byte lands wrong
-    monkeypatch.setattr(shm.ctypes, "memmove", bad_memmove)
+    def bad_copy(copies, value=0, verify=True):
+        return real(copies, value, verify, corrupt_at=sum(n for _, _, n in copies) // 2)
+    monkeypatch.setattr(shm, "copy_crc32c", bad_copy)
     sender = connected_sender("shm", endpoint, layout)
     send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
     status = wait_all(sender, ["flipped"])["flipped"]
