@@ -261,8 +261,8 @@ async def register_everywhere(coordinators: tuple[str, ...], identity: NodeIdent
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 tasks.pop(task)
-            for task in done:
-                failure = task.exception()
+            # Every done task's exception retrieved before any is raised (none goes unlogged).
+            for failure in [task.exception() for task in done]:
                 if isinstance(failure, CoordinatorLost) and tasks:
                     log.error("%s; serving on for %s", failure, ", ".join(tasks.values()))
                 elif failure is not None:
