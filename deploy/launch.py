@@ -15,8 +15,10 @@ Processes are started from this machine: locally, through a host's command prefi
 SSH (deploy/hosts.py), with their output in `state_dir/<role>.log` here. The launch records
 itself and its processes in `state_dir/launch.json`; `down` asks the launcher to stop (it stops
 workers first, then the coordinator), and stops the recorded processes itself when the
-launcher is gone. Workers register with the coordinator, so a worker started later anywhere
-with `--coordinator <registry address>` takes traffic without restarting anything (with
+launcher is gone. Workers register with the coordinator (with every one, where the topology
+has [[coordinator]] tables: coordinators first in the plan, each polled for readiness), so a
+worker started later anywhere with `--coordinator <registry address[es]>` takes traffic
+without restarting anything (with
 `--cluster-secret-file` of the launch's secret: `state_dir/cluster-secret` when it made one).
 
 The internal plane is authenticated by default: without [security] cluster_secret_file, every

@@ -233,7 +233,7 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if retry_s and now - unreachable_since >= retry_s:
-                    log.error("coordinator %s unreachable for %.0f s: giving up and exiting "
+                    log.error("coordinator %s unreachable for %.0f s: giving it up "
                               "(--coordinator-retry %g)", coordinator, now - unreachable_since,
                               retry_s)
                     raise CoordinatorLost(f"coordinator {coordinator} unreachable for "
@@ -264,7 +264,7 @@ async def register_everywhere(coordinators: tuple[str, ...], identity: NodeIdent
             # Every done task's exception retrieved before any is raised (none goes unlogged).
             for failure in [task.exception() for task in done]:
                 if isinstance(failure, CoordinatorLost) and tasks:
-                    log.error("%s; serving on for %s", failure, ", ".join(tasks.values()))
+                    log.warning("%s; serving on for %s", failure, ", ".join(tasks.values()))
                 elif failure is not None:
                     raise failure
     finally:

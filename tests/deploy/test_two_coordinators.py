@@ -149,3 +149,36 @@ def test_two_coordinators_serve_alone_and_the_workers_free_a_killed_ones_request
             assert {w["worker_id"] for w in full} == {"prefill-0", "decode-0"}
     finally:
         silent.close()
+
+
+def test_one_of_two_coordinators_that_exits_is_restarted_and_the_coordinators_stop_last(tmp_path):
+    """The launcher's supervision (no model: sleeping processes in the roles' places)."""
+    import sys
+
+    from deploy.local import ProcessSpec, Readiness
+
+    def sleeper(name: str) -> ProcessSpec:
+        return ProcessSpec(name, [sys.executable, "-c", "import time; time.sleep(60)"],
+                           tmp_path / f"{name}.log")
+
+    specs = [sleeper("coordinator-0"), sleeper("coordinator-1"), sleeper("decode-0")]
+    ready = Readiness("http://127.0.0.1:1", {"decode": 1}, more_urls=("http://127.0.0.1:2",))
+    cluster = LocalCluster(specs, ready, grace_s=5, restart_backoff_s=(0.05,))
+    events: list[str] = []
+    cluster.out = events.append
+    with cluster:
+        cluster.spawn()
+        first = cluster.children[0].process  # the one the launcher polls first
+        first.kill()
+        first.wait(10)
+        deadline = time.monotonic() + 30
+        while not any(e.startswith("restarted coordinator-0") for e in events):
+            assert cluster._supervise() is None  # the other coordinator serves on
+            assert time.monotonic() < deadline, events
+            time.sleep(0.05)
+        assert cluster.children[0].process is not first and cluster.children[0].process.poll() is None
+        assert cluster.children[1].process.poll() is None
+    stopped = events[-1]
+    assert stopped.startswith("stopped decode-0"), stopped  # workers first, coordinators last
+    assert stopped.index("coordinator-0") > stopped.index("decode-0")
+    assert stopped.index("coordinator-1") > stopped.index("decode-0")

@@ -46,7 +46,7 @@ async def _until(cond, what: str, timeout_s: float = 20.0) -> None:
 
 
 def test_the_worker_registers_and_heartbeats_with_every_coordinator_and_outlives_one(caplog):
-    caplog.set_level(logging.ERROR, logger="tandem.node")
+    caplog.set_level(logging.WARNING, logger="tandem.node")
     auth = ClusterAuth(SECRET)
 
     async def run():
