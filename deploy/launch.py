@@ -15,8 +15,10 @@ Processes are started from this machine: locally, through a host's command prefi
 SSH (deploy/hosts.py), with their output in `state_dir/<role>.log` here. The launch records
 itself and its processes in `state_dir/launch.json`; `down` asks the launcher to stop (it stops
 workers first, then the coordinator), and stops the recorded processes itself when the
-launcher is gone. Workers register with the coordinator, so a worker started later anywhere
-with `--coordinator <registry address>` takes traffic without restarting anything (with
+launcher is gone. Workers register with the coordinator (with every one, where the topology
+has [[coordinator]] tables: coordinators first in the plan, each polled for readiness), so a
+worker started later anywhere with `--coordinator <registry address[es]>` takes traffic
+without restarting anything (with
 `--cluster-secret-file` of the launch's secret: `state_dir/cluster-secret` when it made one).
 
 The internal plane is authenticated by default: without [security] cluster_secret_file, every
@@ -59,7 +61,7 @@ def preflight(t: ClusterTopology) -> dict[str, dict]:
     """Probe every host at once; TopologyError listing every problem found. Returns each host's
     probe answer by host name."""
     listen: dict[str, list[str]] = {h.name: [] for h in t.hosts}
-    for role in (t.coordinator, *t.workers):
+    for role in t.roles:
         listen[role.host.name] += [f"{role.host.bind}:{port}" for _, port in role.ports()]
     with ThreadPoolExecutor(max_workers=max(1, len(t.hosts))) as pool:
         answers = dict(zip([h.name for h in t.hosts],
@@ -163,7 +165,7 @@ def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | No
     remote_run_dir = f"/tmp/tandem-launch-{run_id}"
     extra_env = {"PYTHONUNBUFFERED": "1"}
     specs = []
-    for role in (t.coordinator, *t.workers):
+    for role in t.roles:  # coordinators first (Readiness.more_urls)
         issued = tls[role.host.name] if tls else None
         ssh = role.host.kind == "ssh"
         files = (issued.cert, issued.key, issued.ca) if issued else ()
@@ -183,7 +185,7 @@ def plan_launch(t: ClusterTopology, log_dir: Path, run_id: str, secret: str | No
         specs.append(ProcessSpec(role.name, command, log_dir / f"{role.name}.log", signal_argv,
                                  env=env, stdin=stdin))
     return specs, Readiness(t.url, t.expected_workers(), tuple(w.name for w in t.workers),
-                            secret=secret or _local_secret(t))
+                            secret=secret or _local_secret(t), more_urls=t.urls[1:])
 
 
 def _local_secret(t: ClusterTopology) -> str | None:
@@ -198,12 +200,12 @@ def _local_secret(t: ClusterTopology) -> str | None:
         return None
 
 
-def _internal_api_from(t: ClusterTopology) -> list[str]:
+def _internal_api_from(t: ClusterTopology, coordinator: Role) -> list[str]:
     """Without a cluster secret, a coordinator on another host answers /internal/workers (the
     launcher's readiness poll) only to the networks it is told: every host address of the
     topology, where the launcher runs (the same host as the coordinator needs nothing). With a
     secret the poll's proof is what opens it (common/internal_http.py); the flags are inert."""
-    if t.coordinator.host.kind == "local":
+    if coordinator.host.kind == "local":
         return []
     flags = []
     for address in sorted({h.address for h in t.hosts}):
@@ -226,7 +228,7 @@ def _role_argv(t: ClusterTopology, role: Role) -> list[str]:
             argv += ["--grpc-host", host.bind, "--grpc-port", str(role.grpc_port)]
         if t.prefill_threshold is not None:
             argv += ["--prefill-threshold", str(t.prefill_threshold)]
-        return (argv + _internal_api_from(t) + list(t.auth_args) + list(t.coordinator_args)
+        return (argv + _internal_api_from(t, role) + list(t.auth_args) + list(t.coordinator_args)
                 + list(role.args))
     module = "prefill_node" if role.role == "prefill" else "decode_node"
     argv = [module, "--model", role.model or t.model, "--host", host.bind,
@@ -257,7 +259,7 @@ def launch(t: ClusterTopology, state_dir: Path, env: Mapping[str, str] | None = 
     check_internal_plane(t, secret)  # before anything is probed or started
     if t.off_loopback and not (secret or t.secret_file):
         out(INSECURE_WARNING)
-    local = [port for role in (t.coordinator, *t.workers) if role.host.kind == "local"
+    local = [port for role in t.roles if role.host.kind == "local"
              for _, port in role.ports()]
     with claim_ports(lock_dir, local, None):  # the preflight test-binds each address
         if check:
@@ -305,6 +307,11 @@ def _print_endpoints(t: ClusterTopology, secret: str | None, out: Callable[[str]
         workers = {}  # a process that just died is reported by the serving loop
     out(f"tandem is serving {', '.join(t.models)} at {t.url}  (Ollama API: {t.url}/api/chat, "
         f"metrics: {t.url}/metrics); workers register at {t.registry_address}")
+    if len(t.urls) > 1:
+        # Each coordinator serves on its own: a client that fails over along this list (or a
+        # TCP load balancer over it) keeps being served while one is down.
+        out(f"  {len(t.urls)} coordinators, each serving every request on its own; clients "
+            f"use the list: {','.join(t.urls)}")
     for role in t.workers:
         w = workers.get(role.name, {})
         address = w.get("address") or f"{role.host.address}:{role.port}"
@@ -331,7 +338,8 @@ def down(t: ClusterTopology, state_dir: Path, *, out: Callable[[str], None] = pr
         out(f"the launcher did not stop within {timeout_s:g} s; stopping its processes")
     # The launcher is gone (killed, crashed): stop the recorded processes, workers first.
     processes = state["processes"]
-    for group in (processes[1:], processes[:1]):
+    coordinators = [p for p in processes if p["name"].startswith("coordinator")]
+    for group in ([p for p in processes if p not in coordinators], coordinators):
         for p in group:
             _signal_recorded(p, signal.SIGTERM, grace_s)
         deadline = time.monotonic() + grace_s

@@ -280,6 +280,14 @@ class Readiness:
     # The cluster secret the poll of /internal/workers makes its proof with (common/
     # internal_http.py); None for an open plane, which the coordinator serves on its host.
     secret: str | None = field(default=None, repr=False)
+    # More coordinators' URLs (tandem launch's [[coordinator]] tables), each of which must
+    # report the workers too. Invariant: the plan's first 1 + len(more_urls) processes are the
+    # coordinators, in the order of `urls`.
+    more_urls: tuple[str, ...] = ()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return (self.url, *self.more_urls)
 
 
 def _slug(name: str) -> str:
@@ -379,7 +387,8 @@ class LocalCluster:
     # re-registers with the coordinator by itself), the coordinator and the other workers
     # serving on. A worker that keeps exiting within `quick_s` of its start more than
     # `max_quick_failures` times in a row is given up on, and then the cluster stops (it will
-    # not come up: a wrong model, a refused layout). The coordinator exiting stops the cluster.
+    # not come up: a wrong model, a refused layout). The coordinator exiting stops the cluster;
+    # one of several coordinators (Readiness.more_urls) is restarted like a worker.
     def __init__(self, specs: list[ProcessSpec], ready: Readiness, *,
                  start_timeout_s: float = 300.0, grace_s: float = 10.0,
                  env: dict[str, str] | None = None,
@@ -481,15 +490,23 @@ class LocalCluster:
             self.stop_requested.wait(0.25)
 
     def _live_workers(self) -> tuple[dict[str, int], set[str]] | str:
-        """(live counts by role, ids of live workers), or why the coordinator did not say."""
-        try:
-            # Over https get_internal does not check the certificate: it is made for the
-            # names clients use, maybe not for this address, and the answer is only a count
-            # of live workers, from a process this launcher started.
-            report = get_internal(self.ready.url, self.ready.secret, timeout=2)
-            return report["live"], {w["worker_id"] for w in report["workers"] if w["alive"]}
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
-            return f"coordinator not answering: {exc}"
+        """(live counts by role, ids of live workers) that every coordinator reports (the
+        least of each count, the ids all list), or why one did not say."""
+        counts: dict[str, int] | None = None
+        ids: set[str] | None = None
+        for url in self.ready.urls:
+            try:
+                # Over https get_internal does not check the certificate: it is made for the
+                # names clients use, maybe not for this address, and the answer is only a
+                # count of live workers, from a process this launcher started.
+                report = get_internal(url, self.ready.secret, timeout=2)
+                live = {w["worker_id"] for w in report["workers"] if w["alive"]}
+                counts = report["live"] if counts is None else {
+                    role: min(n, report["live"].get(role, 0)) for role, n in counts.items()}
+            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+                return f"coordinator{'' if len(self.ready.urls) == 1 else ' ' + url} not answering: {exc}"
+            ids = live if ids is None else ids & live
+        return counts, ids
 
     def _check_children(self, when: str) -> None:
         for child in self.children:
@@ -521,8 +538,10 @@ class LocalCluster:
                 continue
             why = (f"{child.spec.name} exited with code {code} while serving; last lines of "
                    f"{child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
-            if i == 0:  # the coordinator: the workers cannot serve without it
+            if i == 0 and len(self.ready.urls) == 1:  # the workers cannot serve without it
                 return why
+            # A worker, or one of several coordinators (the others serve on; the workers
+            # register with it again by themselves): restarted after a backoff.
             child.quick_failures = child.quick_failures + 1 if now - child.started < self.quick_s else 1
             if child.quick_failures > self.max_quick_failures:
                 return (f"{why}\n{child.spec.name} exited within {self.quick_s:g} s of starting "
@@ -539,7 +558,8 @@ class LocalCluster:
         deadline = time.monotonic() + self.grace_s
         ended = []
         # The coordinator gets a second at least, even after slow workers.
-        for floor_s, group in ((0.0, self.children[1:]), (1.0, self.children[:1])):
+        n = len(self.ready.urls)
+        for floor_s, group in ((0.0, self.children[n:]), (1.0, self.children[:n])):
             running = [c for c in group if c.process.poll() is None]
             for child in running:
                 self._signal(child, signal.SIGTERM)

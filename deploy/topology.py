@@ -18,6 +18,9 @@
     port = 11434                 # HTTP (Ollama API)
     registry_port = 50050        # gRPC Registry, where workers register
     grpc_port = 50051            # optional: client gRPC API with the health service
+    # Or several coordinators, [[coordinator]] tables (named coordinator-0, -1, ...): every
+    # worker registers with each, each serves requests on its own, and clients hold the list
+    # of their URLs (or a TCP load balancer in front): one killed, the others serve on.
 
     [[prefill]]
     host = "gpu-a"
@@ -131,7 +134,7 @@ class ClusterTopology:
     source: Path  # the file, for messages and the launch's state folder
     model: str  # the default model (the first of `model`'s list)
     kv_backend: str
-    coordinator: Role
+    coordinators: tuple[Role, ...]  # one or more, each serving on its own
     workers: tuple[Role, ...]
     more_models: tuple[str, ...] = ()  # the rest of `model`'s list: served too
     chunk_size: int = DEFAULT_TOKEN_BUDGET
@@ -153,12 +156,22 @@ class ClusterTopology:
         return (self.model, *self.more_models)
 
     def models_on(self, host: Host) -> tuple[str, ...]:
-        """The models the roles on `host` need: all of them for the coordinator (it reads
+        """The models the roles on `host` need: all of them for a coordinator (it reads
         every model's tokenizer), each worker's own."""
-        if host.name == self.coordinator.host.name:
+        if any(host.name == c.host.name for c in self.coordinators):
             return self.models
         return tuple(m for m in self.models
                      if any(w.model == m and w.host.name == host.name for w in self.workers))
+
+    @property
+    def coordinator(self) -> Role:
+        """The first coordinator: the one the launcher polls and prints first."""
+        return self.coordinators[0]
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """Every role, coordinators first."""
+        return (*self.coordinators, *self.workers)
 
     @property
     def secret_file(self) -> str | None:
@@ -169,15 +182,21 @@ class ClusterTopology:
     @property
     def off_loopback(self) -> bool:
         """Whether some role listens on an address other hosts may reach."""
-        return any(not is_loopback(r.host.bind) for r in (self.coordinator, *self.workers))
+        return any(not is_loopback(r.host.bind) for r in self.roles)
 
     @property
     def registry_address(self) -> str:
-        return f"{self.coordinator.host.address}:{self.coordinator.registry_port}"
+        """What a worker's --coordinator takes: every coordinator's registry, comma-separated."""
+        return ",".join(f"{c.host.address}:{c.registry_port}" for c in self.coordinators)
 
     @property
     def url(self) -> str:
-        return f"http://{_url_host(self.coordinator.host.address)}:{self.coordinator.port}"
+        return self.urls[0]
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every coordinator's HTTP base URL: the client-side list."""
+        return tuple(f"http://{_url_host(c.host.address)}:{c.port}" for c in self.coordinators)
 
     def expected_workers(self) -> dict[str, int]:
         counts = dict.fromkeys(WORKER_ROLES, 0)
@@ -225,17 +244,24 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
         used[host.name] = host
         return host
 
-    coordinator_table = data.get("coordinator")
-    if not isinstance(coordinator_table, dict):
+    coordinator_tables = data.get("coordinator")
+    if isinstance(coordinator_tables, dict):
+        coordinator_tables = [coordinator_tables]
+    if (not isinstance(coordinator_tables, list) or not coordinator_tables
+            or not all(isinstance(t, dict) for t in coordinator_tables)):
         raise TopologyError(f"{where}: missing [coordinator] (a table with host, port, "
-                            "registry_port)")
-    at = f"{where} [coordinator]"
-    _check_keys(coordinator_table, _COORDINATOR_KEYS, at)
-    coordinator = Role("coordinator", "coordinator", host_of(coordinator_table, at),
-                       port=_port(coordinator_table, "port", at, default=11434),
-                       registry_port=_port(coordinator_table, "registry_port", at, default=50050),
-                       grpc_port=_port(coordinator_table, "grpc_port", at, default=0),
-                       args=_strings(coordinator_table, "args", at))
+                            "registry_port; or [[coordinator]] tables, one per coordinator)")
+    coordinators = []
+    for index, table in enumerate(coordinator_tables):
+        several = len(coordinator_tables) > 1
+        at = f"{where} [[coordinator]] #{index + 1}" if several else f"{where} [coordinator]"
+        _check_keys(table, _COORDINATOR_KEYS, at)
+        coordinators.append(Role(f"coordinator-{index}" if several else "coordinator",
+                                 "coordinator", host_of(table, at),
+                                 port=_port(table, "port", at, default=11434),
+                                 registry_port=_port(table, "registry_port", at, default=50050),
+                                 grpc_port=_port(table, "grpc_port", at, default=0),
+                                 args=_strings(table, "args", at)))
     workers = []
     for role in WORKER_ROLES:
         tables = data.get(role, [])
@@ -259,7 +285,7 @@ def parse_topology(data: dict, source: Path) -> ClusterTopology:
                                 args=_strings(table, "args", at), model=model))
     topology = ClusterTopology(
         source=source, model=models[0], more_models=models[1:], kv_backend=kv_backend,
-        coordinator=coordinator,
+        coordinators=tuple(coordinators),
         workers=tuple(workers), chunk_size=_int(data, "chunk_size", where, DEFAULT_TOKEN_BUDGET, minimum=1),
         prefill_threshold=(_int(data, "prefill_threshold", where, 0, minimum=0)
                            if "prefill_threshold" in data else None),
@@ -318,11 +344,14 @@ def _check_workers(t: ClusterTopology, where: str) -> None:
                                 "worker (a worker names its model with model = ...)")
     names: dict[str, Role] = {}
     for w in t.workers:
-        if w.name in names or w.name == "coordinator":
+        if w.name in names:
             raise TopologyError(f"{where}: two roles are named {w.name!r}")
+        if w.name.startswith("coordinator"):  # coordinator, coordinator-N: their logs, records
+            raise TopologyError(f"{where}: worker name {w.name!r}: names starting with "
+                                "'coordinator' are the coordinators'")
         names[w.name] = w
     taken: dict[tuple[str, int], str] = {}
-    for role in (t.coordinator, *t.workers):
+    for role in t.roles:
         for what, port in role.ports():
             key = (role.host.address, port)
             if key in taken:
@@ -330,8 +359,8 @@ def _check_workers(t: ClusterTopology, where: str) -> None:
                     f"{where}: duplicate port {port} on host {role.host.name!r}: "
                     f"{role.name} {what} and {taken[key]}")
             taken[key] = f"{role.name} {what}"
-    loopback = {r.host.name for r in (t.coordinator, *t.workers) if is_loopback(r.host.address)}
-    if loopback and len(loopback) < len({r.host.name for r in (t.coordinator, *t.workers)}):
+    loopback = {r.host.name for r in t.roles if is_loopback(r.host.address)}
+    if loopback and len(loopback) < len({r.host.name for r in t.roles}):
         raise TopologyError(f"{where}: hosts {', '.join(sorted(loopback))} have loopback "
                             "addresses, which roles on the other hosts cannot reach; give "
                             "every host an address the others can reach")

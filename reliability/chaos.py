@@ -3,7 +3,8 @@
 Runs real processes (a coordinator, 2 prefill and 2 decode workers, reliability/chaos_cluster.py)
 and, one scenario at a time (reliability/chaos_scenarios.py): kill -9 of each role at each phase of a
 request, KV link delay, loss, bandwidth cap, cut and stall, a frozen receiver, corrupted,
-duplicated and late KV frames, and a coordinator restart. After each scenario it restarts what
+duplicated and late KV frames, a coordinator restart, and (on a cluster of its own with two
+coordinators) a killed coordinator with a second one serving. After each scenario it restarts what
 was killed (as `tandem serve`'s supervisor would), waits until every worker is registered and a
 probe request is answered right, and checks every live worker's KV pool is full again.
 
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from reliability import chaos_scenarios as sc
@@ -85,12 +86,17 @@ def scenarios(quick: bool) -> dict[str, Callable[[sc.Ctx], sc.Started]]:
         "duplicated KV frame": lambda ctx: sc.frame_fault(ctx, "duplicate"),
         "late KV frame (after release)": lambda ctx: sc.frame_fault(ctx, "late"),
         "coordinator restart": sc.coordinator_restart,
+        SECOND_COORDINATOR: sc.coordinator_killed_second_serving,
     }
     every = {**kills, **others}
     if not quick:
         return every
     return {name: every[name] for name in QUICK}
 
+
+# Runs on a cluster of its own with two coordinators (ChaosTopology.coordinators), after the
+# others, which keep the one-coordinator cluster they were measured on.
+SECOND_COORDINATOR = "kill -9 coordinator, a second one serving"
 
 QUICK = ("kill -9 decode @ decoding", "kill -9 prefill @ mid-prefill", "coordinator restart",
          "corrupted KV frame", "duplicated KV frame")
@@ -168,15 +174,21 @@ def run(model_path: Path, log_dir: Path, quick: bool = False, only: tuple[str, .
     if only:
         chosen = {k: v for k, v in scenarios(False).items() if any(o in k for o in only)}
     rows = []
-    with ChaosCluster(topology) as cluster:
-        ctx = sc.Ctx(cluster, expected)
-        for name, scenario in chosen.items():
-            row = run_one(ctx, name, scenario, leak_wait_s=topology.kv_deadline_s + 15)
-            out(f"{'ok  ' if row.ok else 'FAIL'} {name}: {row.correct}/{row.affected} correct, "
-                f"{row.clear_error} clear errors, {row.wrong} wrong, {row.hung} hung, "
-                f"{row.leaked_text} leaked, recovered in {_fmt(row.recover_s)} s"
-                + (f"  [{'; '.join(row.notes)}]" if row.notes else ""))
-            rows.append(row)
+    groups = [(topology, {k: v for k, v in chosen.items() if k != SECOND_COORDINATOR}),
+              (replace(topology, coordinators=2, log_dir=log_dir / "two-coordinators"),
+               {k: v for k, v in chosen.items() if k == SECOND_COORDINATOR})]
+    for t, group in groups:
+        if not group:
+            continue
+        with ChaosCluster(t) as cluster:
+            ctx = sc.Ctx(cluster, expected)
+            for name, scenario in group.items():
+                row = run_one(ctx, name, scenario, leak_wait_s=t.kv_deadline_s + 15)
+                out(f"{'ok  ' if row.ok else 'FAIL'} {name}: {row.correct}/{row.affected} correct, "
+                    f"{row.clear_error} clear errors, {row.wrong} wrong, {row.hung} hung, "
+                    f"{row.leaked_text} leaked, recovered in {_fmt(row.recover_s)} s"
+                    + (f"  [{'; '.join(row.notes)}]" if row.notes else ""))
+                rows.append(row)
     return rows
 
 

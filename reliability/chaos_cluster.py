@@ -1,5 +1,5 @@
-"""The cluster the chaos suite and the soak drive: a real coordinator, prefill and decode
-processes (deploy.local), with a FaultProxy on every decode worker's KV link, and streaming
+"""The cluster the chaos suite and the soak drive: a real coordinator (or several), prefill and
+decode processes (deploy.local), with a FaultProxy on every decode worker's KV link, and streaming
 clients whose every reply is judged against a reference answer.
 
     prefill-i --zmq--> FaultProxy 127.0.0.2:K --zmq--> decode-j's receiver 127.0.0.1:K
@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.internal_http import get_internal
@@ -122,6 +122,30 @@ class ChaosTopology:
     worker_args: tuple[str, ...] = ("--decode-quant", "fp32", "--prefill-quant", "fp32",
                                     "--kv-cache-gb", "0.05")
     coordinator_args: tuple[str, ...] = ()
+    # More than one: coordinator-1... beside the first ("coordinator"), each on ports of its
+    # own, every worker registered with all (`--coordinator A,B`), as `tandem launch` starts
+    # [[coordinator]] tables; the suite's requests go to the first unless a scenario says.
+    coordinators: int = 1
+
+
+def _more_coordinators(specs: list, ready, n: int, log_dir: Path):
+    """The plan with n - 1 more coordinators after the first (same flags, own ports); every
+    worker's --coordinator lists them all; ready waits for each (Readiness.more_urls)."""
+    first = specs[0]
+    added, urls, registries = [], [], []
+    for i in range(1, n):
+        argv = list(first.argv)
+        port, registry = free_port(), free_port()
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--registry-port") + 1] = str(registry)
+        added.append(replace(first, name=f"coordinator-{i}", argv=argv,
+                             log_path=log_dir / f"coordinator-{i}.log"))
+        urls.append(ready.url.rsplit(":", 1)[0] + f":{port}")
+        registries.append(f"127.0.0.1:{registry}")
+    for spec in specs[1:]:
+        at = spec.argv.index("--coordinator") + 1
+        spec.argv[at] = ",".join([spec.argv[at], *registries])
+    return [first, *added, *specs[1:]], replace(ready, more_urls=tuple(urls))
 
 
 class ChaosCluster:
@@ -135,7 +159,10 @@ class ChaosCluster:
                                               str(t.max_running_per_worker), "--max-queue",
                                               str(t.max_queue), *t.coordinator_args))
         specs, self.ready = plan(topology)
+        if t.coordinators > 1:
+            specs, self.ready = _more_coordinators(specs, self.ready, t.coordinators, t.log_dir)
         self.url = self.ready.url
+        self.urls = self.ready.urls  # every coordinator's, the first's first
         self.proxies: dict[str, FaultProxy] = {}
         self._awaiting: dict[str, int] = {}  # worker -> registrations logged when it was cut off
         for spec in specs:
@@ -164,6 +191,9 @@ class ChaosCluster:
     def names(self) -> list[str]:
         return [c.spec.name for c in self.handle.children]
 
+    def worker_names(self) -> list[str]:
+        return self.names()[len(self.urls):]  # the coordinators come first
+
     def process(self, name: str):
         return next(c.process for c in self.handle.children if c.spec.name == name)
 
@@ -180,7 +210,7 @@ class ChaosCluster:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         if sig == signal.SIGKILL:  # recovered once these register again (wait_live)
-            for worker in (self.names()[1:] if name == "coordinator" else [name]):
+            for worker in (self.worker_names() if name.startswith("coordinator") else [name]):
                 self._awaiting.setdefault(worker, self.registrations(worker))
         process = self.process(name)
         process.send_signal(sig)
@@ -196,8 +226,9 @@ class ChaosCluster:
 
     # -- the coordinator's view --------------------------------------------------------------
 
-    def workers(self) -> list[dict]:
-        return get_internal(self.url, self.ready.secret, timeout=5)["workers"]
+    def workers(self, url: str | None = None) -> list[dict]:
+        """What the first coordinator (or the one at `url`) knows of the workers."""
+        return get_internal(url or self.url, self.ready.secret, timeout=5)["workers"]
 
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
@@ -205,18 +236,19 @@ class ChaosCluster:
         return float(m.group(1)) if m else None
 
     def all_live(self) -> bool:
-        """Every worker is live at the coordinator, and each one killed (or cut off by a killed
-        coordinator) has registered again since."""
+        """Every worker is live at every coordinator, and each one killed (or cut off by a
+        killed coordinator) has registered again since."""
         if any(self.registrations(w) <= n for w, n in self._awaiting.items()):
             return False
-        try:
-            live = {w["worker_id"] for w in self.workers() if w["alive"]}
-        except OSError:
-            return False
-        if live >= set(self.names()[1:]):
-            self._awaiting.clear()
-            return True
-        return False
+        for url in self.urls:
+            try:
+                live = {w["worker_id"] for w in self.workers(url) if w["alive"]}
+            except OSError:
+                return False
+            if not live >= set(self.worker_names()):
+                return False
+        self._awaiting.clear()
+        return True
 
     def wait_live(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -243,7 +275,8 @@ class ChaosCluster:
                 return used
             time.sleep(0.2)
 
-    def stream(self, content: str, num_predict: int, **kw) -> Stream:
-        s = Stream(self.url, content, num_predict, **kw)
+    def stream(self, content: str, num_predict: int, url: str | None = None, **kw) -> Stream:
+        """A streaming request to the first coordinator, or to the one at `url`."""
+        s = Stream(url or self.url, content, num_predict, **kw)
         s.start()
         return s

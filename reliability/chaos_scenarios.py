@@ -321,3 +321,31 @@ def coordinator_restart(ctx: Ctx) -> Started:
     out.fault_at = time.monotonic()
     ctx.cluster.kill("coordinator")
     return out
+
+
+def coordinator_killed_second_serving(ctx: Ctx, answer: int = 300) -> Started:
+    """Two coordinators (ChaosTopology.coordinators = 2) over the same workers: streams open
+    on both, kill -9 the first. Its streams end with a clear error (nothing outlives it); the
+    second's streams go on to the right answer, and so do new requests to it while the first
+    is down; the workers free the orphaned requests' blocks (the leak check). `answer`: the
+    open streams' length in tokens (each costs the reference engine its text first)."""
+    c = ctx.cluster
+    if len(c.urls) < 2:
+        raise ValueError("this scenario needs a second coordinator (ChaosTopology.coordinators=2)")
+    second = c.urls[1]
+    out = Started(faults=1)
+    prepared = [ctx.prepare(100, answer, long=True) for _ in range(2)]
+    fresh = [ctx.prepare(60, 30) for _ in range(2)]  # reference texts before the fault
+    before = messages(c, b"C")
+    out.streams = [ctx.start(prepared[0]), ctx.start(prepared[1], url=second)]
+    wait_until(lambda: sum(messages(c, b"C").values()) - sum(before.values()) >= 2, 60, 0.01)
+    time.sleep(0.3)  # both decoding (see kill_at's decoding phase)
+    first = out.streams[0][0].reply
+    out.phase_hit = not first.finished.is_set()  # the kill lands in an open stream
+    out.fault_at = time.monotonic()
+    c.kill("coordinator")
+    out.notes.append("killed coordinator; coordinator-1 serving")
+    # Started now, while the first coordinator is dead; judged once the suite restarted it.
+    while_down = [ctx.start(p, url=second) for p in fresh]
+    out.after = lambda: while_down
+    return out

@@ -41,7 +41,7 @@ INTEGRATION_FILES = {
     "coordinator/test_ollama_layers_cluster.py",
     "coordinator/test_ui_page.py",
     "deploy/test_cluster_auth_netns.py", "deploy/test_cluster_lifetime.py",
-    "deploy/test_coordinator_deploy.py",
+    "deploy/test_coordinator_deploy.py", "deploy/test_two_coordinators.py",
     "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
     "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py",
     "engine/test_logprobs_engine.py",

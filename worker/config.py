@@ -33,6 +33,22 @@ DEFAULT_DECODE_QUANT = "int4"
 DEFAULT_TOKEN_BUDGET = SchedulerConfig.max_num_batched_tokens
 
 
+def coordinator_list(text: str | None) -> tuple[str, ...]:
+    """`--coordinator A,B` as its registries, in order: each HOST:PORT (an IPv6 host in
+    brackets), none twice. ValueError naming the entry that is not one."""
+    if not text:
+        return ()
+    entries = tuple(part.strip() for part in text.split(","))
+    for entry in entries:
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--coordinator takes HOST:PORT[,HOST:PORT...], got {entry!r} "
+                             f"in {text!r}")
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"--coordinator names a registry twice: {text!r}")
+    return entries
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str  # name in the store, GGUF file or Hugging Face directory
@@ -41,7 +57,9 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"  # the gRPC server's bind address
     advertise_host: str | None = None  # how the coordinator and peers reach us (else host)
-    coordinator: str | None = None  # HOST:PORT of the registry; None runs alone
+    # HOST:PORT of the registry, or several, comma-separated (coordinator_list): the worker
+    # registers with each on its own; None runs alone.
+    coordinator: str | None = None
     coordinator_retry_s: float = 300.0  # unreachable this long: exit (0 = retry forever)
     worker_id: str | None = None  # None: role plus a random suffix
     kv_backend: str = DEFAULT_KV_BACKEND  # one of KV_BACKENDS
@@ -66,6 +84,7 @@ class WorkerConfig:
         if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError(f"ports must be in 0..65535, got port={self.port}, "
                              f"kv_port={self.kv_port}")
+        coordinator_list(self.coordinator)  # ValueError naming a bad entry
         if not self.coordinator_retry_s >= 0:
             raise ValueError(f"coordinator_retry_s must be >= 0, got {self.coordinator_retry_s}")
         if not self.kv_deadline_s > 0:
@@ -113,6 +132,11 @@ class WorkerConfig:
                    kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
                    insecure_dist=args.insecure_dist,
                    threads=args.threads, log_level=args.log_level, cluster_auth=auth)
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """Every coordinator registry this worker registers with (none: it runs alone)."""
+        return coordinator_list(self.coordinator)
 
     @property
     def advertised(self) -> str:

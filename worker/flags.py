@@ -96,10 +96,14 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
     p.add_argument("--host", default=w.host, help=f"address of the gRPC server (default {w.host})")
     p.add_argument("--port", type=int, required=True, help="port of the gRPC server (0: any free one, registered with the coordinator)")
     p.add_argument("--advertise-host", help="host the coordinator and peers use to reach this worker")
-    p.add_argument("--coordinator", help="HOST:PORT of the coordinator's registry (omit to run alone)")
+    p.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the coordinator's registry, or several coordinators' (comma-separated): "
+                        "the worker registers and heartbeats with each on its own, and serves "
+                        "every one of them (omit to run alone)")
     p.add_argument("--coordinator-retry", type=float, default=w.coordinator_retry_s,
                    help="seconds to keep retrying an unreachable coordinator (at start or after "
-                        "losing it, so a restarted one finds us) before exiting; 0 = forever "
+                        "losing it, so a restarted one finds us) before giving it up; the worker "
+                        "exits once every coordinator it lists is given up; 0 = forever "
                         f"(default {w.coordinator_retry_s:g})")
     add_kv_backend_flag(p)
     p.add_argument("--insecure-dist", action="store_true",

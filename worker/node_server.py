@@ -1,6 +1,6 @@
 """What every worker process shares: its entry point (flags in worker/flags.py, config in
 worker/config.py), building its engine, the gRPC server with the standard health service, and
-registration plus heartbeats with the coordinator. The environment is read at the entry point
+registration plus heartbeats with each coordinator. The environment is read at the entry point
 (WorkerConfig.from_args), nowhere deeper."""
 
 from __future__ import annotations
@@ -157,6 +157,11 @@ class NodeFailure(TandemError):
     exits with this message after releasing what it holds."""
 
 
+class CoordinatorLost(NodeFailure):
+    """One coordinator stayed unreachable for --coordinator-retry: fatal only when it was the
+    last one the worker served (register_everywhere)."""
+
+
 @dataclass
 class NodeIdentity:
     worker_id: str
@@ -228,16 +233,43 @@ async def register_and_heartbeat(coordinator: str, identity: NodeIdentity,
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if retry_s and now - unreachable_since >= retry_s:
-                    log.error("coordinator %s unreachable for %.0f s: giving up and exiting "
+                    log.error("coordinator %s unreachable for %.0f s: giving it up "
                               "(--coordinator-retry %g)", coordinator, now - unreachable_since,
                               retry_s)
-                    raise NodeFailure(f"coordinator {coordinator} unreachable for "
+                    raise CoordinatorLost(f"coordinator {coordinator} unreachable for "
                                       f"{now - unreachable_since:.0f} s (--coordinator-retry "
                                       f"{retry_s:g})") from None
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
+
+
+async def register_everywhere(coordinators: tuple[str, ...], identity: NodeIdentity,
+                              status: Callable[[], pb.WorkerStatus], stop: asyncio.Event,
+                              auth: ClusterAuth = ClusterAuth(), retry_s: float = 0.0) -> None:
+    """register_and_heartbeat with every coordinator at once, each on its own task and channel,
+    so that a dead or unreachable one never delays another's heartbeats (each coordinator
+    declares us dead on its own clock). The KV pool stays ours whoever places a request, so
+    coordinators need not know of each other. A refusal by any is fatal (a worker that one
+    of its coordinators refuses is misconfigured); a coordinator lost for `retry_s` is given
+    up and the others served on, until the last one is lost too."""
+    tasks = {asyncio.create_task(register_and_heartbeat(c, identity, status, stop, auth, retry_s),
+                                 name=f"registry {c}"): c for c in coordinators}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                tasks.pop(task)
+            # Every done task's exception retrieved before any is raised (none goes unlogged).
+            for failure in [task.exception() for task in done]:
+                if isinstance(failure, CoordinatorLost) and tasks:
+                    log.warning("%s; serving on for %s", failure, ", ".join(tasks.values()))
+                elif failure is not None:
+                    raise failure
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _check_coordinator(auth: ClusterAuth, coordinator: str, call,
@@ -291,9 +323,9 @@ async def run_node(config: WorkerConfig, service_name: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(watch_engine(engine_loop, stop))]
-    if config.coordinator:
-        tasks.append(asyncio.create_task(register_and_heartbeat(config.coordinator, identity, status, stop,
-                                                                 auth, config.coordinator_retry_s)))
+    if config.coordinators:
+        tasks.append(asyncio.create_task(register_everywhere(
+            config.coordinators, identity, status, stop, auth, config.coordinator_retry_s)))
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
     failures = [t.exception() for t in done if t is not waiter and t.exception() is not None]

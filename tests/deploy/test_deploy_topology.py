@@ -134,6 +134,44 @@ def test_examples_parse_and_plan_commands_for_their_hosts(tmp_path):
     assert "--internal-api-from" not in " ".join(specs[0].argv)  # same host: nothing to open
 
 
+TWO_COORDINATORS = BASE.replace("[coordinator]", "[[coordinator]]") + """
+[[coordinator]]
+host = "127.0.0.2"
+port = 11435
+registry_port = 50052
+grpc_port = 50053
+"""
+
+
+def test_several_coordinators_each_get_every_worker_and_are_polled_and_stopped_last(tmp_path):
+    t = parse(TWO_COORDINATORS)
+    assert [c.name for c in t.coordinators] == ["coordinator-0", "coordinator-1"]
+    assert t.urls == ("http://127.0.0.1:11434", "http://127.0.0.2:11435")
+    assert t.registry_address == "127.0.0.1:50050,127.0.0.2:50052"
+    specs, ready = plan_launch(t, tmp_path, "run1", SECRET)
+    assert [s.name for s in specs] == ["coordinator-0", "coordinator-1", "prefill-0", "decode-0"]
+    assert ready.urls == t.urls  # ready once both report every worker
+    second = specs[1].argv
+    assert second[second.index("--port") + 1] == "11435"
+    assert second[second.index("--registry-host") + 1] == "127.0.0.2"
+    assert second[second.index("--grpc-port") + 1] == "50053"
+    for worker in specs[2:]:
+        assert worker.argv[worker.argv.index("--coordinator") + 1] == \
+            "127.0.0.1:50050,127.0.0.2:50052"
+    # One [coordinator] table keeps its single name (logs, launch records).
+    assert [c.name for c in parse(BASE).coordinators] == ["coordinator"]
+    load_topology(DEPLOY / "two-coordinators.toml")
+    with pytest.raises(TopologyError, match="duplicate port 11434 on host '127.0.0.1': "
+                                            "coordinator-1 port and coordinator-0 port"):
+        parse(TWO_COORDINATORS.replace('"127.0.0.2"\nport = 11435', '"127.0.0.1"\nport = 11434'))
+    with pytest.raises(TopologyError, match=r"\[\[coordinator\]\] #2: unknown key 'gpu'"):
+        parse(TWO_COORDINATORS + "gpu = 1\n")
+    with pytest.raises(TopologyError, match="names starting with 'coordinator'"):
+        parse(BASE + '[[decode]]\nhost = "127.0.0.1"\nport = 50072\nname = "coordinator-1"\n')
+    with pytest.raises(TopologyError, match=r"missing \[coordinator\]"):
+        parse('model = "tiny"\ncoordinator = []\n')
+
+
 def test_unknown_role_is_named():
     with pytest.raises(TopologyError, match=r"unknown role \[verifier\]; roles are "
                                             r"coordinator, prefill, decode, colocated"):
