@@ -181,3 +181,20 @@ def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
     # 1e-3 of the output's scale, so the bound is relative to that scale, not absolute.
     torch.testing.assert_close(quant_int4.forward(x, packed), want, rtol=2e-2,
                                atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n,k", [(40, 64), (96, 576), (64, 1536)])
+def test_int4_native_rows_are_bit_equal_whatever_batch_they_share(level, n, k):
+    """Batch invariance: a row's output does not depend on the rows beside it, nor on where it
+    falls in the kernel's 8-row tiles (batches 1, 3, 8 and 9, the row at every position)."""
+    gen = torch.Generator().manual_seed(k)
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
+                             torch.device("cpu"), layout="q4_1")
+    rows = torch.randn(9, k, generator=gen) * 2
+    alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed, level)[0] for i in range(9)]
+    for batch in (3, 8, 9):
+        for start in range(9 - batch + 1):
+            y = quant_int4.int4_linear_native(rows[start:start + batch], packed, level)
+            for i in range(batch):
+                assert torch.equal(y[i], alone[start + i]), (batch, start, i)
