@@ -3,7 +3,7 @@
 Kernel speed differs between hosts of one machine kind far more than a constant can capture
 (aten's int4 GEMV reads ~18 GB/s on one AVX-512 host and ~2 GB/s on an AVX2 one), so where a
 format has two CPU kernels the choice is timed at first use and remembered in
-$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, aten
+$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, the native kernels' source digest, aten
 dispatch level and, above 1, the native kernels' thread count. Deleting the file re-measures. The choice is logged.
 """
 
@@ -39,7 +39,10 @@ def host_key(fmt: str) -> str:
     # The thread count only where it is not 1: a threaded native kernel may beat aten's where a
     # serial one did not, and the serial choices already recorded stay valid.
     threads = f"|threads {native.threads()}" if native.threads() != 1 else ""
-    return f"{fmt}|{cpu}|{digest}|torch {torch.__version__}|{native.dispatch_level()}{threads}"
+    # The native sources' digest: a changed kernel is measured again rather than losing to a
+    # choice made against its predecessor.
+    kernels = f"native {native.source_digest()[:12]}"
+    return f"{fmt}|{cpu}|{digest}|torch {torch.__version__}|{kernels}|{native.dispatch_level()}{threads}"
 
 
 def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str], float]) -> str:

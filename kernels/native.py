@@ -100,6 +100,16 @@ def cache_root() -> Path:
     return Path(home) / "native"
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of the kernels' sources and headers: names a version of the kernels (the build
+    cache and kernels/layout_choice.py key on it)."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    return digest.hexdigest()
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
@@ -113,9 +123,7 @@ def _build(level: str) -> Path:
     flags = COMMON_FLAGS + LEVEL_FLAGS[level] if platform.machine().lower() in ("x86_64", "amd64") \
         else COMMON_FLAGS
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update((CSRC / name).read_bytes())
+    digest = hashlib.sha256(source_digest().encode())
     digest.update(" ".join([cxx, *flags, version]).encode())
     key = digest.hexdigest()
     out = native_cache.trusted_dir(cache_root()) / f"tandem_{level}_{key[:16]}.so"

@@ -22,10 +22,12 @@ In the "cpu" and "nibbles" layouts only scale and zero are rounded (to bf16); th
 QuantizedTensor.dequantize() up to that rounding. The "q4_1" layout of a Q4_1 GGUF is exact.
 
 Layouts (PackedLinear.layout), chosen by the device given to pack():
-    "q4_1":    ggml Q4_1's values in three arrays: weight uint8 [N, Kp / 2] (per group of 32,
-               16 bytes, byte i = q_i | q_{16+i} << 4), scales fp16 d [N, Kp / 32], zeros fp16
+    "q4_1":    ggml Q4_1's values in three arrays: weight uint8 [N, Kp / 2] (ggml's nibble
+               bytes, byte i of a group = q_i | q_{16+i} << 4, reordered within chunks of 16
+               groups so that the kernel scales 16 groups' integer dots at once:
+               to_chunk_order), scales fp16 d [N, Kp / 32], zeros fp16
                m [N, Kp / 32], w = q * d + m (so (scale, zero) = (d, m + 8 d)). A Q4_1 GGUF is
-               split byte for byte, Q4_0 with m = -8 d (exact); float weights are quantized
+               split with its bytes unchanged, Q4_0 with m = -8 d (exact); float weights are quantized
                with fp16 d and m. Read by the native CPU kernel (kernels/csrc/int4_linear.cpp,
                fp32 activations rounded to int16 per row inside the kernel).
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
@@ -171,6 +173,7 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
 
 
 BLOCK_BYTES = 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+CHUNK_GROUPS = 16  # groups per chunk of the "q4_1" layout's nibbles (kernels/csrc/int4_linear.cpp)
 
 
 def q4_1_blocks(weight: torch.Tensor | QuantizedTensor) -> np.ndarray:
@@ -205,15 +208,36 @@ def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -
     b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1, BLOCK_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
-    qs = b[..., 4:].reshape(n, -1).contiguous()
+    qs = to_chunk_order(b[..., 4:])
     return PackedLinear("int4", in_features, n, qs, bias, scales=d.contiguous(), zeros=m.contiguous(),
                         layout="q4_1", group_size=GROUP_SIZE)
 
 
+def _chunk_transposes(groups: int) -> list[tuple[int, int]]:
+    """(first group, groups) of each chunk of a row: 16 groups each, the last one fewer."""
+    return [(g, min(CHUNK_GROUPS, groups - g)) for g in range(0, groups, CHUNK_GROUPS)]
+
+
+def to_chunk_order(nibbles: torch.Tensor) -> torch.Tensor:
+    """ggml's group bytes uint8 [N, G, 16] -> the "q4_1" layout's weight [N, G * 16]: per chunk
+    of C <= 16 groups, byte 2 t + b of group g moves to 2 C t + 2 g + b (int4_linear.cpp)."""
+    n, groups, _ = nibbles.shape
+    parts = [nibbles[:, g0:g0 + c].reshape(n, c, 8, 2).transpose(1, 2).reshape(n, -1)
+             for g0, c in _chunk_transposes(groups)]
+    return torch.cat(parts, dim=1).contiguous() if parts else nibbles.reshape(n, 0).contiguous()
+
+
+def from_chunk_order(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_chunk_order: [N, G * 16] -> ggml's group bytes [N, G, 16]."""
+    n, groups = weight.shape[0], weight.shape[1] // 16
+    parts = [weight[:, 16 * g0:16 * (g0 + c)].reshape(n, 8, c, 2).transpose(1, 2).reshape(n, c, 16)
+             for g0, c in _chunk_transposes(groups)]
+    return torch.cat(parts, dim=1) if parts else weight.reshape(n, 0, 16)
+
+
 def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" layer."""
-    n = packed.weight.shape[0]
-    qs = packed.weight.reshape(n, -1, 16)
+    qs = from_chunk_order(packed.weight)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
     return q, packed.scales.float(), packed.zeros.float()
 

@@ -2,13 +2,19 @@
 //
 // W holds the values of ggml Q4_1 blocks (group 32) in three arrays:
 //
-//     qs [N, K/2]  uint8   group g of row n at qs[n, 16 g .. 16 g + 16): byte i = q_i | q_{16+i} << 4
+//     qs [N, K/2]  uint8   the nibbles, in chunks of 16 groups (below)
 //     d  [N, K/32] fp16    w[n, 32 g + i] = q_i * d[n, g] + m[n, g],   q_i in 0..15
 //     m  [N, K/32] fp16
 //
-// A Q4_1 GGUF is split into them byte for byte (Q4_0 with m = -8 d, exact); the bytes are the
-// GGUF's (20 per 32 weights). Split rather than interleaved so that a row's d and m convert to
-// fp32 eight at a time and the m term becomes one short dot product per row.
+// In ggml's own block, byte i (0..15) of a group is q_i | q_{16+i} << 4. Here a row's groups
+// are taken 16 at a time (a chunk of 256 bytes; the row's last chunk may hold C < 16 groups)
+// and, within a chunk of C groups, that byte i = 2 t + b of group g sits at
+//
+//     qs[n, chunk start + 2 C t + 2 g + b]        t = 0..7, g = 0..C-1, b = 0..1
+//
+// (a transpose of 16-bit units: ggml's [group][t] becomes [t][group]). kernels/quant_int4.py
+// packs and unpacks it; the bytes are the GGUF's, only their order differs. d and m keep group
+// order.
 //
 // The dot product is integer: each row of x is first quantized to int16 with one fp32 scale
 // (xq = round(x / dx), dx = max|x| / 32767), and each group's exact float sum S is kept, so that
@@ -17,64 +23,78 @@
 //
 // Only x is rounded (to 1 part in 65534 of its row's range; the m term uses the exact sums);
 // kernels/quant_int4.py `reference` is that formula in torch. Why integer: converting every
-// 4-bit weight to float costs more instructions than the dot itself (a float version of this
-// kernel read 6-7 GB/s, compute-bound), while vpmaddwd multiplies and pairs 16 weights in one
-// instruction. Why int16 and not llama.cpp's int8 activations (vpmaddubsw): int8 groups cost
-// SmolLM2 +1.1% perplexity and 93% top-1 agreement with fp32; int16 keeps the weight-only
-// figures. One scale per row rather than per group keeps a multiply and a broadcast per row
-// and group out of the inner loop (-25% at 8 rows, measured).
+// 4-bit weight to float costs more instructions than the dot itself, while vpmaddwd multiplies
+// and pairs 16 weights in one instruction. Why int16 and not llama.cpp's int8 activations
+// (vpmaddubsw): int8 groups cost SmolLM2 +1.1% perplexity and 93% top-1 agreement with fp32;
+// int16 keeps the weight-only figures.
 //
-// Nibbles are unpacked without shuffles: the 16 bytes of a group are broadcast to both halves
-// of a ymm, and two variable shifts + masks leave, per 16-bit lane,
+// Why the chunk order: a group's integer dot must become a float once (its own d), and that
+// conversion, not the multiply, was the per-row cost (vpmaddwd + cvtdq2ps + fma per 32 weights
+// and row). With the transposed chunk, the 32 int16 lanes one 32-byte load unpacks to hold two
+// weights of each of 16 groups, so each int32 lane of an accumulator collects one group's whole
+// dot over 16 vpmaddwd (vpdpwssd with VNNI), and one cvtdq2ps + one fma per 16 groups and row
+// scale all 16. |dot| <= 32 * 15 * 32767 < 2^24: the int32 sum and its float are exact, so
+// the integer order (and VNNI or not) changes nothing.
 //
-//     lo: half 0 lane w = q_{2w},     half 1 lane w = q_{16+2w}       (w = 0..7)
-//     hi: half 0 lane w = q_{2w+1},   half 1 lane w = q_{17+2w}
+// What bounds it (measured on a 2-core Sapphire Rapids class VM, shared, thread CPU time of one
+// decode step's GEMVs of a random 1B LLaMA, 640 MB of weights, with a throw-away harness): the
+// per-group layout took 155-194 ms at M = 1 and 373-414 ms at M = 8, this one 122-150 and
+// 348-389. At M = 8 both are bound by the 512-bit integer multiplies, which the reorder does
+// not reduce: one vpmaddwd (or vpdpwssd: no faster here) per 32 weights and row. Fewer
+// needs int8 activations (vpdpbusd, 64 per instruction): a prototype with int8 per group took
+// 253-286 ms at M = 8, at a quality cost not yet judged (above).
 //
-// and xq is stored once per call in that same lane order (quantize_rows), so vpmaddwd pairs
-// every weight with its own activation.
+// xq is stored in the matching order (quantize_rows), per row KQ = 512 * chunks int16, a tail
+// chunk zero-padded; for chunk c and load t, 32 lanes at 512 c + 64 t hold x_{g, 2t+b} and the
+// next 32 x_{g, 16+2t+b}, lane 2 g + b. AVX2 reads each 32 lanes as two halves of 8 groups.
+//
+// Batch invariance: a row of x goes through the same instructions in the same order whatever
+// tile (MB rows) it falls in and whatever the thread count: integer sums are exact, and the
+// float ones (one fma per chunk into a per-row accumulator, then one reduction) do not depend
+// on the other rows.
 //
 // Loop order: n outermost, so each weight row is read from memory once whatever M is (with a
 // software prefetch ahead of it); within a row, tiles of up to MB rows of x share each unpacked
-// group. With more than one thread (thread_pool.h) each thread takes contiguous slices of N:
+// load. With more than one thread (thread_pool.h) each thread takes contiguous slices of N:
 // still one read of each weight row, and each output computed exactly as serially.
 #include <vector>
 
 #include "simd.h"
 #include "thread_pool.h"
 
-#define MB 8  // rows of x per tile: 8 accumulators + 2 weight vectors fit in 16 ymm
+#define MB 8  // rows of x per tile: 8 int32 + 8 float accumulators + weights fit in 32 zmm
+#define CHUNK_GROUPS 16
+#define CHUNK_BYTES 256  // 16 groups of 32 nibbles
+#define CHUNK_XQ 512     // int16 of x per chunk
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
 
-// Where element i of a 32-group sits in xq (see the lane order above).
-static inline int lane_of(int i) {
-#if defined(__AVX2__)  // also the AVX-512 order
-    const int hi_nibble = i >= 16, j = i - 16 * hi_nibble;  // j: byte index, 0..15
-    return 16 * (j & 1) + 8 * hi_nibble + (j >> 1);
-#else
-    return i;
-#endif
+// Where element i of local group g (0..15) of a chunk sits in that chunk's 512 xq lanes.
+static inline int xq_lane(int g, int i) {
+    const int s = i >= 16, e = i - 16 * s;  // s: high nibble; e = 2 t + b
+    return 64 * (e >> 1) + 32 * s + 2 * g + (e & 1);
 }
 
-// x [M, ldx] fp32 -> xq [M, K] int16 (lane order), dx [M], sums [M, G]
-static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int16_t* xq, float* dx,
-                          float* sums) {
+// x [M, ldx] fp32 -> xq [M, kq] int16 (chunk order, zero-padded), dx [M], sums [M, G]
+static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int16_t* xq, int64_t kq,
+                          float* dx, float* sums) {
     const int64_t groups = k / 32;
-    int lanes[32];
-    for (int i = 0; i < 32; i++) lanes[i] = lane_of(i);
     for (int64_t r = 0; r < m; r++) {
         const float* xr = x + r * ldx;
         float amax = 0.f;
         for (int64_t i = 0; i < k; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int16_t* qr = xq + r * kq;
+        memset(qr, 0, (size_t)kq * sizeof(int16_t));
         for (int64_t g = 0; g < groups; g++) {
             const float* xg = xr + g * 32;
-            int16_t* qg = xq + r * k + g * 32;
+            int16_t* qc = qr + (g / CHUNK_GROUPS) * CHUNK_XQ;
+            const int gl = (int)(g % CHUNK_GROUPS);
             float sum = 0.f;
             for (int i = 0; i < 32; i++) {
                 sum += xg[i];
-                qg[lanes[i]] = (int16_t)lrintf(xg[i] * inv);
+                qc[xq_lane(gl, i)] = (int16_t)lrintf(xg[i] * inv);
             }
             sums[r * groups + g] = sum;
         }
@@ -90,45 +110,61 @@ static inline void fp16_row_to_float(const uint16_t* h, int64_t n, float* out) {
     for (; i < n; i++) out[i] = fp16_to_float(h[i]);
 }
 
-template <int R>
-static inline void row_tile(const uint8_t* qs, const float* d, int64_t groups, const int16_t* xq,
-                            int64_t k, float* out) {
+// out[r] = sum_g d_g * (q_g . xq[r, g]) over the row's chunks. chunk(c): the 256 bytes of
+// chunk c in the full-chunk order (the tail is passed zero-padded); d: per group, zero-padded
+// to whole chunks.
+template <int R, class ChunkPtr>
+static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunks, const int16_t* xq,
+                            int64_t kq, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    // The whole group in one zmm of 32 int16: the 16 bytes broadcast to four 128-bit lanes,
-    // shifted by 0, 4, 8, 12 and masked: lanes 0-7 q_{2w}, 8-15 q_{16+2w}, 16-23 q_{2w+1},
-    // 24-31 q_{17+2w}, the same order as the two ymm halves below (lane_of).
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi32(0x000f000f);
-    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-    for (int64_t g = 0; g < groups; g++) {
-        const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(qs + g * 16)));
-        const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(v, shifts), mask);
-        const __m512 vd = _mm512_set1_ps(d[g]);
-        for (int r = 0; r < R; r++) {
-            const __m512i p = _mm512_madd_epi16(q, _mm512_loadu_si512((const void*)(xq + r * k + g * 32)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), vd, acc[r]);
+    const __m512i mask = _mm512_set1_epi16(0x000f);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        const int16_t* xc = xq + c * CHUNK_XQ;
+        __m512i dot[R];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
+            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi16(v, 4);
+            for (int r = 0; r < R; r++) {
+                const int16_t* xt = xc + r * kq + 64 * t;
+#if defined(__AVX512VNNI__)
+                dot[r] = _mm512_dpwssd_epi32(dot[r], lo, _mm512_loadu_si512((const void*)xt));
+                dot[r] = _mm512_dpwssd_epi32(dot[r], hi, _mm512_loadu_si512((const void*)(xt + 32)));
+#else
+                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)xt)));
+                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(xt + 32))));
+#endif
+            }
         }
+        const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS);  // lane g: group g's d
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), vd, acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(__AVX2__)
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi32(0x000f000f);
-    const __m256i shift_lo = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-    const __m256i shift_hi = _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12);
-    for (int64_t g = 0; g < groups; g++) {
-        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(qs + g * 16)));
-        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(v, shift_lo), mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(v, shift_hi), mask);
-        const __m256 vd = _mm256_broadcast_ss(d + g);
-        for (int r = 0; r < R; r++) {
-            const int16_t* xg = xq + r * k + g * 32;
-            // Each int32 lane sums 4 products of at most 15 * 32767: no overflow.
-            const __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xg)),
-                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xg + 16))));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), vd, acc[r]);
+    const __m256i mask = _mm256_set1_epi16(0x000f);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        for (int h = 0; h < 2; h++) {  // groups 8 h .. 8 h + 7
+            const int16_t* xc = xq + c * CHUNK_XQ + 16 * h;
+            __m256i dot[R];
+            for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 32 * t + 16 * h)));
+                const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
+                for (int r = 0; r < R; r++) {
+                    const int16_t* xt = xc + r * kq + 64 * t;
+                    dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xt)),
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xt + 32)))));
+                }
+            }
+            const __m256 vd = _mm256_loadu_ps(d + c * CHUNK_GROUPS + 8 * h);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), vd, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -139,13 +175,20 @@ static inline void row_tile(const uint8_t* qs, const float* d, int64_t groups, c
     }
 #else
     for (int r = 0; r < R; r++) out[r] = 0.f;
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t* b = qs + g * 16;
-        for (int r = 0; r < R; r++) {
-            const int16_t* xg = xq + r * k + g * 32;
-            int32_t dot = 0;
-            for (int i = 0; i < 16; i++) dot += (b[i] & 0x0f) * xg[i] + (b[i] >> 4) * xg[16 + i];
-            out[r] += d[g] * (float)dot;
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        for (int g = 0; g < CHUNK_GROUPS; g++) {
+            for (int r = 0; r < R; r++) {
+                const int16_t* xc = xq + r * kq + c * CHUNK_XQ;
+                int32_t dot = 0;
+                for (int t = 0; t < 8; t++)
+                    for (int b = 0; b < 2; b++) {
+                        const uint8_t byte = w[32 * t + 2 * g + b];
+                        const int lane = 64 * t + 2 * g + b;
+                        dot += (byte & 0x0f) * xc[lane] + (byte >> 4) * xc[lane + 32];
+                    }
+                out[r] += d[c * CHUNK_GROUPS + g] * (float)dot;
+            }
         }
     }
 #endif
@@ -161,11 +204,14 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 // Output rows [j0, j1) of y from the quantized activations: the serial kernel over a slice of N.
-static void int4_rows(const int16_t* xq, const float* dx, const float* sums, int64_t m, int64_t k,
-                      const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
+static void int4_rows(const int16_t* xq, int64_t kq, const float* dx, const float* sums, int64_t m,
+                      int64_t k, const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
                       const float* bias, float* y, int64_t ldy, int64_t j0, int64_t j1) {
     const int64_t groups = k / 32, row_bytes = k / 2;
-    std::vector<float> d((size_t)groups), mn((size_t)groups);
+    const int64_t full = groups / CHUNK_GROUPS, tail = groups % CHUNK_GROUPS;
+    const int64_t chunks = full + (tail > 0);
+    std::vector<float> d((size_t)(chunks * CHUNK_GROUPS), 0.f), mn((size_t)groups);
+    alignas(64) uint8_t tail_chunk[CHUNK_BYTES] = {0};  // groups >= tail stay 0 (q = 0, d = 0)
     const char* end = (const char*)(qs + n * row_bytes);
     float out[MB];
     for (int64_t j = j0; j < j1; j++) {
@@ -175,19 +221,23 @@ static void int4_rows(const int16_t* xq, const float* dx, const float* sums, int
             if ((const char*)row + PREFETCH_BYTES + off < end) __builtin_prefetch((const char*)row + PREFETCH_BYTES + off, 0, 0);
         fp16_row_to_float(d16 + j * groups, groups, d.data());
         fp16_row_to_float(m16 + j * groups, groups, mn.data());
+        if (tail)  // the tail chunk's 2 C bytes per t, spread to the full chunk's 32
+            for (int t = 0; t < 8; t++)
+                memcpy(tail_chunk + 32 * t, row + full * CHUNK_BYTES + 2 * tail * t, (size_t)(2 * tail));
+        const auto chunk = [&](int64_t c) { return c < full ? row + c * CHUNK_BYTES : tail_chunk; };
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
             const int64_t r = m - m0 < MB ? m - m0 : MB;
-            const int16_t* xr = xq + m0 * k;
+            const int16_t* xr = xq + m0 * kq;
             switch (r) {
-                case 1: row_tile<1>(row, d.data(), groups, xr, k, out); break;
-                case 2: row_tile<2>(row, d.data(), groups, xr, k, out); break;
-                case 3: row_tile<3>(row, d.data(), groups, xr, k, out); break;
-                case 4: row_tile<4>(row, d.data(), groups, xr, k, out); break;
-                case 5: row_tile<5>(row, d.data(), groups, xr, k, out); break;
-                case 6: row_tile<6>(row, d.data(), groups, xr, k, out); break;
-                case 7: row_tile<7>(row, d.data(), groups, xr, k, out); break;
-                default: row_tile<8>(row, d.data(), groups, xr, k, out); break;
+                case 1: row_tile<1>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 2: row_tile<2>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 3: row_tile<3>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 4: row_tile<4>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 5: row_tile<5>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 6: row_tile<6>(chunk, d.data(), chunks, xr, kq, out); break;
+                case 7: row_tile<7>(chunk, d.data(), chunks, xr, kq, out); break;
+                default: row_tile<8>(chunk, d.data(), chunks, xr, kq, out); break;
             }
             for (int64_t i = 0; i < r; i++)
                 y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + dot_f32(mn.data(), sums + (m0 + i) * groups, groups) + b;
@@ -201,14 +251,15 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
     if (k % 32) return 1;
     if (m < 0 || n < 0) return 2;
     const int64_t groups = k / 32;
-    std::vector<int16_t> xq((size_t)(m * k));
+    const int64_t kq = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS * CHUNK_XQ;
+    std::vector<int16_t> xq((size_t)(m * kq));
     std::vector<float> dx((size_t)m), sums((size_t)(m * groups));
     // x is quantized once, before the split: every thread reads the same xq, dx and sums.
-    quantize_rows(x, m, k, ldx, xq.data(), dx.data(), sums.data());
+    quantize_rows(x, m, k, ldx, xq.data(), kq, dx.data(), sums.data());
     // Threads take contiguous slices of N (16 rows at least: a 64-byte line of y per row of x),
     // so each weight row is still read from memory once, by one thread.
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        int4_rows(xq.data(), dx.data(), sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+        int4_rows(xq.data(), kq, dx.data(), sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
     });
     return 0;
 }

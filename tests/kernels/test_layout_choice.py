@@ -47,3 +47,14 @@ def test_a_threaded_process_measures_its_own_choice(monkeypatch):
     assert "threads" not in serial
     monkeypatch.setattr(native, "_threads", 2)
     assert layout_choice.host_key("int4") == serial + "|threads 2"
+
+
+def test_a_changed_native_kernel_is_measured_again(monkeypatch):
+    """The key names the native sources' digest: a choice made against an earlier kernel is
+    not reused for a new one."""
+    from kernels import native
+
+    before = layout_choice.host_key("int4")
+    assert f"native {native.source_digest()[:12]}" in before
+    monkeypatch.setattr(native, "source_digest", lambda: "0" * 64)
+    assert layout_choice.host_key("int4") != before

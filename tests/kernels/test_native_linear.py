@@ -48,8 +48,23 @@ def test_q4_1_blocks_are_split_byte_for_byte_and_dequantize_exactly():
     blocks = qt.data.reshape(24, 4, 20)
     assert np.array_equal(packed.scales.view(torch.uint8).numpy().reshape(24, 4, 2), blocks[..., 0:2])
     assert np.array_equal(packed.zeros.view(torch.uint8).numpy().reshape(24, 4, 2), blocks[..., 2:4])
-    assert np.array_equal(packed.weight.numpy().reshape(24, 4, 16), blocks[..., 4:])
+    assert np.array_equal(quant_int4.from_chunk_order(packed.weight).numpy(), blocks[..., 4:])
     assert torch.equal(quant_int4.dequantize(packed), qt.dequantize())
+
+
+@pytest.mark.parametrize("groups", [1, 2, 16, 18, 35])
+def test_chunk_order_moves_each_byte_where_the_kernel_reads_it(groups):
+    """Within a chunk of C groups (16, the row's last one fewer), byte 2 t + b of group g sits
+    at 2 C t + 2 g + b (kernels/csrc/int4_linear.cpp); from_chunk_order undoes it."""
+    nibbles = torch.randint(0, 256, (3, groups, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(groups))
+    packed = quant_int4.to_chunk_order(nibbles)
+    assert packed.shape == (3, groups * 16)
+    for g in range(groups):
+        start, c = 256 * (g // 16), min(16, groups - 16 * (g // 16))
+        for i in range(16):
+            t, b = divmod(i, 2)
+            assert torch.equal(packed[:, start + 2 * c * t + 2 * (g % 16) + b], nibbles[:, g, i])
+    assert torch.equal(quant_int4.from_chunk_order(packed), nibbles)
 
 
 def test_q4_0_maps_to_q4_1_exactly():
@@ -68,7 +83,7 @@ def test_q4_k_keeps_its_nibbles_in_the_q4_1_layout():
     qt = QuantizedTensor("Q4_K", quantize_k(w, "Q4_K"), w.shape)
     packed = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1")
     q, scale, minus = q4_k_groups(qt.data)
-    nibbles = packed.weight.reshape(24, -1, 16)  # byte i of a group: q_i | q_{16+i} << 4
+    nibbles = quant_int4.from_chunk_order(packed.weight)  # byte i of a group: q_i | q_{16+i} << 4
     assert torch.equal(torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(24, -1), torch.from_numpy(q))
     assert torch.equal(packed.scales, torch.from_numpy(scale).half())
     assert torch.equal(packed.zeros, torch.from_numpy(-minus).half())
@@ -166,3 +181,20 @@ def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
     # 1e-3 of the output's scale, so the bound is relative to that scale, not absolute.
     torch.testing.assert_close(quant_int4.forward(x, packed), want, rtol=2e-2,
                                atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n,k", [(40, 64), (96, 576), (64, 1536)])
+def test_int4_native_rows_are_bit_equal_whatever_batch_they_share(level, n, k):
+    """Batch invariance: a row's output does not depend on the rows beside it, nor on where it
+    falls in the kernel's 8-row tiles (batches 1, 3, 8 and 9, the row at every position)."""
+    gen = torch.Generator().manual_seed(k)
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
+                             torch.device("cpu"), layout="q4_1")
+    rows = torch.randn(9, k, generator=gen) * 2
+    alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed, level)[0] for i in range(9)]
+    for batch in (3, 8, 9):
+        for start in range(9 - batch + 1):
+            y = quant_int4.int4_linear_native(rows[start:start + batch], packed, level)
+            for i in range(batch):
+                assert torch.equal(y[i], alone[start + i]), (batch, start, i)
