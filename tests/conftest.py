@@ -31,7 +31,7 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INTEGRATION_FILES = {
     "benchmarks/test_bench_engine.py", "benchmarks/test_device_check.py",
     "cli/test_bench.py", "cli/test_cli.py",
-    "common/test_cluster_auth.py",
+    "common/test_cluster_auth.py", "common/test_core_lease.py",
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
@@ -45,6 +45,7 @@ INTEGRATION_FILES = {
     "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",
     "nodes/test_disaggregation.py", "nodes/test_speculative_cluster.py",
     "reliability/test_chaos.py", "reliability/test_fuzz_http.py",
+    "worker/test_core_share.py",
 }
 TESTS_DIR = Path(__file__).resolve().parent
 
