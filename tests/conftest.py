@@ -37,7 +37,7 @@ INTEGRATION_FILES = {
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
     "coordinator/test_isolation_attacks.py", "coordinator/test_multi_model_cluster.py",
     "deploy/test_cluster_auth_netns.py", "deploy/test_cluster_lifetime.py",
-    "deploy/test_coordinator_deploy.py",
+    "deploy/test_coordinator_deploy.py", "deploy/test_core_lease_serve.py",
     "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
     "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py",
     "engine/test_logprobs_engine.py",
