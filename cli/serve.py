@@ -65,6 +65,9 @@ def register(subparsers) -> None:
                    help="prompts of at most this many tokens may prefill on the decode worker")
     add_engine_flags(p, "serve")
     add_worker_flags(p, "serve")
+    p.add_argument("--no-core-lease", dest="core_lease", action="store_false",
+                   help="each worker keeps to its own --threads (default: decode workers also "
+                        "use idle prefill workers' cores, through a core lease on this host)")
     p.add_argument("--max-streams", type=int,
                    help="most requests open at once, queued or running (429 above; coordinator "
                         "default 512)")
@@ -118,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                               *_response_cache(args.response_cache)),
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
-                            otlp_traces_endpoint=args.otlp_traces_endpoint)
+                            otlp_traces_endpoint=args.otlp_traces_endpoint,
+                            core_lease=args.core_lease)
         from engine.device import resolve_device
 
         resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them

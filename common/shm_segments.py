@@ -9,6 +9,9 @@ orphan when no process has that pid, or when the process that has it started aft
 segment was last written (the pid was reused): a live owner started before making it. Orphans
 are reclaimed when the next shm decode worker starts (`reclaim_orphans()`), and `tandem serve`
 removes its own workers' segments when it stops (`reclaim_orphans(owners=...)`).
+
+The same rule, with `prefix=`, reclaims other per-process files of /dev/shm: the core lease
+of a launcher (common/core_lease.py, `tandem-cores-<cluster>-<launcher pid>`).
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from common.processes import started_at
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-kv-"
-_NAME = re.compile(rf"^{PREFIX}.+-(\d+)(-own)?$")
+
+
+def _name_pattern(prefix: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(prefix)}.+-(\d+)(-own)?$")
+
+
+_NAME = _name_pattern(PREFIX)
 
 
 def segment_name(worker_id: str, pid: int | None = None) -> str:
     return f"{PREFIX}{worker_id}-{os.getpid() if pid is None else pid}"
 
 
-def owner_pid(name: str) -> int | None:
-    match = _NAME.match(name)
+def owner_pid(name: str, prefix: str = PREFIX) -> int | None:
+    match = (_NAME if prefix == PREFIX else _name_pattern(prefix)).match(name)
     return int(match.group(1)) if match else None
 
 
@@ -42,9 +51,10 @@ def _orphaned(path: str, pid: int) -> bool:
     return start is None or start > written + 1.0  # +1 s: btime and tick rounding
 
 
-def reclaim_orphans(owners: Iterable[int] | None = None, directory: str = SHM_DIR) -> list[str]:
-    """Unlink this user's tandem segments whose owner is gone (only those of `owners`' pids
-    when given); the names removed."""
+def reclaim_orphans(owners: Iterable[int] | None = None, directory: str = SHM_DIR,
+                    prefix: str = PREFIX) -> list[str]:
+    """Unlink this user's tandem segments (names starting with `prefix`) whose owner is gone
+    (only those of `owners`' pids when given); the names removed."""
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -52,7 +62,7 @@ def reclaim_orphans(owners: Iterable[int] | None = None, directory: str = SHM_DI
     wanted = None if owners is None else set(owners)
     removed = []
     for name in names:
-        pid = owner_pid(name)
+        pid = owner_pid(name, prefix)
         path = os.path.join(directory, name)
         if pid is None or (wanted is not None and pid not in wanted):
             continue

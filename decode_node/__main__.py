@@ -23,6 +23,7 @@ from worker.node_server import (
     kv_layout,
     new_worker_id,
     node_main,
+    open_core_share,
     resolve_model,
     run_node,
     worker_status,
@@ -88,11 +89,13 @@ async def main_async(config: WorkerConfig) -> None:
                                           **kv_endpoint_spec(config.kv_backend, config.host, config.kv_port,
                                                              config.advertised),
                                           **({"auth": kv_auth} if kv_auth else {}))
-    engine = build_engine(config, path, sized, kv_cache=cache.tensor)
+    cores = open_core_share(config)
+    engine = build_engine(config, path, sized, kv_cache=cache.tensor, cores=cores)
     loop = asyncio.get_running_loop()
     endpoint = config.kv_advertise or receiver.endpoint.replace("0.0.0.0", config.advertised)
     worker = DecodeWorker(engine, loop, receiver, kv_backend=config.kv_backend, kv_endpoint=endpoint,
                           kv_deadline_s=config.kv_deadline_s)
+    worker.cores = cores
     worker.start()
 
     def status():
@@ -107,6 +110,8 @@ async def main_async(config: WorkerConfig) -> None:
         worker.stop()
         receiver.close()
         cache.close()
+        if cores is not None:
+            cores.close()
 
     await run_node(config, "tandem.worker.DecodeWorker",
                    lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, status), server),

@@ -28,6 +28,12 @@ itself when the launcher is gone, SIGKILL and OOM kills included; a child that i
 process (the ssh client of a remote role) gets a parent-death signal instead. `serve` claims
 the coordinator's ports first (deploy/ports.py): a second cluster on them fails at start.
 
+Core lease: where prefill and decode workers both run (Topology.shares_cores, on unless
+core_lease=False), `serve` makes the host's core lease (common/core_lease.py) before the
+workers start, gives each worker its slot (--core-lease, --core-lease-slot), and removes it
+after they have stopped; a decode worker then runs its native kernels on the cores of idle
+prefill workers too (worker/core_share.py).
+
 Logs: one file per process under `log_dir` (`coordinator.log`, `prefill-0.log`, ...).
 
 Several models (`more_models`): one coordinator gets `--model` for each (the first is the
@@ -77,6 +83,7 @@ from common.internal_http import get_internal
 from common.lifeline import Lifeline, death_signal
 from common.log_format import LOG_FORMATS
 from common.tracing import traces_url
+from common.core_lease import CoreLease, Slot as CoreSlot, lease_path, reclaim_stale as reclaim_stale_leases
 from common.shm_segments import reclaim_orphans
 from deploy.ports import claim_ports
 from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET, KV_BACKENDS
@@ -135,6 +142,9 @@ class Topology:
     log_format: str = "text"  # every process's --log-format (common/log_format.py)
     access_log: bool = True  # False: the coordinator gets --no-access-log
     otlp_traces_endpoint: str | None = None  # every process's --otlp-traces-endpoint
+    # A core lease for the workers of this host (common/core_lease.py): decode workers use
+    # idle prefill workers' cores. Only where both roles run (shares_cores).
+    core_lease: bool = True
 
     @property
     def models(self) -> tuple[tuple[str, Path], ...]:
@@ -212,6 +222,27 @@ class Topology:
             raise ValueError(f"local_chunk_size ({self.local_chunk_size}) cannot exceed chunk_size "
                              f"({self.chunk_size}), the per-pass token budget of the decode worker "
                              f"it runs on")
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether `serve` makes a core lease: asked for, and prefill and decode workers both."""
+        return self.core_lease and not self.colocated and self.prefill > 0
+
+    def worker_roles(self) -> list[tuple[int, Path, str, str]]:
+        """(model index, model path, role, module) of every worker, in start order (also
+        the order of the core lease's slots)."""
+        def roles(index: int) -> list[tuple[str, str]]:
+            if self.colocated:
+                return [("colocated", "decode_node")]
+            prefill, decode = self.counts(index)  # --workers MODEL=P:D, else --prefill/--decode
+            return [("prefill", "prefill_node")] * prefill + [("decode", "decode_node")] * decode
+
+        return [(i, path, role, module) for i, (_, path) in enumerate(self.models)
+                for role, module in roles(i)]
+
+    def core_slots(self) -> list[CoreSlot]:
+        """The core lease's slots, one per worker in worker_roles' order."""
+        return [CoreSlot(role, self.threads or 1) for _, _, role, _ in self.worker_roles()]
 
     def expected_workers(self) -> dict[str, int]:
         """Live workers by role, over every model."""
@@ -306,8 +337,10 @@ def _named_ports(args: tuple[str, ...]) -> set[int]:
     return {int(v) for flag, v in zip(args, args[1:]) if flag.endswith("-port") and v.isdigit()}
 
 
-def plan(t: Topology, port_picker: Callable[[], int] = free_port
-         ) -> tuple[list[ProcessSpec], Readiness]:
+def plan(t: Topology, port_picker: Callable[[], int] = free_port,
+         core_lease: Path | None = None) -> tuple[list[ProcessSpec], Readiness]:
+    """Every process's spec; `core_lease`: the lease file made for t.core_slots(), which
+    every worker then gets with its slot."""
     # A port picked free is free only until its owner binds it: two picks (the caller's HTTP
     # port, this registry port) can return the same one, and then one bind fails.
     taken = {t.port, *_named_ports(t.coordinator_args)}
@@ -325,16 +358,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
         coordinator += ["--api-tls-cert", t.api_tls[0], "--api-tls-key", t.api_tls[1]]
     specs = [ProcessSpec("coordinator", coordinator + list(t.coordinator_args),
                          t.log_dir / "coordinator.log", env=secrets)]
-    def roles(index: int) -> list[tuple[str, str]]:
-        if t.colocated:
-            return [("colocated", "decode_node")]
-        prefill, decode = t.counts(index)
-        return [("prefill", "prefill_node")] * prefill + [("decode", "decode_node")] * decode
-
-    workers = [(i, path, role, module) for i, (_, path) in enumerate(t.models)
-               for role, module in roles(i)]
     counters: dict[tuple[int, str], int] = {}
-    for model_index, model_path, role, module in workers:
+    for slot, (model_index, model_path, role, module) in enumerate(t.worker_roles()):
         index = counters[model_index, role] = counters.get((model_index, role), -1) + 1
         name = f"{t.worker_prefix(model_index)}{role}-{index}"
         argv = [sys.executable, "-m", module, "--model", str(model_path),
@@ -346,6 +371,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port
                 *t.auth_args]
         if module == "decode_node":
             argv += ["--role", role]
+        if core_lease is not None:
+            argv += ["--core-lease", str(core_lease), "--core-lease-slot", str(slot)]
         argv += list(t.worker_args)
         specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log", env=cluster))
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
@@ -618,11 +645,28 @@ def serve(topology: Topology, *, start_timeout_s: float = 300.0,
     failed. First claims the HTTP port and `more_ports` (the coordinator's other listening
     ports on its host; locks in `lock_dir`): PortInUse if one is held, nothing started."""
     with claim_ports(lock_dir, (topology.port, *more_ports), topology.host):
-        return _serve(topology, start_timeout_s, out)
+        lease = make_core_lease(topology, out)
+        try:
+            return _serve(topology, start_timeout_s, out, lease)
+        finally:  # every worker has stopped by now (run_until_stopped)
+            if lease is not None:
+                lease.unlink()
 
 
-def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None]) -> int:
-    specs, ready = plan(topology)
+def make_core_lease(topology: Topology, out: Callable[[str], None] = print) -> CoreLease | None:
+    """The host's core lease for the topology's workers (None where it shares no cores),
+    after reclaiming the leases of launchers that are gone."""
+    if not topology.shares_cores:
+        return None
+    stale = reclaim_stale_leases()
+    if stale:
+        out(f"removed the core leases of gone launchers: {', '.join(stale)}")
+    return CoreLease.create(lease_path(str(topology.port)), topology.core_slots())
+
+
+def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None],
+           lease: CoreLease | None = None) -> int:
+    specs, ready = plan(topology, core_lease=lease.path if lease else None)
     # OpenMP reads its thread count when torch starts, before a worker's own --threads.
     cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s,
                            env=worker_env(topology.threads or 1))

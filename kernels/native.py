@@ -22,7 +22,9 @@ build at once: each writes its own temporary file and renames it into place, so 
 sees half a library.
 Threads: one persistent pool per loaded library (csrc/thread_pool.h), sized by `set_threads`,
 which worker/runtime.py `configure_process` calls with the process's --threads; 1 (the
-default) starts no thread. Results are bit-identical at every thread count.
+default) starts no thread. `set_active` limits how many of them a call uses, without starting
+or stopping any (a core lease's per-step share). Results are bit-identical at every thread
+count and limit.
 
 A machine without a C++ compiler, or whose loader refuses the library (noexec, SELinux), gets
 `NativeUnavailable` with the reason, logged once by `available()`; callers then fall back to
@@ -72,6 +74,10 @@ _SIGNATURES = {
     "tandem_copy_crc32c": [_i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int, _i64, _ptr],
     "tandem_set_threads": [_i64],
     "tandem_threads": [],
+    "tandem_set_active": [_i64],
+    "tandem_active": [],
+    "tandem_peak_threads": [],
+    "tandem_reset_peak": [],
 }
 # tandem_set_threads' refusals (thread_pool.cpp)
 _SET_THREADS_ERRORS = {
@@ -80,6 +86,7 @@ _SET_THREADS_ERRORS = {
     3: "could not be started (the system refused a thread; the pool stays at 1)",
 }
 _threads = 1  # what set_threads asked for; applied to every library as it loads
+_active = 0  # what set_active asked for (0: every thread of the pool); likewise applied
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
@@ -160,6 +167,8 @@ def library(level: str | None = None) -> ctypes.CDLL:
             _apply_threads(lib, _threads)
         except RuntimeError as e:  # the kernels still work, serially
             logging.getLogger("tandem.kernels").warning("%s; running the native kernels serially", e)
+    if _active:
+        lib.tandem_set_active(_active)
     _loaded[level] = lib
     return lib
 
@@ -181,6 +190,37 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """The native kernels' thread count, as set by set_threads."""
     return _threads
+
+
+def set_active(n: int) -> None:
+    """Let each kernel call use at most n of the pool's threads, the calling thread included
+    (0: all of them; more than the pool has: all of them), from the next call on. The pool's
+    other threads sleep, woken only when the limit rises, so their cores are left to other
+    processes; nothing is started or stopped (cheap enough to call before every engine step:
+    a core lease, worker/core_share.py). Results do not depend on n."""
+    global _active
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_THREADS:
+        raise ValueError(f"native kernel active threads must be an int in 0..{MAX_THREADS}, got {n!r}")
+    if n != _active:
+        for lib in _loaded.values():
+            lib.tandem_set_active(n)
+        _active = n
+
+
+def active() -> int:
+    """The active-thread limit set by set_active (0: none)."""
+    return _active
+
+
+def peak_threads(reset: bool = False) -> int:
+    """The most threads that ran parts of one kernel call since the last reset, over the
+    loaded libraries (1 when every call ran on the calling thread alone); reset=True starts
+    counting again."""
+    peak = max((lib.tandem_peak_threads() for lib in _loaded.values()), default=1)
+    if reset:
+        for lib in _loaded.values():
+            lib.tandem_reset_peak()
+    return peak
 
 
 def _apply_threads(lib: ctypes.CDLL, n: int) -> None:

@@ -12,6 +12,7 @@ from worker.node_server import (
     NodeIdentity,
     build_engine,
     kv_counters,
+    open_core_share,
     kv_layout,
     new_worker_id,
     node_main,
@@ -29,7 +30,8 @@ from prefill_node.worker import PrefillWorker
 
 async def main_async(config: WorkerConfig) -> None:
     path = resolve_model(config.model)
-    engine = build_engine(config, path)
+    cores = open_core_share(config)
+    engine = build_engine(config, path, cores=cores)
     model = engine.config.model
     fingerprint = model_fingerprint(path, model)
     # From the cache the engine actually allocated: the sender refuses payloads whose dtype is
@@ -38,6 +40,7 @@ async def main_async(config: WorkerConfig) -> None:
                        kv_dtype_name(engine.runner.kv_cache.dtype), fingerprint)
     worker_id = config.worker_id or new_worker_id("prefill")
     worker = PrefillWorker(engine, asyncio.get_running_loop())
+    worker.cores = cores
     worker.start()
     senders = SenderPool(layout, auth=kv_auth_from(config.cluster_auth))
 
@@ -52,6 +55,8 @@ async def main_async(config: WorkerConfig) -> None:
     def stop() -> None:
         worker.stop()
         senders.close()
+        if cores is not None:
+            cores.close()
 
     await run_node(config, "tandem.worker.PrefillWorker",
                    lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(

@@ -31,7 +31,7 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INTEGRATION_FILES = {
     "benchmarks/test_bench_engine.py", "benchmarks/test_device_check.py",
     "cli/test_bench.py", "cli/test_cli.py",
-    "common/test_cluster_auth.py",
+    "common/test_cluster_auth.py", "common/test_core_lease.py",
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
     "coordinator/test_default_model_tools.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
@@ -42,6 +42,7 @@ INTEGRATION_FILES = {
     "coordinator/test_ui_page.py",
     "deploy/test_cluster_auth_netns.py", "deploy/test_cluster_lifetime.py",
     "deploy/test_coordinator_deploy.py", "deploy/test_two_coordinators.py",
+    "deploy/test_core_lease_serve.py",
     "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
     "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py",
     "engine/test_logprobs_engine.py",
@@ -49,6 +50,7 @@ INTEGRATION_FILES = {
     "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",
     "nodes/test_disaggregation.py", "nodes/test_speculative_cluster.py",
     "reliability/test_chaos.py", "reliability/test_fuzz_http.py",
+    "worker/test_core_share.py",
 }
 TESTS_DIR = Path(__file__).resolve().parent
 

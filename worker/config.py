@@ -70,6 +70,10 @@ class WorkerConfig:
     # dist_backend.py), so the operator must say the network is trusted.
     insecure_dist: bool = False
     threads: int = 1  # threads of this process: torch's and the native kernels' pool (worker/runtime.py)
+    # The host's core lease its launcher made (common/core_lease.py) and this worker's slot in
+    # it; None: the worker uses its --threads alone (worker/core_share.py).
+    core_lease: str | None = None
+    core_lease_slot: int | None = None
     log_level: str = "INFO"
     cluster_auth: ClusterAuth | None = field(default=None, repr=False)  # None: no secret, no TLS
 
@@ -98,6 +102,15 @@ class WorkerConfig:
                              f"--insecure-dist on a network where every host is trusted")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+        if (self.core_lease is None) != (self.core_lease_slot is None):
+            raise ValueError("--core-lease and --core-lease-slot go together (the launcher gives both)")
+        if self.core_lease is not None:
+            if self.role not in ("prefill", "decode"):
+                raise ValueError(f"a core lease is shared by prefill and decode workers; a "
+                                 f"{self.role} worker has both roles' work in one process already")
+            if isinstance(self.core_lease_slot, bool) or not isinstance(self.core_lease_slot, int) \
+                    or self.core_lease_slot < 0:
+                raise ValueError(f"core_lease_slot must be >= 0, got {self.core_lease_slot!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
@@ -131,7 +144,9 @@ class WorkerConfig:
                    kv_backend=args.kv_backend, kv_port=args.kv_port,
                    kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
                    insecure_dist=args.insecure_dist,
-                   threads=args.threads, log_level=args.log_level, cluster_auth=auth)
+                   threads=args.threads, core_lease=args.core_lease,
+                   core_lease_slot=args.core_lease_slot, log_level=args.log_level,
+                   cluster_auth=auth)
 
     @property
     def coordinators(self) -> tuple[str, ...]:

@@ -10,6 +10,9 @@ Threading contract:
   any request has work, `on_outputs(...)`. With nothing to do, or when the last step could
   schedule nothing (the pool is full until transfers finish), it sleeps on the call queue for
   at most `idle_wait_s`: polling continues, and the GIL is left to the transfer threads.
+- `cores` (worker/core_share.py, None without a core lease): `before_step()` before every
+  step that has something to compute, `after_work()` whenever the engine has nothing it can
+  run, both on this thread.
 - `snapshot` is a LoadSnapshot of plain ints, replaced (never mutated) by the engine thread
   after every iteration; other threads read it for heartbeats instead of touching the
   scheduler's queues, which the engine thread mutates.
@@ -97,6 +100,7 @@ class EngineLoop:
         self.steps = 0
         self.snapshot = LoadSnapshot.of(engine)
         self.fatal: BaseException | None = None
+        self.cores = None  # a CoreShare, set before start() (worker/core_share.py)
         # One thread: compiles queue behind each other, never beside the engine's own thread's
         # work for more than one core's worth; created at the first grammar.
         self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -203,11 +207,16 @@ class EngineLoop:
                 self.poll()
                 stalled = False
                 if self.engine.has_work():
+                    # Only a step that computes: one that only reports transfers holds no core.
+                    if self.cores is not None and self.engine.scheduler.has_schedulable():
+                        self.cores.before_step()
                     outputs = self.engine.step()
                     self.steps += 1
                     stalled = not self.engine.last_step_ran and not outputs
                     if outputs:
                         self.on_outputs(outputs)
+                if self.cores is not None and (stalled or not self.engine.scheduler.has_schedulable()):
+                    self.cores.after_work()
                 self.snapshot = LoadSnapshot.of(self.engine, self.snapshot)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             log.exception("engine loop died")

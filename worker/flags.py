@@ -134,6 +134,12 @@ def worker_arg_parser(prog: str, roles: tuple[str, ...]) -> argparse.ArgumentPar
                    help="KV pool size in GiB when --num-blocks is not given (default 1)")
     add_engine_flags(p, "worker")
     add_worker_flags(p, "worker")
+    p.add_argument("--core-lease", metavar="PATH",
+                   help="the host's core lease file its launcher made (`tandem serve` gives it): "
+                        "a decode worker runs its native kernels on idle prefill workers' cores "
+                        "too, a prefill worker says when it is busy (common/core_lease.py)")
+    p.add_argument("--core-lease-slot", type=int, metavar="N",
+                   help="this worker's slot in --core-lease")
     add_log_flags(p)  # --log-level, --log-format (common/log_format.py)
     add_tracing_flag(p)  # --otlp-traces-endpoint (common/tracing.py)
     from common.cluster_auth import add_auth_args  # imports grpc: kept off the CLI's start-up

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.cluster_auth import PROOF_HEADER, REGISTER_REPLY, ClusterAuth, request_bytes
 from engine.config import KV_DTYPE_TORCH_NAMES, EngineConfig
 from worker.config import WorkerConfig
+from worker.core_share import CoreShare
 from worker.engine_loop import EngineLoop
 from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
@@ -48,18 +49,36 @@ def resolve_model(name: str) -> Path:
     return default_store().resolve(name)
 
 
+def open_core_share(config: WorkerConfig) -> CoreShare | None:
+    """This worker's slot of its host's core lease (worker/core_share.py), or None without
+    --core-lease; a lease that cannot be read is the worker's start-up error, naming it."""
+    if config.core_lease is None:
+        return None
+    try:
+        share = CoreShare.open(config.core_lease, config.core_lease_slot, config.role, config.threads)
+    except ValueError as exc:
+        raise NodeFailure(str(exc)) from None
+    log.info("%s", share.describe())
+    return share
+
+
 def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = None,
-                 kv_cache=None) -> LLMEngine:
+                 kv_cache=None, cores: CoreShare | None = None) -> LLMEngine:
     """The worker's engine from `path`: config.engine, or `sized` where the node sized its
-    pool itself (a decode worker, around its KV receiver's buffer `kv_cache`)."""
+    pool itself (a decode worker, around its KV receiver's buffer `kv_cache`). With a core
+    lease (`cores`) a decode worker's native pool is made as large as the lease can make it
+    and limited to its own share until the engine loop's first step says otherwise."""
     # A decode worker's --threads go to the native pool; torch keeps one (configure_process).
     configure_process(config.threads, torch_threads=1 if config.role == "decode" else None)
+    if cores is not None:
+        cores.size_pool()
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)
     release_freed_memory()
-    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads (torch %d, native kernels %d), "
+    log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads (torch %d, native kernels %d%s), "
              "on %s%s", config.role, "+".join(engine.model.formats), engine.config.cache.num_blocks,
              engine.config.cache.kv_dtype, config.threads, torch.get_num_threads(), native.threads(),
+             f", {native.active()} active until the core lease lends more" if native.active() else "",
              engine.runner.device,
              " (CUDA graphs)" if engine.runner.graphs is not None else "")
     return engine

@@ -2,7 +2,7 @@
 //
 // Hand-off without a lock on the hot path: a job is published as one 64-bit claim word,
 //
-//     generation (32 bits) | chunk count (16) | next chunk to claim (16)
+//     generation (32 bits) | active threads - 1 (8) | chunk count (12) | next chunk to claim (12)
 //
 // Threads claim chunk i by a compare-and-swap of that word from i to i + 1, so a thread that
 // saw an old generation can never claim a chunk of a newer job with the old job's view; the
@@ -10,6 +10,14 @@
 // every chunk of the previous job is done (done_ == count). Waiting threads spin on the word
 // for kSpinNs and then sleep on wake_; the caller publishes under m_ and notifies only when
 // someone sleeps, so a pool that is kept busy never makes a system call.
+//
+// Active limit (tandem_set_active): a job runs on the first `active` threads only (the caller
+// is thread 0, pool thread i is thread i). A pool thread at or above the limit takes no chunk
+// of a job published under it (the limit travels in the job's word) and, once the limit is
+// below it, parks on its own condition variable, woken only when the limit rises: it neither
+// spins nor wakes per job, so the core it would use is left to another process (the prefill
+// worker of a core lease, common/core_lease.py). Chunk boundaries depend on the active count,
+// but each output is still computed by one thread in serial order: results do not change.
 #include "thread_pool.h"
 
 #include <pthread.h>
@@ -30,7 +38,7 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int64_t kChunksPerThread = 4;
-constexpr int64_t kMaxChunks = 0xffff;
+constexpr int64_t kMaxChunks = 0xfff;  // >= kMaxThreads * kChunksPerThread
 // How long an idle thread (or the caller waiting for the last chunk) spins before it sleeps:
 // long enough to bridge the gap between two kernels of one decode step, short enough that an
 // idle worker process gives its core back at once.
@@ -45,8 +53,9 @@ inline void cpu_relax() {
 }
 
 inline uint32_t tag_of(uint64_t w) { return (uint32_t)(w >> 32); }
-inline uint32_t count_of(uint64_t w) { return (uint32_t)(w >> 16) & 0xffff; }
-inline uint32_t next_of(uint64_t w) { return (uint32_t)w & 0xffff; }
+inline int active_of(uint64_t w) { return (int)((w >> 24) & 0xff) + 1; }
+inline uint32_t count_of(uint64_t w) { return (uint32_t)(w >> 12) & 0xfff; }
+inline uint32_t next_of(uint64_t w) { return (uint32_t)w & 0xfff; }
 
 struct Job {
     ChunkFn fn;
@@ -57,6 +66,23 @@ struct Job {
 class Pool {
   public:
     int threads() const { return threads_.load(std::memory_order_relaxed); }
+    int active() const { return active_.load(std::memory_order_relaxed); }
+
+    // Threads a job may use from the next parallel_for on (clamped to 1..threads() when the job
+    // starts); 0 = all of them. Cheap: one store, plus a wake-up of parked threads when raised.
+    int set_active(int64_t n) {
+        if (n < 0 || n > kMaxThreads) return 1;
+        int old = active_.exchange((int)n, std::memory_order_relaxed);
+        if (n == 0 || n > old || old == 0) {
+            std::lock_guard<std::mutex> g(m_);
+            parked_cv_.notify_all();
+        }
+        return 0;
+    }
+
+    // The most threads that ran chunks of one job since the last reset (1 = only the caller).
+    int peak() const { return peak_.load(std::memory_order_relaxed); }
+    void reset_peak() { peak_.store(1, std::memory_order_relaxed); }
 
     // 0 = ok, 1 = n out of range, 2 = called from inside a parallel region, 3 = the system
     // refused a thread (the pool is then serial).
@@ -80,7 +106,9 @@ class Pool {
         const int64_t n = end - begin;
         if (n <= 0) return;
         if (grain < 1) grain = 1;
-        const int threads = this->threads();
+        int threads = this->threads();
+        const int limit = active();
+        if (limit > 0 && limit < threads) threads = limit;
         if (threads <= 1 || t_in_pool || n < 2 * grain || !use_.try_lock()) {
             fn(ctx, begin, end);
             return;
@@ -98,28 +126,38 @@ class Pool {
         chunks = (n + per - 1) / per;
         job_ = Job{fn, ctx, begin, end, per};
         done_.store(0, std::memory_order_relaxed);
-        const uint64_t word = (uint64_t)(++generation_) << 32 | (uint64_t)chunks << 16;
+        participants_.store(0, std::memory_order_relaxed);
+        const uint64_t word = (uint64_t)(++generation_) << 32 | (uint64_t)(threads - 1) << 24 |
+                              (uint64_t)chunks << 12;
         {
             std::lock_guard<std::mutex> g(m_);
             claim_.store(word, std::memory_order_release);
             if (sleepers_) wake_.notify_all();
         }
         t_in_pool = true;  // a parallel_for inside the body runs serially, not on this pool
-        work();
+        work(0);
         t_in_pool = false;
         wait_done((int64_t)chunks);
+        const int ran = participants_.load(std::memory_order_relaxed);
+        if (ran > peak_.load(std::memory_order_relaxed)) peak_.store(ran, std::memory_order_relaxed);
     }
 
   private:
-    // Claims and runs chunks of the current job until none is left.
-    void work() {
+    // Claims and runs chunks of the current job until none is left, as thread `index` (0: the
+    // caller): a job whose active count leaves this thread out is not touched.
+    void work(int index) {
         uint64_t w = claim_.load(std::memory_order_acquire);
+        int64_t counted = -1;  // the generation this thread last counted itself in (-1: none)
         for (;;) {
             const uint32_t next = next_of(w), count = count_of(w);
-            if (next >= count) return;
+            if (next >= count || index >= active_of(w)) return;
             if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire))
                 continue;
             // Chunk `next` is ours: job_ stays this job's until its last chunk is done.
+            if (counted != (int64_t)tag_of(w)) {  // before the chunk runs, so the caller's wait sees it
+                participants_.fetch_add(1, std::memory_order_relaxed);
+                counted = (int64_t)tag_of(w);
+            }
             const Job job = job_;
             const int64_t b = job.begin + (int64_t)next * job.per;
             const int64_t e = b + job.per < job.end ? b + job.per : job.end;
@@ -144,9 +182,11 @@ class Pool {
         }
     }
 
-    void worker_main(uint32_t seen) {
+    // Pool thread `index` (1-based: the caller is thread 0).
+    void worker_main(int index, uint32_t seen) {
         t_in_pool = true;
         for (;;) {
+            park_while_over_limit(index);
             const auto t0 = std::chrono::steady_clock::now();
             uint64_t w;
             for (int spins = 0; tag_of(w = claim_.load(std::memory_order_acquire)) == seen; spins++) {
@@ -164,8 +204,20 @@ class Pool {
             }
             if (stop_.load(std::memory_order_relaxed)) return;
             seen = tag_of(w);
-            work();
+            work(index);  // returns at once when the job's active count leaves this thread out
         }
+    }
+
+    bool over_limit(int index) const {
+        const int limit = active();
+        return limit > 0 && index >= limit;
+    }
+
+    // Sleeps while the active limit leaves this thread out (no spinning, no wake-up per job).
+    void park_while_over_limit(int index) {
+        if (!over_limit(index)) return;
+        std::unique_lock<std::mutex> lk(m_);
+        parked_cv_.wait(lk, [&] { return stop_.load(std::memory_order_relaxed) || !over_limit(index); });
     }
 
     // Pool threads block every signal: a signal for the process (SIGINT, SIGTERM) is handled
@@ -177,7 +229,7 @@ class Pool {
         const uint32_t seen = tag_of(claim_.load(std::memory_order_acquire));
         try {
             for (int i = 0; i < count; i++) {
-                workers_.emplace_back([this, seen] { worker_main(seen); });
+                workers_.emplace_back([this, i, seen] { worker_main(i + 1, seen); });
                 pthread_setname_np(workers_.back().native_handle(), "tandem-kernels");
             }
         } catch (...) {
@@ -192,6 +244,7 @@ class Pool {
             std::lock_guard<std::mutex> g(m_);
             stop_.store(true, std::memory_order_relaxed);
             wake_.notify_all();
+            parked_cv_.notify_all();
         }
         for (auto& t : workers_) t.join();
         workers_.clear();
@@ -201,12 +254,15 @@ class Pool {
 
     std::mutex use_;  // held by the one caller running a job, and by resize
     std::mutex m_;    // guards sleeping and waking (sleepers_, the waits on wake_ and done_cv_)
-    std::condition_variable wake_, done_cv_;
+    std::condition_variable wake_, done_cv_, parked_cv_;
     std::vector<std::thread> workers_;
     std::atomic<uint64_t> claim_{0};
     std::atomic<int64_t> done_{0};
     std::atomic<bool> stop_{false};
     std::atomic<int> threads_{1};
+    std::atomic<int> active_{0};        // set_active's limit; 0 = every thread
+    std::atomic<int> participants_{0};  // threads that ran a chunk of the current job
+    std::atomic<int> peak_{1};          // the most participants_ of one job since reset_peak
     uint32_t generation_ = 0;  // under use_
     int sleepers_ = 0;         // under m_
     Job job_{};
@@ -235,3 +291,18 @@ int pool_threads() { return pool().threads(); }
 TANDEM_API int tandem_set_threads(int64_t n) { return tandem::pool().resize(n); }
 
 TANDEM_API int tandem_threads() { return tandem::pool_threads(); }
+
+// Threads each job may use from now on, the calling thread included (0 = all the pool has;
+// more than the pool has means all of it). Returns 0, or 1 for n outside 0..256.
+TANDEM_API int tandem_set_active(int64_t n) { return tandem::pool().set_active(n); }
+
+TANDEM_API int tandem_active() { return tandem::pool().active(); }
+
+// The most threads that ran chunks of one parallel_for since the last tandem_reset_peak (a
+// test's check that a limit holds), and its reset.
+TANDEM_API int tandem_peak_threads() { return tandem::pool().peak(); }
+
+TANDEM_API int tandem_reset_peak() {
+    tandem::pool().reset_peak();
+    return 0;
+}

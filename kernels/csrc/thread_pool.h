@@ -16,6 +16,10 @@
 //     serially on the calling thread (no nesting, no deadlock, same results).
 //   - Idle pool threads spin for at most ~50 us, then sleep on a condition variable (futex):
 //     a decode worker never takes the other worker process's core when it has no work.
+//   - An active limit (tandem_set_active(n), thread_pool.cpp) runs each job on the caller and
+//     the first n - 1 pool threads only; the others are parked (asleep, not woken per job)
+//     until the limit rises. The limit changes only how the range is cut, never who computes
+//     an output's arithmetic or in what order: results stay bit-identical at every limit.
 //
 // Chunks are claimed dynamically (an atomic counter), several per thread: on a shared host a
 // descheduled thread's chunks are taken by the others instead of stalling the whole call.
@@ -38,7 +42,8 @@ typedef void (*ChunkFn)(void* ctx, int64_t begin, int64_t end);
 // called from a pool thread.
 void parallel_for_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, void* ctx);
 
-// Threads of this library's pool, the calling thread included (1 = serial).
+// Threads of this library's pool, the calling thread included (1 = serial); the active limit
+// may let a job use fewer.
 int pool_threads();
 
 // The lambda form the kernels use: body(begin, end) over contiguous chunks.

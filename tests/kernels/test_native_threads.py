@@ -219,3 +219,110 @@ def test_threads_2_adds_one_native_thread_which_sleeps_when_idle():
     assert lines["idle"] == "S"         # no work: asleep, not spinning
     assert lines["four"] == "3"         # the calling thread is one of the four
     assert lines["back"] == "0 0"       # 1 again: the pool's threads are joined
+
+
+# -- the active limit (native.set_active: a core lease's per-step share) -------------------
+
+@pytest.fixture
+def no_limit_afterwards():
+    yield
+    native.set_active(0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_results_are_bit_equal_at_every_active_limit(level, no_limit_afterwards):
+    gen = torch.Generator().manual_seed(11)
+    packed = quant_int4.pack(torch.randn(577, 1536, generator=gen), None, torch.device("cpu"), layout="q4_1")
+    x = torch.randn(3, 1536, generator=gen)
+    q, k_cache, v_cache, plan = decode_inputs([1, 15, 17, 100, 33, 2, 64], 6, 2, 64, torch.float32)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode_native(q, k_cache, v_cache, plan, 0.125, out, level)
+        return quant_int4.int4_linear_native(x, packed, level), out
+
+    native.set_threads(1)
+    serial = run()
+    native.set_threads(4)
+    for limit in (1, 2, 3, 4, 0, 9, 2):
+        native.set_active(limit)
+        for got, want in zip(run(), serial):
+            assert torch.equal(got, want), f"active limit {limit} changed a result"
+
+
+def test_no_call_uses_more_threads_than_the_limit(no_limit_afterwards):
+    """The pool's own count of the threads that ran chunks of one call: at most the limit,
+    exactly 1 at limit 1, and more than 1 when the limit allows (polled, bounded: on a loaded
+    host a woken thread may find every chunk taken)."""
+    packed = quant_int4.pack(torch.randn(4096, 576), None, torch.device("cpu"), layout="q4_1")
+    x = torch.randn(4, 576)
+    native.set_threads(4)
+    for limit in (1, 2):
+        native.set_active(limit)
+        native.peak_threads(reset=True)
+        for _ in range(300):
+            quant_int4.int4_linear_native(x, packed)
+        assert native.peak_threads() <= limit, f"a call ran on more than {limit} threads"
+        if limit == 1:
+            assert native.peak_threads() == 1
+    native.set_active(2)
+    native.peak_threads(reset=True)
+    for _ in range(3000):
+        quant_int4.int4_linear_native(x, packed)
+        if native.peak_threads() == 2:
+            break
+    assert native.peak_threads() == 2, "the second thread never ran a chunk: the count is broken"
+
+
+@pytest.mark.parametrize("bad", [-1, native.MAX_THREADS + 1, True, 1.0, "2", None])
+def test_bad_active_limits_are_refused(bad, no_limit_afterwards):
+    native.set_active(2)
+    with pytest.raises(ValueError, match="active threads"):
+        native.set_active(bad)
+    assert native.active() == 2 and native.library().tandem_active() == 2
+    assert native.library().tandem_set_active(-1) == 1
+
+
+# Pool threads over the limit are parked: they neither run chunks nor wake per call, which
+# /proc shows as context switches that do not move while calls go on (an active thread
+# sleeps after each call here, the calls being spaced, so its count moves every call).
+PARKED_SCRIPT = """
+    import os, time, torch
+    from kernels import native, quant_int4
+
+    def pool_threads():
+        tasks = sorted(os.listdir("/proc/self/task"))
+        return [t for t in tasks if open(f"/proc/self/task/{t}/comm").read().strip() == "tandem-kernels"]
+
+    def switches(tid):
+        fields = dict(l.split(":") for l in open(f"/proc/self/task/{tid}/status").read().splitlines() if ":" in l)
+        return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+    packed = quant_int4.pack(torch.randn(4096, 576), None, torch.device("cpu"), layout="q4_1")
+    x = torch.randn(4, 576)
+    native.set_threads(4)
+    native.set_active(2)
+    for _ in range(20):
+        quant_int4.int4_linear_native(x, packed)
+    time.sleep(0.2)  # the parked ones are asleep on their own condition variable by now
+    before = {t: switches(t) for t in pool_threads()}
+    for _ in range(50):
+        quant_int4.int4_linear_native(x, packed)
+        time.sleep(0.002)
+    moved = sorted(switches(t) - before[t] for t in before)
+    print("threads", len(before))
+    print("still", sum(1 for m in moved if m == 0))
+    native.set_active(0)
+    for _ in range(50):
+        quant_int4.int4_linear_native(x, packed)
+        time.sleep(0.002)
+    after = {t: switches(t) for t in before}
+    print("woken", sum(1 for t in before if after[t] > before[t]))
+"""
+
+
+def test_threads_over_the_limit_stay_asleep_until_it_rises():
+    lines = dict(line.split(" ", 1) for line in run_python(PARKED_SCRIPT).splitlines())
+    assert lines["threads"] == "3"  # 4 in all, the caller included
+    assert lines["still"] == "2"    # limit 2: pool threads 2 and 3 never woke
+    assert lines["woken"] == "3"    # no limit: every pool thread took part again
