@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.bench_peer import value, wait_ready
+from benchmarks.bench_peer import stop_servers, value, wait_ready
 from deploy.local import free_port
 
 STREAM = ["--input-len", "16", "--output-len", "128", "--num-prompts", "3", "--concurrency", "1"]
@@ -143,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{workload:9} {server:9} stream tok/s per round: {per_round}; failed {fails}")
         return 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_servers(procs)
         if home is not None:
             home.cleanup()
 

@@ -129,14 +129,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{outs['tandem']:>6},{fails['tandem']:<3}")
         return 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_servers(procs)
+
+
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGINT every server's process group (each was started in its own session), then
+    SIGKILL the groups still there after 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
