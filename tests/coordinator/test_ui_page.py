@@ -95,8 +95,11 @@ def test_the_data_shows_workers_kv_and_latencies_after_a_request(url):
     while True:
         data = _data(url)
         roles = {w["role"]: w for w in data["workers"]}
-        moved = roles.get("prefill", {}).get("kv") or {}
-        if moved.get("transfers_done", 0) >= 1 or time.monotonic() > deadline:
+        # Each worker's counters arrive with its own heartbeat: wait for both sides.
+        sent = roles.get("prefill", {}).get("kv") or {}
+        received = roles.get("decode", {}).get("kv") or {}
+        if (sent.get("transfers_done", 0) >= 1 and received.get("bytes_received", 0) > 0) \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert set(roles) == {"prefill", "decode"}
