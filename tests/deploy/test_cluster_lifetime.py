@@ -18,6 +18,7 @@ from common.processes import start_time
 from common.shm_segments import SHM_DIR, owner_pid, reclaim_orphans
 from deploy.local import free_port
 from reliability.model_factory import make_tiny_hf_model
+from tests.helpers.proc_children import child_pids
 from tests.helpers.deploy_helpers import LineReader, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,19 +49,8 @@ def _serve_argv(model: Path, port: int, log_dir: Path, *extra: str) -> list[str]
 
 def _children(pid: int) -> dict[int, int]:
     """pid -> start time of every live child of `pid`."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-        except OSError:
-            continue
-        if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
-            start = start_time(int(entry))
-            if start is not None:
-                found[int(entry)] = start
-    return found
+    starts = {child: start_time(child) for child in child_pids(pid)}
+    return {child: start for child, start in starts.items() if start is not None}
 
 
 def _segments(pids) -> list[str]:

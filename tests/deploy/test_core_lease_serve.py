@@ -22,6 +22,7 @@ from common.core_lease import CoreLease, Slot, lease_path
 from common.shm_segments import SHM_DIR
 from deploy.local import Topology, free_port, plan
 from reliability.model_factory import make_tiny_hf_model
+from tests.helpers.proc_children import child_pids
 from tests.helpers.deploy_helpers import LineReader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,16 +69,11 @@ def test_serve_parses_no_core_lease():
 def _children(pid: int) -> dict[int, str]:
     """pid -> command line of every live child of `pid`."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child in child_pids(pid):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
-            found[int(entry)] = cmd
     return found
 
 
