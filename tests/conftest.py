@@ -44,7 +44,7 @@ INTEGRATION_FILES = {
     "deploy/test_coordinator_deploy.py", "deploy/test_two_coordinators.py",
     "deploy/test_core_lease_serve.py",
     "deploy/test_deploy_netns.py", "deploy/test_deploy_pairing.py", "deploy/test_deploy_ray.py",
-    "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py",
+    "deploy/test_deploy_ssh.py", "deploy/test_deploy_topology.py", "deploy/test_serve_secret.py", "deploy/test_adversarial.py",
     "engine/test_logprobs_engine.py",
     "kernels/test_dispatch_levels.py", "kernels/test_triton_model_path.py",
     "kvtransfer/test_kvtransfer_dist.py", "kvtransfer/test_kvtransfer_shm.py",
