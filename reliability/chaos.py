@@ -72,6 +72,14 @@ def account_leaks(row: Row, by_worker: dict[str, int | None]) -> None:
         row.unasked = ["every worker (the coordinator listed none)"]
 
 
+# Scenarios that act on the KV link proxy (chaos_cluster.py: zmq without the secure plane only).
+LINK_FAULTS = ("KV link", "KV frame") + tuple(f"@ {p}" for p in sc.PROXY_PHASES)
+
+
+def needs_link_proxy(name: str) -> bool:
+    return any(part in name for part in LINK_FAULTS)
+
+
 def scenarios(quick: bool) -> dict[str, Callable[[sc.Ctx], sc.Started]]:
     kills = {f"kill -9 {role} @ {phase}": (lambda ctx, r=role, p=phase: sc.kill_at(ctx, r, p))
              for role in sc.ROLES for phase in sc.PHASES}
@@ -167,12 +175,19 @@ def reference_texts(model_path: Path) -> Callable[[str, int], tuple[str, int]]:
 
 
 def run(model_path: Path, log_dir: Path, quick: bool = False, only: tuple[str, ...] = (),
-        out: Callable[[str], None] = print) -> list[Row]:
+        out: Callable[[str], None] = print, kv_backend: str = "zmq",
+        secure: bool = False) -> list[Row]:
     expected = reference_texts(model_path)
-    topology = ChaosTopology(model_path, log_dir)
+    topology = ChaosTopology(model_path, log_dir, kv_backend=kv_backend, secure=secure)
     chosen = scenarios(quick)
     if only:
         chosen = {k: v for k, v in scenarios(False).items() if any(o in k for o in only)}
+    if not topology.link_proxies:
+        left_out = [k for k in chosen if needs_link_proxy(k)]
+        chosen = {k: v for k, v in chosen.items() if not needs_link_proxy(k)}
+        if left_out:
+            out(f"left out (they act on the zmq link proxy, which stands only on plain zmq): "
+                f"{', '.join(left_out)}")
     rows = []
     groups = [(topology, {k: v for k, v in chosen.items() if k != SECOND_COORDINATOR}),
               (replace(topology, coordinators=2, log_dir=log_dir / "two-coordinators"),
@@ -242,14 +257,21 @@ def main(argv: list[str] | None = None) -> int:
                    "directory/name the workers can load")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument("--work-dir", type=Path, help="model and logs (default: a temporary directory)")
+    p.add_argument("--kv-backend", default="zmq", choices=("zmq", "shm", "grpc", "dist"),
+                   help="the workers' KV transfer backend (default zmq)")
+    p.add_argument("--secure", action="store_true",
+                   help="a cluster secret (call proofs, KV keys, CURVE on zmq) and mutual TLS on "
+                        "the internal gRPC plane, from a CA made for the run")
     args = p.parse_args(argv)
     # SIGTERM (a timeout, Ctrl-C from a supervisor) unwinds like Ctrl-C: every child is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     model = resolve_model(args.model, work)
     started = time.monotonic()
-    rows = run(model, work / "logs", quick=args.quick, only=tuple(args.only))
-    print(f"\n{table(rows)}\n\n{len(rows)} scenarios in {time.monotonic() - started:.0f} s; logs in {work / 'logs'}")
+    rows = run(model, work / "logs", quick=args.quick, only=tuple(args.only),
+               kv_backend=args.kv_backend, secure=args.secure)
+    plane = f"{args.kv_backend}{', secret + mutual TLS' if args.secure else ''}"
+    print(f"\n{plane}\n{table(rows)}\n\n{len(rows)} scenarios in {time.monotonic() - started:.0f} s; logs in {work / 'logs'}")
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0 if all(r.ok for r in rows) else 1

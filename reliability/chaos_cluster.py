@@ -5,6 +5,12 @@ clients whose every reply is judged against a reference answer.
     prefill-i --zmq--> FaultProxy 127.0.0.2:K --zmq--> decode-j's receiver 127.0.0.1:K
                        (decode-j advertises tcp://127.0.0.2:K with --kv-advertise)
 
+The proxy reads the plaintext ZMTP stream for its phase markers, so it stands only on the zmq
+backend without the secure plane. With another backend (shm, grpc, dist), or `secure` (a
+cluster secret, mutual TLS on the internal gRPC plane from a throwaway CA, and so CURVE on
+zmq), the KV links run direct and the suite reads the phases from the coordinator's worker
+stats instead (chaos_scenarios.py); the link faults need the proxy and are left out.
+
 A reply is one of (Reply.verdict):
     correct      the stream finished and its text is the reference text
     clear_error  an HTTP error, an error line, or a stream the server closed before `done`
@@ -126,6 +132,26 @@ class ChaosTopology:
     # own, every worker registered with all (`--coordinator A,B`), as `tandem launch` starts
     # [[coordinator]] tables; the suite's requests go to the first unless a scenario says.
     coordinators: int = 1
+    kv_backend: str = "zmq"
+    # The internal plane as an operator hardens it: a cluster secret (KV keys, CURVE on zmq,
+    # call proofs) and mutual TLS on every internal gRPC server, from a CA made for the run.
+    secure: bool = False
+
+    @property
+    def link_proxies(self) -> bool:
+        """Whether each decode worker's KV link goes through a FaultProxy (see the docstring)."""
+        return self.kv_backend == "zmq" and not self.secure
+
+
+def _secure_plane(log_dir: Path) -> tuple[str, tuple[str, ...]]:
+    """(a new cluster secret, the TLS flags every process gets) for a run on this host."""
+    import secrets
+
+    from deploy.cluster_ca import make_cluster_tls
+
+    issued = make_cluster_tls(log_dir / "tls", {"loopback": "127.0.0.1"}, days=2)["loopback"]
+    return secrets.token_hex(32), ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key),
+                                   "--tls-ca", str(issued.ca))
 
 
 def _more_coordinators(specs: list, ready, n: int, log_dir: Path):
@@ -151,10 +177,12 @@ def _more_coordinators(specs: list, ready, n: int, log_dir: Path):
 class ChaosCluster:
     def __init__(self, t: ChaosTopology) -> None:
         self.t = t
+        t.log_dir.mkdir(parents=True, exist_ok=True)
+        secret, auth_args = _secure_plane(t.log_dir) if t.secure else (None, ())
         topology = Topology(model=str(t.model_path), model_path=t.model_path, log_dir=t.log_dir,
                             port=free_port(), prefill=t.prefill, decode=t.decode,
-                            kv_backend="zmq", chunk_size=t.chunk_size, prefill_threshold=1,
-                            worker_args=t.worker_args,
+                            kv_backend=t.kv_backend, chunk_size=t.chunk_size, prefill_threshold=1,
+                            worker_args=t.worker_args, cluster_secret=secret, auth_args=auth_args,
                             coordinator_args=("--model-name", "chaos", "--max-running-per-worker",
                                               str(t.max_running_per_worker), "--max-queue",
                                               str(t.max_queue), *t.coordinator_args))
@@ -166,13 +194,14 @@ class ChaosCluster:
         self.proxies: dict[str, FaultProxy] = {}
         self._awaiting: dict[str, int] = {}  # worker -> registrations logged when it was cut off
         for spec in specs:
-            if spec.name.startswith("decode"):
+            if spec.name.startswith("decode") and not t.link_proxies:
+                spec.argv.extend(["--kv-deadline", str(t.kv_deadline_s)])
+            elif spec.name.startswith("decode"):
                 kv_port = free_port()
                 spec.argv.extend(["--kv-port", str(kv_port), "--kv-deadline", str(t.kv_deadline_s),
                                   "--kv-advertise", f"tcp://{PROXY_HOST}:{kv_port}"])
                 self.proxies[spec.name] = FaultProxy("127.0.0.1", kv_port, host=PROXY_HOST,
                                                      port=kv_port, zmtp=True)
-        t.log_dir.mkdir(parents=True, exist_ok=True)
         self.handle = LocalCluster(specs, self.ready, start_timeout_s=180)
 
     def __enter__(self) -> ChaosCluster:

@@ -13,6 +13,12 @@ the KV link proxy and the coordinator's own counters, so a kill lands inside the
     kv-landing   the links are slowed; the prefill has answered (the client has its first
                  token) while the KV is still crossing to the decode worker
     decoding     the KV link has carried the sender's finish: the decode worker generates
+
+Without link proxies (another backend, or the secure plane, whose CURVE hides the markers:
+chaos_cluster.py), the phases come from the workers' stats on the coordinator: mid-prefill is
+a prefill worker busy with the victim before any transfer to a decode worker completed,
+decoding is a decode worker's completed-transfer count grown. Reserving and kv-landing need a
+stalled or slowed link, so they run only with the proxies (PROXY_PHASES).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from reliability.chaos_cluster import ChaosCluster, Stream
 
 WORDS = "the of and to in is was for on that with as by it at from his an were are which this".split()
 PHASES = ("queued", "reserving", "mid-prefill", "kv-landing", "decoding")
+PROXY_PHASES = ("reserving", "kv-landing")  # reached only by stalling or slowing the link
 ROLES = ("coordinator", "prefill", "decode")
 
 
@@ -127,6 +134,18 @@ def messages(cluster: ChaosCluster, kinds: bytes) -> dict[str, int]:
     return {name: sum(p.c2s.messages[bytes([k])] for k in kinds) for name, p in cluster.proxies.items()}
 
 
+def transfers_done(cluster: ChaosCluster) -> dict[str, int]:
+    """Transfers each decode worker has completed, as its last heartbeat reported."""
+    return {w["worker_id"]: (w.get("kv") or {}).get("transfers_done", 0)
+            for w in cluster.workers() if w["role"] == "decode"}
+
+
+def landed(cluster: ChaosCluster) -> dict[str, int]:
+    """Per decode worker, transfers whose sender's finish has crossed: the proxy's count of
+    finish (C) messages, or without proxies the workers' completed-transfer counts."""
+    return messages(cluster, b"C") if cluster.proxies else transfers_done(cluster)
+
+
 def changed(before: dict[str, int], now: dict[str, int]) -> str | None:
     return next((name for name in now if now[name] > before.get(name, 0)), None)
 
@@ -163,6 +182,12 @@ def kill_at(ctx: Ctx, role: str, phase: str) -> Started:
             out.phase_hit = wait_until(lambda: changed(before, arrived(c, b"GH")) is not None, 20)
             victim_decode = changed(before, arrived(c, b"GH"))
             time.sleep(0.1)
+        elif phase == "mid-prefill" and not c.proxies:
+            before = transfers_done(c)
+            out.streams = [ctx.request(PROMPT_WORDS, 40)]
+            wait_until(lambda: tracker.prefill is not None, 30, 0.005)
+            out.phase_hit = (tracker.prefill is not None and not out.streams[0][0].reply.text
+                             and changed(before, transfers_done(c)) is None)
         elif phase == "mid-prefill":
             before = arrived(c, b"D")
             out.streams = [ctx.request(PROMPT_WORDS, 40)]
@@ -181,13 +206,13 @@ def kill_at(ctx: Ctx, role: str, phase: str) -> Started:
             victim_decode = tracker.decode
         elif phase == "decoding":
             prepared = ctx.prepare(100, LONG_ANSWER, long=True)
-            before = messages(c, b"C")
+            before = landed(c)
             out.streams = [ctx.start(prepared)]
             reply = out.streams[0][0].reply
             # The sender's finish (C) has crossed: the decode worker holds all the KV and
             # generates. (The client's text is no marker: the coordinator holds back bytes
             # that are not yet whole UTF-8 characters, which a random model emits at length.)
-            crossed = wait_until(lambda: changed(before, messages(c, b"C")) is not None, 60, 0.005)
+            crossed = wait_until(lambda: changed(before, landed(c)) is not None, 60, 0.005)
             time.sleep(0.3)
             out.phase_hit = crossed and not reply.finished.is_set()
             victim_decode = tracker.decode
@@ -267,9 +292,9 @@ def receiver_frozen(ctx: Ctx, seconds: float = 5.0) -> Started:
     tracker.start()
     out = Started(faults=1)
     prepared = ctx.prepare(100, LONG_ANSWER, long=True)
-    before = messages(c, b"C")
+    before = landed(c)
     out.streams = [ctx.start(prepared)]
-    wait_until(lambda: changed(before, messages(c, b"C")) is not None, 60, 0.005)
+    wait_until(lambda: changed(before, landed(c)) is not None, 60, 0.005)
     time.sleep(0.3)  # decoding (see kill_at's decoding phase)
     victim = tracker.decode or "decode-0"
     tracker.halt.set()
@@ -314,9 +339,9 @@ def coordinator_restart(ctx: Ctx) -> Started:
     re-register by themselves."""
     out = Started(faults=1)
     prepared = [ctx.prepare(100, LONG_ANSWER, long=True) for _ in range(3)]
-    before = messages(ctx.cluster, b"C")
+    before = landed(ctx.cluster)
     out.streams = [ctx.start(p) for p in prepared]
-    wait_until(lambda: sum(messages(ctx.cluster, b"C").values()) - sum(before.values()) >= 3, 60, 0.01)
+    wait_until(lambda: sum(landed(ctx.cluster).values()) - sum(before.values()) >= 3, 60, 0.01)
     time.sleep(0.3)  # all three decoding (see kill_at's decoding phase)
     out.fault_at = time.monotonic()
     ctx.cluster.kill("coordinator")
@@ -336,9 +361,9 @@ def coordinator_killed_second_serving(ctx: Ctx, answer: int = 300) -> Started:
     out = Started(faults=1)
     prepared = [ctx.prepare(100, answer, long=True) for _ in range(2)]
     fresh = [ctx.prepare(60, 30) for _ in range(2)]  # reference texts before the fault
-    before = messages(c, b"C")
+    before = landed(c)
     out.streams = [ctx.start(prepared[0]), ctx.start(prepared[1], url=second)]
-    wait_until(lambda: sum(messages(c, b"C").values()) - sum(before.values()) >= 2, 60, 0.01)
+    wait_until(lambda: sum(landed(c).values()) - sum(before.values()) >= 2, 60, 0.01)
     time.sleep(0.3)  # both decoding (see kill_at's decoding phase)
     first = out.streams[0][0].reply
     out.phase_hit = not first.finished.is_set()  # the kill lands in an open stream

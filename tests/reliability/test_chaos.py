@@ -42,6 +42,26 @@ def test_quick_chaos_subset_has_no_wrong_answer_no_leak_and_recovers(model, tmp_
     assert rows["coordinator restart"].clear_error == 3, rows["coordinator restart"]
 
 
+SECURE_SUBSET = ("kill -9 decode @ decoding", "kill -9 prefill @ mid-prefill")
+
+
+def test_the_secure_plane_keeps_every_answer_right_through_kills(model, tmp_path):
+    """zmq with a cluster secret (CURVE, proofs) and mutual TLS: no link proxy can read the
+    encrypted stream, so the phases come from the workers' stats; the kills still land in them,
+    the dead workers' requests move and stay right, and the restarted workers rejoin the plane
+    with their credentials. (`python -m reliability.chaos --secure --kv-backend B` runs every
+    scenario on every backend: README.)"""
+    rows = {r.scenario: r for r in chaos.run(model, tmp_path / "logs", only=SECURE_SUBSET,
+                                             secure=True, out=lambda _: None)}
+    assert set(rows) == set(SECURE_SUBSET)
+    for r in rows.values():
+        detail = f"{r.scenario}: {r}"
+        assert r.wrong == 0 and r.hung == 0 and r.leaked_blocks == 0 and not r.unasked, detail
+        assert r.recover_s is not None, detail
+    for name in SECURE_SUBSET:
+        assert rows[name].phase_hit and rows[name].correct == rows[name].affected == 1, rows[name]
+
+
 def test_short_overload_soak_sheds_with_retry_after_and_stays_bounded(model, tmp_path):
     report = soak.run(model, tmp_path / "logs", duration_s=15, overload=4, sample_s=1.0,
                       window_s=5.0, capacity_s=5.0, out=lambda _: None)
