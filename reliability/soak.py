@@ -167,7 +167,8 @@ def soak(cluster: ChaosCluster, prompts, report: SoakReport, rate: float, durati
 
 
 def run(model_path: Path, log_dir: Path, duration_s: float, overload: float, sample_s: float = 2.0,
-        window_s: float = 10.0, capacity_s: float = 10.0, out=print) -> SoakReport:
+        window_s: float = 10.0, capacity_s: float = 10.0, out=print,
+        secure: bool = False) -> SoakReport:
     from reliability.chaos import reference_texts
 
     expected = reference_texts(model_path)
@@ -177,7 +178,8 @@ def run(model_path: Path, log_dir: Path, duration_s: float, overload: float, sam
         n = 24 + 8 * (i % 4)
         prompts.append((content, n, expected(content, n)[0]))
     topology = ChaosTopology(model_path, log_dir, prefill=1, decode=1, max_running_per_worker=4,
-                             max_queue=8, coordinator_args=("--queue-timeout", "5"))
+                             max_queue=8, coordinator_args=("--queue-timeout", "5"),
+                             secure=secure)
     report = SoakReport()
     with ChaosCluster(topology) as cluster:
         t0 = time.monotonic()
@@ -225,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--out", type=Path)
     p.add_argument("--work-dir", type=Path)
+    p.add_argument("--secure", action="store_true", help="a cluster secret (proofs, CURVE) and "
+                   "mutual TLS on the internal plane, as reliability.chaos --secure")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from reliability.chaos import resolve_model
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))
     model = resolve_model(args.model, work)
-    report = run(model, work / "logs", args.duration, args.overload, args.sample)
+    report = run(model, work / "logs", args.duration, args.overload, args.sample,
+                 secure=args.secure)
     print(figures(report, warmup_s=15.0))
     if args.out:
         outcomes, report.outcomes = report.outcomes, {}  # asdict would miscount a Counter
