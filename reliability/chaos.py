@@ -94,6 +94,7 @@ def scenarios(quick: bool) -> dict[str, Callable[[sc.Ctx], sc.Started]]:
         "duplicated KV frame": lambda ctx: sc.frame_fault(ctx, "duplicate"),
         "late KV frame (after release)": lambda ctx: sc.frame_fault(ctx, "late"),
         "coordinator restart": sc.coordinator_restart,
+        "decode worker's link to the coordinator cut": sc.registry_link_cut,
         SECOND_COORDINATOR: sc.coordinator_killed_second_serving,
     }
     every = {**kills, **others}
@@ -107,7 +108,7 @@ def scenarios(quick: bool) -> dict[str, Callable[[sc.Ctx], sc.Started]]:
 SECOND_COORDINATOR = "kill -9 coordinator, a second one serving"
 
 QUICK = ("kill -9 decode @ decoding", "kill -9 prefill @ mid-prefill", "coordinator restart",
-         "corrupted KV frame", "duplicated KV frame")
+         "corrupted KV frame", "duplicated KV frame", "decode worker's link to the coordinator cut")
 
 
 def run_one(ctx: sc.Ctx, name: str, scenario: Callable[[sc.Ctx], sc.Started],
@@ -117,8 +118,7 @@ def run_one(ctx: sc.Ctx, name: str, scenario: Callable[[sc.Ctx], sc.Started],
     row = Row(name, faults=started.faults, phase_hit=started.phase_hit, notes=started.notes)
     streams = list(started.streams)
     _judge(row, streams)
-    for p in c.proxies.values():
-        p.clear()
+    c.clear_faults()
     restarted = c.restart_dead()
     if restarted:
         row.notes.append(f"restarted {', '.join(restarted)}")

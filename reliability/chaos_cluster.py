@@ -144,12 +144,14 @@ class ChaosTopology:
 
 
 def _secure_plane(log_dir: Path) -> tuple[str, tuple[str, ...]]:
-    """(a new cluster secret, the TLS flags every process gets) for a run on this host."""
+    """(a new cluster secret, the TLS flags every process gets) for a run on this host. The
+    certificate names the proxies' address too: workers reach the Registry through them."""
     import secrets
 
-    from deploy.cluster_ca import make_cluster_tls
+    from deploy.cluster_ca import issue, make_ca
 
-    issued = make_cluster_tls(log_dir / "tls", {"loopback": "127.0.0.1"}, days=2)["loopback"]
+    folder = log_dir / "tls"
+    issued = issue(folder, make_ca(folder), "loopback", addresses=("127.0.0.1", PROXY_HOST))
     return secrets.token_hex(32), ("--tls-cert", str(issued.cert), "--tls-key", str(issued.key),
                                    "--tls-ca", str(issued.ca))
 
@@ -202,17 +204,30 @@ class ChaosCluster:
                                   "--kv-advertise", f"tcp://{PROXY_HOST}:{kv_port}"])
                 self.proxies[spec.name] = FaultProxy("127.0.0.1", kv_port, host=PROXY_HOST,
                                                      port=kv_port, zmtp=True)
+        # Each worker reaches the first coordinator's Registry (Register, Heartbeat) through a
+        # proxy of its own, so one worker's link to the coordinator can be cut; the
+        # coordinator's calls to the worker go direct. A raw TCP relay: TLS stays end to end.
+        self.registry_links: dict[str, FaultProxy] = {}
+        for spec in specs:
+            if "--coordinator" not in spec.argv:
+                continue
+            at = spec.argv.index("--coordinator") + 1
+            first, *rest = spec.argv[at].split(",")
+            host, port = first.rsplit(":", 1)
+            link = FaultProxy(host, int(port), host=PROXY_HOST, port=free_port())
+            spec.argv[at] = ",".join([f"{PROXY_HOST}:{link.port}", *rest])
+            self.registry_links[spec.name] = link
         self.handle = LocalCluster(specs, self.ready, start_timeout_s=180)
 
     def __enter__(self) -> ChaosCluster:
-        for proxy in self.proxies.values():
+        for proxy in (*self.proxies.values(), *self.registry_links.values()):
             proxy.start()
         self.handle.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.handle.stop()
-        for proxy in self.proxies.values():
+        for proxy in (*self.proxies.values(), *self.registry_links.values()):
             proxy.stop()
 
     # -- processes ---------------------------------------------------------------------------
@@ -245,6 +260,14 @@ class ChaosCluster:
         process.send_signal(sig)
         if sig == signal.SIGKILL:
             process.wait(10)
+
+    def cut_registry_link(self, name: str, down: bool) -> None:
+        """Cut (or restore) worker `name`'s link to the coordinator's Registry."""
+        self.registry_links[name].set(down=down)
+
+    def clear_faults(self) -> None:
+        for proxy in (*self.proxies.values(), *self.registry_links.values()):
+            proxy.clear()
 
     def restart_dead(self) -> list[str]:
         """Start again every process that exited (as `tandem serve`'s supervisor would)."""

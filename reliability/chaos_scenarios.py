@@ -285,6 +285,38 @@ def link_stall(ctx: Ctx, seconds: float = 4.0) -> Started:
     return out
 
 
+def registry_link_cut(ctx: Ctx, seconds: float = 8.0) -> Started:
+    """The link from the decode worker serving a stream to the coordinator's Registry is cut
+    (its heartbeats fail; the coordinator's own calls to it still pass) for longer than the
+    coordinator waits for a heartbeat, then restored. The coordinator asks a silent worker
+    for its Status before declaring it dead: this one answers, so it must keep its stream and
+    its place, and a new request during the cut must be right too."""
+    c = ctx.cluster
+    tracker = Tracker(c)
+    tracker.start()
+    out = Started(faults=1)
+    prepared = ctx.prepare(100, LONG_ANSWER, long=True)
+    during = ctx.prepare(60, 8)
+    before = landed(c)
+    out.streams = [ctx.start(prepared)]
+    reply = out.streams[0][0].reply
+    wait_until(lambda: changed(before, landed(c)) is not None, 60, 0.005)
+    time.sleep(0.3)  # decoding (see kill_at's decoding phase)
+    victim = tracker.decode or "decode-0"
+    tracker.halt.set()
+    out.fault_at = time.monotonic()
+    c.cut_registry_link(victim, True)
+    time.sleep(seconds / 2)
+    out.streams.append(ctx.start(during))
+    time.sleep(seconds / 2)
+    out.phase_hit = not reply.finished.is_set()  # the cut spanned part of the stream
+    kept = [w["alive"] for w in c.workers() if w["worker_id"] == victim]
+    c.cut_registry_link(victim, False)
+    out.notes.append(f"cut {victim}'s Registry link for {seconds:g} s; "
+                     f"{'still live' if kept == [True] else 'declared dead'} at its end")
+    return out
+
+
 def receiver_frozen(ctx: Ctx, seconds: float = 5.0) -> Started:
     """SIGSTOP the decode worker serving a stream (its heartbeats stop too), then SIGCONT."""
     c = ctx.cluster

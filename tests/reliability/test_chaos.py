@@ -33,6 +33,12 @@ def test_quick_chaos_subset_has_no_wrong_answer_no_leak_and_recovers(model, tmp_
     # The kills landed in the phase they aimed at (markers from the KV link and the coordinator).
     assert rows["kill -9 decode @ decoding"].phase_hit, rows["kill -9 decode @ decoding"]
     assert rows["kill -9 prefill @ mid-prefill"].phase_hit, rows["kill -9 prefill @ mid-prefill"]
+    # A dead decode worker's stream migrates and ends with the right text.
+    assert rows["kill -9 decode @ decoding"].correct == 1, rows["kill -9 decode @ decoding"]
+    # A worker whose link to the coordinator is cut but which answers the coordinator's Status
+    # probe keeps its stream and its place.
+    cut = rows["decode worker's link to the coordinator cut"]
+    assert cut.phase_hit and cut.correct == cut.affected == 2, cut
     # A dead prefill worker's request moves to the other one before any token: still right.
     assert rows["kill -9 prefill @ mid-prefill"].correct == 1, rows["kill -9 prefill @ mid-prefill"]
     # A corrupted KV frame is refused (checksum) and the request moves to another placement.
