@@ -15,9 +15,9 @@ the KV link proxy and the coordinator's own counters, so a kill lands inside the
     decoding     the KV link has carried the sender's finish: the decode worker generates
 
 Without link proxies (another backend, or the secure plane, whose CURVE hides the markers:
-chaos_cluster.py), the phases come from the workers' stats on the coordinator: mid-prefill is
-a prefill worker busy with the victim before any transfer to a decode worker completed,
-decoding is a decode worker's completed-transfer count grown. Reserving and kv-landing need a
+chaos_cluster.py), the phases come from the coordinator's worker list: mid-prefill is a prefill
+worker busy with the victim's prompt (the coordinator's own assignment) that has not answered,
+decoding is a decode worker's completed-transfer count grown (heartbeats carry it). Reserving and kv-landing need a
 stalled or slowed link, so they run only with the proxies (PROXY_PHASES).
 """
 
@@ -183,11 +183,12 @@ def kill_at(ctx: Ctx, role: str, phase: str) -> Started:
             victim_decode = changed(before, arrived(c, b"GH"))
             time.sleep(0.1)
         elif phase == "mid-prefill" and not c.proxies:
-            before = transfers_done(c)
             out.streams = [ctx.request(PROMPT_WORDS, 40)]
             wait_until(lambda: tracker.prefill is not None, 30, 0.005)
+            # Busy on the coordinator's own books (not a heartbeat's, which lag by up to an
+            # interval): the prefill has not answered yet.
             out.phase_hit = (tracker.prefill is not None and not out.streams[0][0].reply.text
-                             and changed(before, transfers_done(c)) is None)
+                             and not tracker.prefill_answered.is_set())
         elif phase == "mid-prefill":
             before = arrived(c, b"D")
             out.streams = [ctx.request(PROMPT_WORDS, 40)]
