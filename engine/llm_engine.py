@@ -181,6 +181,7 @@ class LLMEngine:
             model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
                                                             prefill_format=second_format, device=target)
             model_config = loaded.config
+            loaded.drop_resident_pages()
             del loaded  # the file's mapping, and the loader's own copies, go before the trim
         config = replace(config, model=model_config, cache=sized_cache(config.cache, model_config),
                          weight_format=main_format, prefill_weight_format=second_format)
@@ -191,8 +192,10 @@ class LLMEngine:
         def reload():  # the same path and formats, for load_weights after unload_weights
             with loading_weights():
                 again = load_model(Path(path))
-                return model_class(again.config.architecture)(again.config, again.weights, main_format,
-                                                              prefill_format=second_format, device=target)
+                rebuilt = model_class(again.config.architecture)(again.config, again.weights, main_format,
+                                                                 prefill_format=second_format, device=target)
+                again.drop_resident_pages()
+                return rebuilt
 
         engine._reload_model = reload
         return engine
