@@ -173,7 +173,8 @@ class LLMEngine:
             loaded = load_model(Path(path))
             if AUTO_FORMAT in (main_format, second_format):
                 choice = choose_prefill_format(loaded.config, host_memory_bytes())
-                log.info("prefill weight format auto: %s (%s)", choice.format, choice.reason)
+                log.log(logging.INFO if choice.fits else logging.WARNING,
+                        "prefill weight format auto: %s (%s)", choice.format, choice.reason)
                 main_format = choice.format if main_format == AUTO_FORMAT else main_format
                 second_format = choice.format if second_format == AUTO_FORMAT else second_format
                 if second_format == main_format:
