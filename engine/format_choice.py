@@ -23,6 +23,9 @@ of the host's memory the model's matrices take in each format, once the model's 
     bf16   else when its copy takes at most 1/3                    (a 1B: 2.1 GB; a 3B: 6.4 GB)
     w8a8   else                                                    (an 8B: 8 GB)
 
+w8a8 is the smallest prefill format; where it and the int4 decode copy would take more than
+2/3 of memory together, the choice says so (`fits` False) and the engine logs it as a warning.
+
 Why these: a host runs a prefill and a decode worker at least, each with its KV pool, and the
 decode worker's int4 copy of an 8B model is ~4.7 GB, so on a 24 GB host an 8B model fits only if
 prefill holds it in 8 bits. fp32 is kept where it costs little because it is the exact format
@@ -46,10 +49,18 @@ _WIDE_GGUF_TYPES = frozenset(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
 _FRACTIONS = (("fp32", 4, 12), ("bf16", 2, 3))  # (format, bytes per weight, 1/fraction of memory)
 
 
+# Bytes per weight of the default int4 decode copy (4 bits plus a 16-bit scale and zero per
+# group of 32), and the share of memory the two roles' copies may take together, the rest
+# being the KV pools, the interpreters and whatever else the host runs.
+_INT4_BYTES = 0.5625
+_BOTH_COPIES_FRACTION = (2, 3)
+
+
 @dataclass(frozen=True)
 class FormatChoice:
     format: str
     reason: str
+    fits: bool = True  # False: even w8a8 beside an int4 decode copy exceeds 2/3 of memory
 
 
 def matrix_params(config: ModelConfig) -> int:
@@ -82,8 +93,17 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int) -> FormatCh
         if size * fraction <= mem_total_bytes:
             return FormatChoice(fmt, f"{fmt} copy {size / gib:.2f} GiB <= 1/{fraction} of "
                                      f"{mem_total_bytes / gib:.1f} GiB of memory")
-    return FormatChoice("w8a8", f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more "
-                                f"than 1/3 of {mem_total_bytes / gib:.1f} GiB of memory")
+    reason = (f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more than 1/3 of "
+              f"{mem_total_bytes / gib:.1f} GiB of memory")
+    both = params * (1 + _INT4_BYTES)
+    num, den = _BOTH_COPIES_FRACTION
+    if both * den > mem_total_bytes * num:
+        # No prefill format is smaller than w8a8: say so at start-up rather than at the OOM killer.
+        return FormatChoice("w8a8", f"{reason}; w8a8 is the smallest prefill format, and with an "
+                                    f"int4 decode copy the two take {both / gib:.2f} GiB, more than "
+                                    f"{num}/{den} of memory: this host is likely too small for the "
+                                    f"model", fits=False)
+    return FormatChoice("w8a8", f"{reason}; w8a8 and an int4 decode copy take {both / gib:.2f} GiB")
 
 
 def matrix_format(fmt: str, parts: list) -> str:

@@ -26,6 +26,7 @@ from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineCo
 from engine.device import resolve_device
 from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes
 from engine.embedding import mean_pooled
+from common.malloc_policy import loading_weights
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
 from engine.kv_connector import ConnectorEvents, KVConnector
@@ -168,26 +169,34 @@ class LLMEngine:
         main_format, second_format = config.weight_format, config.prefill_weight_format
         target = resolve_device(config.device).torch_device
         t0 = time.monotonic()
-        loaded = load_model(Path(path))
-        if AUTO_FORMAT in (main_format, second_format):
-            choice = choose_prefill_format(loaded.config, host_memory_bytes())
-            log.info("prefill weight format auto: %s (%s)", choice.format, choice.reason)
-            main_format = choice.format if main_format == AUTO_FORMAT else main_format
-            second_format = choice.format if second_format == AUTO_FORMAT else second_format
-            if second_format == main_format:
-                second_format = None  # a colocated engine whose prefill format is its decode one
-        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
-                                                        prefill_format=second_format, device=target)
-        config = replace(config, model=loaded.config, cache=sized_cache(config.cache, loaded.config),
+        with loading_weights():  # peak: the model plus one matrix's temporaries
+            loaded = load_model(Path(path))
+            if AUTO_FORMAT in (main_format, second_format):
+                choice = choose_prefill_format(loaded.config, host_memory_bytes())
+                log.log(logging.INFO if choice.fits else logging.WARNING,
+                        "prefill weight format auto: %s (%s)", choice.format, choice.reason)
+                main_format = choice.format if main_format == AUTO_FORMAT else main_format
+                second_format = choice.format if second_format == AUTO_FORMAT else second_format
+                if second_format == main_format:
+                    second_format = None  # a colocated engine whose prefill format is its decode one
+            model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
+                                                            prefill_format=second_format, device=target)
+            model_config = loaded.config
+            loaded.drop_resident_pages()
+            del loaded  # the file's mapping, and the loader's own copies, go before the trim
+        config = replace(config, model=model_config, cache=sized_cache(config.cache, model_config),
                          weight_format=main_format, prefill_weight_format=second_format)
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
         engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
         engine.load_duration_s = time.monotonic() - t0
 
         def reload():  # the same path and formats, for load_weights after unload_weights
-            again = load_model(Path(path))
-            return model_class(again.config.architecture)(again.config, again.weights, main_format,
-                                                          prefill_format=second_format, device=target)
+            with loading_weights():
+                again = load_model(Path(path))
+                rebuilt = model_class(again.config.architecture)(again.config, again.weights, main_format,
+                                                                 prefill_format=second_format, device=target)
+                again.drop_resident_pages()
+                return rebuilt
 
         engine._reload_model = reload
         return engine

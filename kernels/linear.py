@@ -52,6 +52,25 @@ def to_float(w: torch.Tensor | QuantizedTensor, dtype: torch.dtype = torch.float
     return (w.dequantize() if isinstance(w, QuantizedTensor) else w).to(dtype)
 
 
+# Rows of a matrix converted to floats at a time while packing: ~16 MiB of fp32, so a pack's
+# temporaries are a few such chunks however large the matrix is (an 8B model's gate|up,
+# 28672 x 4096, is 470 MB in fp32; packed whole, its fp32 copy and the copies scaling and
+# rounding made held ~1.4 GB at once).
+CHUNK_ELEMENTS = 1 << 22
+
+
+def float_row_chunks(w: torch.Tensor | QuantizedTensor, dtype: torch.dtype = torch.float32):
+    """Yields (first row, rows in dtype) over w [out, in] in chunks of about CHUNK_ELEMENTS,
+    for formats that pack each row on its own (each chunk equals to_float(w)[r0:r1] bit for
+    bit: GGUF rows dequantize independently)."""
+    rows, cols = w.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, cols))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part = w.row_slice(r0, r1) if isinstance(w, QuantizedTensor) else w[r0:r1]
+        yield r0, to_float(part, dtype)
+
+
 @dataclass
 class PackedLinear:
     fmt: str
@@ -118,8 +137,10 @@ def pack_linear(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | Non
     if fmt == "fp32":
         return PackedLinear(fmt, in_features, out_features, to_float(weight).to(device).contiguous(), bias)
     if fmt == "bf16":
-        w = to_float(weight).to(device=device, dtype=torch.bfloat16).contiguous()
-        return PackedLinear(fmt, in_features, out_features, w, bias)
+        w = torch.empty(out_features, in_features, dtype=torch.bfloat16)
+        for r0, rows in float_row_chunks(weight):
+            w[r0:r0 + rows.shape[0]] = rows  # one rounding fp32 -> bf16, as a whole-matrix cast
+        return PackedLinear(fmt, in_features, out_features, w.to(device).contiguous(), bias)
     module = _format_module(fmt)
     if fmt == "w8a8":
         return module.pack(weight, bias, device, smooth=smooth, smooth_alpha=smooth_alpha)

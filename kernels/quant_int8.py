@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kernels import native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
-from kernels.linear import PackedLinear, linear_reference, to_float
+from kernels.linear import PackedLinear, float_row_chunks, linear_reference
 from kernels.quantized_tensor import QuantizedTensor
 
 K_ALIGN = 16
@@ -60,8 +60,13 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
     layout = layout or default_layout(device)
     if layout not in ("native", "cpu", "triton"):
         raise ValueError(f"unknown int8 layout {layout!r}")
-    q, scales = quantize_int8(to_float(weight), torch.bfloat16 if layout == "cpu" else torch.float32)
-    q = F.pad(q, (0, _round_up(in_features, K_ALIGN) - in_features))
+    scale_dtype = torch.bfloat16 if layout == "cpu" else torch.float32
+    # Row by row, so one chunk of rows at a time (kernels/linear.py float_row_chunks).
+    q = torch.zeros(out_features, _round_up(in_features, K_ALIGN), dtype=torch.int8)
+    scales = torch.empty(out_features, dtype=scale_dtype)
+    for r0, w in float_row_chunks(weight):
+        r1 = r0 + w.shape[0]
+        q[r0:r1, :in_features], scales[r0:r1] = quantize_int8(w, scale_dtype)
     return PackedLinear("int8", in_features, out_features, q.to(device).contiguous(), bias,
                         scales=scales.to(device).contiguous(), layout=layout)
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import HAS_TRITON, gemm_tiles, record_launch, tl, triton, use_triton
-from kernels.linear import PackedLinear, to_float
+from kernels.linear import PackedLinear, float_row_chunks, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
 K_ALIGN = 16
@@ -59,16 +59,20 @@ def smooth_scales(weight: torch.Tensor, act_absmax: torch.Tensor, alpha: float =
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device, *,
          smooth: torch.Tensor | None = None, smooth_alpha: float = 0.5) -> PackedLinear:
     out_features, in_features = weight.shape
-    w = to_float(weight)
     act_scale = None
-    if smooth is not None:
+    if smooth is not None:  # s depends on every row: the whole matrix in fp32 at once
+        w = to_float(weight)
         s = smooth_scales(w, smooth.to(w.device), smooth_alpha)
-        w = w * s[None, :]
+        weight = w * s[None, :]
         act_scale = (1.0 / s).to(device).contiguous()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    q = F.pad(q, (0, _round_up(in_features, K_ALIGN) - in_features,
-                  0, _round_up(out_features, N_ALIGN) - out_features))
+    # Row by row quantization, so packed one chunk of rows at a time (kernels/linear.py).
+    q = torch.zeros(_round_up(out_features, N_ALIGN), _round_up(in_features, K_ALIGN), dtype=torch.int8)
+    scales = torch.empty(out_features)
+    for r0, w in float_row_chunks(weight):
+        r1 = r0 + w.shape[0]
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[r0:r1, :in_features] = torch.round(w / s[:, None]).clamp_(-127, 127)  # w may be the caller's
+        scales[r0:r1] = s
     return PackedLinear("w8a8", in_features, out_features, q.to(device).contiguous(), bias,
                         scales=scales.to(device).contiguous(), layout="int8", act_scale=act_scale)
 

@@ -28,5 +28,10 @@ class QuantizedTensor:
         """fp32 [rows, cols], bit-equal to llama.cpp's dequantize_row_* of the same blocks."""
         return torch.from_numpy(dequantize_rows(self.ggml_type, self.data)).reshape(self.shape)
 
+    def row_slice(self, start: int, stop: int) -> "QuantizedTensor":
+        """Rows [start, stop) as a view of the same blocks."""
+        data = self.data[start:stop]
+        return QuantizedTensor(self.ggml_type, data, (data.shape[0], self.shape[1]))
+
     def take_rows(self, index: np.ndarray) -> "QuantizedTensor":
         return QuantizedTensor(self.ggml_type, self.data[index], (len(index), self.shape[1]))

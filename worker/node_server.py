@@ -31,7 +31,7 @@ from engine.llm_engine import LLMEngine
 from kernels import native
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
-from worker.runtime import configure_process, release_freed_memory
+from worker.runtime import configure_process
 from common.grpc_server import bind, new_server
 from common import request_id
 from common.lifeline import watch_launcher
@@ -73,8 +73,7 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
     if cores is not None:
         cores.size_pool()
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
-                                 load_tokenizer=False)
-    release_freed_memory()
+                                 load_tokenizer=False)  # trims the heap after loading
     log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads (torch %d, native kernels %d%s), "
              "on %s%s", config.role, "+".join(engine.model.formats), engine.config.cache.num_blocks,
              engine.config.cache.kv_dtype, config.threads, torch.get_num_threads(), native.threads(),

@@ -10,53 +10,19 @@
   no extra thread.
 - glibc malloc: large freed temporaries (attention scratch, GEMM outputs) are returned to the
   OS and page-faulted back on the next step, which can cost half of a CPU decode step. Raising
-  the mmap and trim thresholds keeps them in the process. Applied with mallopt at run time, so
-  it works in an already-started interpreter too.
+  the mmap and trim thresholds keeps them in the process (common/malloc_policy.py; model loads
+  run under thresholds of their own there). Applied with mallopt at run time, so it works in
+  an already-started interpreter too.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 1 << 30  # glibc caps the mmap threshold (HEAP_MAX / 2 on 64-bit)
+# The malloc policy lives in common/ so the engine can wrap its model loads in it.
+from common.malloc_policy import keep_freed_memory, release_freed_memory
 
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory for reuse. False where this is not glibc."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-def release_freed_memory() -> bool:
-    """Return the heap's free pages to the OS once, after the model is loaded: loading builds
-    each packed format through full-size temporaries (a 1B model's dequantized matrices), and
-    with the trim threshold raised above they would stay resident for the process's life.
-    False where this is not glibc."""
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-    return True
+__all__ = ["configure_process", "keep_freed_memory", "release_freed_memory", "worker_env"]
 
 
 def configure_process(threads: int = 1, torch_threads: int | None = None) -> None:

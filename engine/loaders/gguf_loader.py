@@ -131,7 +131,8 @@ def load_gguf(path: Path) -> LoadedModel:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     check_weights(path, weights, config,
                   {hf: gguf_name(hf) for hf in weight_shapes(config, weights)})
-    return LoadedModel(config=config, weights=weights, format="gguf", path=path, generation_config={})
+    return LoadedModel(config=config, weights=weights, format="gguf", path=path, generation_config={},
+                       mapping=mapped._mmap)
 
 
 def _read_tensor(header: GGUFHeader, mapped: np.memmap, name: str, type_id: int,

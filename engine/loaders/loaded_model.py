@@ -27,6 +27,19 @@ class LoadedModel:
     format: str  # "gguf" | "hf"
     path: Path  # the .gguf file or the HF directory
     generation_config: dict[str, Any]  # HF generation_config.json contents; {} for GGUF
+    # The GGUF file's mapping (mmap.mmap) that raw blocks and float tensors view; None for HF.
+    mapping: Any = None
+
+    def drop_resident_pages(self) -> None:
+        """Unmaps the file's pages from this process once a model is built from the weights:
+        packing read every matrix, so all of the file counted in RssFile although the packed
+        formats hold their own copies. The mapping stays valid (it is private and never
+        written), so what still views it (an embedding table kept as blocks, fp32 views of
+        an F32 file) faults its pages back from the page cache when read."""
+        if self.mapping is not None:
+            import mmap
+
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def weight_shapes(config: ModelConfig, present: Iterable[str] | None = None

@@ -21,6 +21,7 @@ from common.errors import ModelFormatError
 from engine.format_choice import matrix_format
 from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
+from engine.token_embedding import TokenEmbedding
 from engine.weights import QuantizedTensor, to_float
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
@@ -104,18 +105,22 @@ class LlamaForCausalLM:
         self.config = config
         self.device = device = torch.device(device)
         get = self._getter(weights)
-        self.embed_tokens = to_float(get("model.embed_tokens.weight")).to(device)
+        embed = get("model.embed_tokens.weight")
         self.norm = to_float(get("model.norm.weight")).to(device)
         tied = get("lm_head.weight") is weights.get("model.embed_tokens.weight")
+        formats = [weight_format] + ([prefill_format] if prefill_format is not None else [])
+        # A tied fp32 lm_head and the embedding share one fp32 table; else the embedding stays
+        # as the file stores it (engine/token_embedding.py).
+        shared = (to_float(embed).to(device) if tied and "fp32" in
+                  {lm_head_format or LM_HEAD_FORMAT[f] for f in formats} else None)
+        self.embed_tokens = TokenEmbedding(embed, device, fp32_table=shared)
         heads: dict[str, PackedLinear] = {}
 
         def format_set(fmt: str) -> FormatSet:
             head_fmt = lm_head_format or LM_HEAD_FORMAT[fmt]
             if head_fmt not in heads:
                 if head_fmt == "fp32" and tied:
-                    # Tied and already fp32: share the embedding matrix instead of a second copy.
-                    heads[head_fmt] = PackedLinear("fp32", config.hidden_size, config.vocab_size,
-                                                   self.embed_tokens)
+                    heads[head_fmt] = PackedLinear("fp32", config.hidden_size, config.vocab_size, shared)
                 else:
                     heads[head_fmt] = pack_linear(get("lm_head.weight"), None, head_fmt, device=device)
             return FormatSet(fmt, [self._load_layer(get, i, fmt) for i in range(config.num_layers)],

@@ -39,7 +39,11 @@ def test_each_model_size_gets_the_format_that_fits_24_gib():
     assert choose_prefill_format(SMOLLM2_135M, mem).format == "fp32"
     assert choose_prefill_format(TINYLLAMA_1B, mem).format == "bf16"
     choice = choose_prefill_format(LLAMA3_8B, mem)
-    assert choice.format == "w8a8" and "1/3 of 24.0 GiB" in choice.reason
+    assert choice.format == "w8a8" and "1/3 of 24.0 GiB" in choice.reason and choice.fits
+    # A host where even w8a8 beside the int4 decode copy is too much: still w8a8 (nothing
+    # smaller exists for prefill), marked as not fitting, with the figures.
+    small = choose_prefill_format(LLAMA3_8B, 12 * GIB)
+    assert small.format == "w8a8" and not small.fits and "too small" in small.reason
     # An 8B in w8a8 (~7.5 GB) beside its int4 decode copy (~4 GB) leaves room for KV pools.
     assert matrix_params(LLAMA3_8B) * (1 + 0.5625) < 16 * GIB
     # A larger host keeps the exact format longer.
