@@ -37,7 +37,7 @@ registry). It never imports torch.
     openai_routes.py      OpenAI's handlers (/v1/models, chat completions, completions)
     model_routes.py       /api/pull, /api/copy, /api/create, /api/delete over the model store
     embedding_routes.py   /api/embed, /api/embeddings, /v1/embeddings
-    token_routes.py       /tokenize, /detokenize (vLLM's)
+    token_routes.py       /tokenize, /detokenize, /tokenizer_info (vLLM's)
     ops_routes.py         /metrics, /health, /version, /internal/workers
     connection_limits.py  header/body/idle timeouts, connection caps (uvicorn's h11 protocol)
     http_stream.py        body limit, streams that notice a client leaving

@@ -16,8 +16,9 @@ MAX_ERROR_CHARS = 1000  # an error message never echoes more of what the client 
 
 
 def is_openai_path(path: str) -> bool:
-    # vLLM's /tokenize and /detokenize answer errors as its OpenAI routes do.
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    # vLLM's /tokenize, /detokenize and /tokenizer_info answer errors as its OpenAI routes do.
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize",
+                                                                "/tokenizer_info")
 
 
 def error_response(path: str, status: int, message: str, headers: dict[str, str] | None = None,

@@ -317,12 +317,13 @@ class ResponsesRequest(_Body):
 # ---- vLLM's tokenizer endpoints (coordinator/token_routes.py) -----------------------------------
 
 class TokenizeRequest(_Body):
-    """POST /tokenize: exactly one of `prompt` and `messages`."""
+    """POST /tokenize: exactly one of `prompt` and `messages`; `model` may be left out while
+    one model is served (coordinator/token_routes.py)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={
         "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
     prompt: str = ""
     messages: list[OpenAIMessage] = Field(default_factory=list, min_length=1)
     tools: list[Tool] | None = None
@@ -332,9 +333,9 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    """POST /detokenize."""
+    """POST /detokenize (`model` as /tokenize's)."""
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
     tokens: list[Annotated[int, Field(ge=0)]]
 
 

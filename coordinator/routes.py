@@ -64,6 +64,7 @@ def generate_routes(c: Coordinator) -> list[Route]:
         Route("POST",   "/v1/responses",          responses.create),
         Route("POST",   "/tokenize",              tokens.tokenize),    # vLLM's
         Route("POST",   "/detokenize",            tokens.detokenize),  # vLLM's
+        Route("GET",    "/tokenizer_info",        tokens.tokenizer_info),  # vLLM's
 
         # Model management over the model store
         Route("POST",   "/api/pull",              models.pull),

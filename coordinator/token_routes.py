@@ -1,9 +1,15 @@
-"""vLLM's /tokenize and /detokenize, with its request and response shapes (the table is
-coordinator/routes.py):
+"""vLLM's /tokenize, /detokenize and /tokenizer_info, with its request and response shapes (the
+table is coordinator/routes.py):
 
-    POST /tokenize   {"model", "prompt"}   or {"model", "messages", "tools"?}
+    POST /tokenize   {"model"?, "prompt"}   or {"model"?, "messages", "tools"?}
                      -> {"tokens": [...], "count": N, "max_model_len": M, "token_strs": null}
-    POST /detokenize {"model", "tokens"}   -> {"prompt": "..."}
+    POST /detokenize {"model"?, "tokens"}   -> {"prompt": "..."}
+    GET  /tokenizer_info[?model=NAME]
+                     -> {"tokenizer_class", "eos_token", "bos_token", "add_bos_token",
+                         "model_max_length", "chat_template"}
+
+`model` may be left out, as vLLM allows (lm-eval's remote tokenizer sends none), while the
+cluster serves one model; with several it names one or the request is a 400.
 
 A prompt is tokenized as /v1/completions tokenizes it (BOS by the model's rule); messages are
 rendered through the chat template as /v1/chat/completions renders them, so `count` is the
@@ -35,11 +41,15 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _model_name(body: dict[str, Any]) -> str:
-    model = body.get("model")
+def _served(coordinator: Coordinator, model: Any) -> ServedModel:
+    """The served model `model` names (a 404 for any other), or the only one when it is None."""
+    if model is None:
+        if len(coordinator.models) != 1:
+            raise RequestError(f"model is required: {len(coordinator.models)} models are served")
+        return coordinator.models.default
     if not isinstance(model, str) or not model:
-        raise RequestError("model is required")
-    return model
+        raise RequestError("model must be a model's name")
+    return coordinator.models.get(model)
 
 
 def tokenize(model: ServedModel, body: dict[str, Any], max_messages: int) -> dict[str, Any]:
@@ -73,15 +83,27 @@ def detokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": model.tokenizer.decode(tokens)}  # an id outside the vocab: a 400
 
 
+def tokenizer_info(model: ServedModel) -> dict[str, Any]:
+    """What lm-eval's RemoteTokenizer reads (eos_token above all: its `prefix_token_id` for a
+    loglikelihood request with an empty context is the id /tokenize gives that text). vLLM
+    answers its tokenizer's init kwargs and class name; tandem's is a `tokenizers` vocabulary,
+    which Hugging Face's PreTrainedTokenizerFast wraps, so that is the class it names."""
+    tok = model.tokenizer
+    text = lambda i: None if i is None else tok.id_to_token(i)  # noqa: E731
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": text(tok.eos_token_id),
+            "bos_token": text(tok.bos_token_id), "add_bos_token": tok.add_bos,
+            "model_max_length": model.context_len, "chat_template": tok.chat_template}
+
+
 class TokenRoutes:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.limits = coordinator.config
 
     async def _body(self, request: Request) -> tuple[dict[str, Any], ServedModel]:
-        """The request's body and the served model it names (a 404 for any other)."""
+        """The request's body and the served model it names (_served)."""
         body = await read_json_body(request, self.limits.max_body_bytes)
-        return body, self.coordinator.models.get(_model_name(body))
+        return body, _served(self.coordinator, body.get("model"))
 
     async def tokenize(self, request: Request) -> JSONResponse:
         body, model = await self._body(request)
@@ -90,3 +112,7 @@ class TokenRoutes:
     async def detokenize(self, request: Request) -> JSONResponse:
         body, model = await self._body(request)
         return JSONResponse(await off_loop(detokenize, model, body))
+
+    async def tokenizer_info(self, request: Request) -> JSONResponse:
+        model = _served(self.coordinator, request.query_params.get("model"))
+        return JSONResponse(tokenizer_info(model))

@@ -35,6 +35,8 @@ INTEGRATION_FILES = {
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",
     "coordinator/test_default_model_tools.py",
     "coordinator/test_api_openai_grpc.py", "coordinator/test_api_structured.py",
+    "coordinator/test_client_litellm.py", "coordinator/test_client_llamaindex.py",
+    "coordinator/test_client_lm_eval.py",
     "coordinator/test_keep_alive_cluster.py", "coordinator/test_tenant_cache.py",
     "coordinator/test_response_cache_cluster.py", "coordinator/test_response_cache_semantic.py",
     "coordinator/test_isolation_attacks.py", "coordinator/test_multi_model_cluster.py",

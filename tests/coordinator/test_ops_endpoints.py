@@ -1,5 +1,5 @@
-"""The endpoints that probes and vLLM-minded tools call: /health, /version, /tokenize and
-/detokenize, on the real coordinator with fake workers."""
+"""The endpoints that probes and vLLM-minded tools call: /health, /version, /tokenize,
+/detokenize and /tokenizer_info, on the real coordinator with fake workers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.rpc import worker_pb2 as pb
+from coordinator.model import load_served_model
 
 from tests.helpers.coordinator_fakes import (
     DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
@@ -82,6 +83,47 @@ def test_tokenize_and_detokenize_in_vllms_shapes(model):
         assert bad.status_code == 400, bad.text
         assert isinstance(bad.json()["error"]["message"], str)  # OpenAI's shape, as vLLM
     assert other.status_code == 404
+
+
+def test_the_tokenizer_endpoints_as_lm_evals_remote_tokenizer_calls_them(model, tmp_path):
+    """lm-eval's RemoteTokenizer reads GET /tokenizer_info, then posts /tokenize and
+    /detokenize without a `model` (as vLLM allows): the only served model answers. With two
+    served models, a request that names none is a 400 that says so, and ?model= picks one."""
+    tok = model.tokenizer
+    other = load_served_model(make_tiny_model_dir(tmp_path / "other", max_position=256), "other")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            async with coordinator_harness(model) as h:
+                one = [await client.get(f"{h.url}/tokenizer_info"),
+                       await client.post(f"{h.url}/tokenize",
+                                         json={"prompt": "Hello world", "add_special_tokens": False}),
+                       await client.post(f"{h.url}/detokenize",
+                                         json={"tokens": tok.encode("Hello world", False)}),
+                       await client.get(f"{h.url}/tokenizer_info", params={"model": "nope"})]
+            async with coordinator_harness([model, other]) as h:
+                two = [await client.get(f"{h.url}/tokenizer_info"),
+                       await client.post(f"{h.url}/tokenize", json={"prompt": "x"}),
+                       await client.get(f"{h.url}/tokenizer_info", params={"model": "other"})]
+        return one, two
+
+    (info, tokens, text, unknown), (unnamed_info, unnamed, named) = run(scenario())
+    assert info.status_code == 200, info.text
+    assert info.json() == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tok.id_to_token(tok.eos_token_id),
+        "bos_token": None if tok.bos_token_id is None else tok.id_to_token(tok.bos_token_id),
+        "add_bos_token": tok.add_bos, "model_max_length": model.context_len,
+        "chat_template": tok.chat_template}
+    # The eos text tokenizes back to the one id (lm-eval's prefix for an empty context).
+    assert tok.encode(info.json()["eos_token"], add_special_tokens=False) == [tok.eos_token_id]
+    assert tokens.json()["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    assert text.json() == {"prompt": "Hello world"}
+    assert unknown.status_code == 404
+    for bad in (unnamed_info, unnamed):
+        assert bad.status_code == 400
+        assert bad.json()["error"]["message"] == "model is required: 2 models are served"
+    assert named.status_code == 200 and named.json()["model_max_length"] == 256
 
 
 # ---- /metrics: vLLM's names and types, tandem's beside them ---------------------------------------
