@@ -104,7 +104,7 @@ def measure_capacity(cluster: ChaosCluster, prompts, seconds: float) -> float:
 
 
 def soak(cluster: ChaosCluster, prompts, report: SoakReport, rate: float, duration_s: float,
-         window_s: float, t0: float) -> None:
+         window_s: float, t0: float, out=print) -> None:
     rng = random.Random(1)
     lock = threading.Lock()
     window = Counter()
@@ -144,6 +144,10 @@ def soak(cluster: ChaosCluster, prompts, report: SoakReport, rate: float, durati
                 report.windows.append({"t": round(now - t0, 1), **{k: round(v / window_s, 2)
                                        for k, v in window.items()}})
                 window.clear()
+                w = report.windows[-1]
+                out(f"t {w['t']:.0f} s: offered {w.get('offered', 0)}/s, admitted "
+                    f"{w.get('admitted', 0)}/s, shed {w.get('shed', 0)}/s; wrong so far "
+                    f"{report.wrong}")
             next_window += window_s
             for name in cluster.names():
                 if cluster.process(name).poll() is not None and name not in report.crashed:
@@ -189,7 +193,7 @@ def run(model_path: Path, log_dir: Path, duration_s: float, overload: float, sam
         report.offered_rps = overload * report.capacity_rps
         out(f"capacity {report.capacity_rps:.1f} req/s; offering {report.offered_rps:.1f} req/s "
             f"for {duration_s:g} s")
-        soak(cluster, prompts, report, report.offered_rps, duration_s, window_s, t0)
+        soak(cluster, prompts, report, report.offered_rps, duration_s, window_s, t0, out)
         sampler.halt.set()
         sampler.join()
         report.crashed += [n for n in cluster.names()
