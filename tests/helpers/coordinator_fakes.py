@@ -238,6 +238,8 @@ class _Decode(pb_grpc.DecodeWorkerServicer):
                 await asyncio.sleep(DEADLINE_S)
             for i, token in enumerate(tokens):
                 if script.die_after is not None and i >= script.die_after:
+                    self.w.heartbeating = False  # a crashed process sends none (else it
+                    # registers again once declared dead, and the test sees it alive)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker crashed")
                 if script.pause_after is not None and i >= script.pause_after:
                     await asyncio.sleep(DEADLINE_S)  # until the call is cancelled
@@ -291,6 +293,7 @@ class _Prefill(pb_grpc.PrefillWorkerServicer):
         self.w.requests.append(request)
         await self.w.refuse_unloaded(context)
         if self.w.script.unavailable:
+            self.w.heartbeating = False  # as a crashed process (see _Decode)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker crashed")
         try:
             await asyncio.sleep(self.w.script.token_delay_s)
