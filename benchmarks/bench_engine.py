@@ -186,7 +186,7 @@ def run_child(args, level: str) -> dict:
            "--batches", args.batches, "--decode-steps", str(args.decode_steps),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--kv-dtype", args.kv_dtype,
            "--device", args.device]
-    env = {**worker_env(args.threads), "ATEN_CPU_CAPABILITY": level}
+    env = native.level_env(level, worker_env(args.threads))
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])[0]
     if result["level"] != level:  # aten ignored the request (e.g. a CPU without it)

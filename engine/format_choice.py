@@ -109,6 +109,6 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int) -> FormatCh
 def matrix_format(fmt: str, parts: list) -> str:
     """The format one matrix (the concatenation of `parts`: tensors or GGUF QuantizedTensors)
     is packed in when the model's format is `fmt` (module docstring)."""
-    if fmt == "int4" and any(getattr(p, "ggml_type", None) in _WIDE_GGUF_TYPES for p in parts):
+    if fmt in ("int4", "int4a8") and any(getattr(p, "ggml_type", None) in _WIDE_GGUF_TYPES for p in parts):
         return "int8"
     return fmt

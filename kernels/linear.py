@@ -13,6 +13,9 @@ Formats, and the phase each is for (DESIGN.md, "prefill is compute-bound, decode
                                                       only)
     int4    4-bit, group 32, asymmetric (zero point); bf16 (weight-    kernels.quant_int4  (decode)
             GGUF Q4_0/Q4_1 repacked without floats    only)
+    int4a8  int4's weights                            int8 per group   kernels.quant_int4  (decode)
+                                                      of 32 (native
+                                                      CPU kernel)
     w8a8    int8, per-output-channel symmetric,       int8 per token,  kernels.quant_w8a8  (prefill)
             optional SmoothQuant                      int32 accumulate
 
@@ -30,6 +33,7 @@ the aten CPU kernels, CUDA packs for the Triton kernels in the same module.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -42,6 +46,7 @@ from kernels.quantized_tensor import QuantizedTensor
 _QUANTIZED_FORMATS = {
     "int8": "kernels.quant_int8",
     "int4": "kernels.quant_int4",
+    "int4a8": "kernels.quant_int4",  # int4 weights, int8 activations per group (the module's docstring)
     "w8a8": "kernels.quant_w8a8",
 }
 DENSE_FORMATS = ("fp32", "bf16")
@@ -144,6 +149,8 @@ def pack_linear(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | Non
     module = _format_module(fmt)
     if fmt == "w8a8":
         return module.pack(weight, bias, device, smooth=smooth, smooth_alpha=smooth_alpha)
+    if fmt == "int4a8":  # int4's module and weights; the packed layer keeps the format's name
+        return dataclasses.replace(module.pack(weight, bias, device, int8_activations=True), fmt=fmt)
     return module.pack(weight, bias, device)
 
 

@@ -11,9 +11,14 @@ Dispatch level: each source is compiled once per instruction-set level (csrc/sim
     default   (plain x86-64; the compiler may use SSE2)       DEFAULT (or a non-x86 CPU)
     avx2      -mavx2 -mfma -mf16c                             AVX2
     avx512    -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma    AVX512
+    avx512vnni  avx512's and -mavx512vnni                     AVX512, on a CPU with AVX512-VNNI,
+                                                              ATEN_CPU_CAPABILITY not set
 
 The level follows `torch.backends.cpu.get_cpu_capability()`, which honours
 ATEN_CPU_CAPABILITY=default|avx2|avx512, so one host runs (and tests) every level up to its own.
+aten has no VNNI level of its own: an explicit ATEN_CPU_CAPABILITY=avx512 therefore means plain
+avx512 here too, which is how a VNNI host tests the non-VNNI code (vpmaddubsw + vpmaddwd where
+vpdpbusd would be).
 
 Cache: $TANDEM_HOME/native (default ~/.cache/tandem/native), one shared library per hash of
 (sources, flags, compiler version), loaded only from a directory that only we can write and only
@@ -53,18 +58,20 @@ SOURCES = ("copy_crc32c.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decod
            "rotary_kv_write.cpp", "thread_pool.cpp")
 HEADERS = ("simd.h", "thread_pool.h")
 MAX_THREADS = 256  # thread_pool.cpp kMaxThreads
-LEVELS = ("default", "avx2", "avx512")
+LEVELS = ("default", "avx2", "avx512", "avx512vnni")
 LEVEL_FLAGS = {
     "default": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
+LEVEL_FLAGS["avx512vnni"] = LEVEL_FLAGS["avx512"] + ["-mavx512vnni"]
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fvisibility=hidden"]
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     # name: argument types (every function returns int: 0 = ok, else a shape error code)
     "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_int4a8_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "tandem_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "tandem_rotary_kv_write": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
@@ -99,7 +106,33 @@ def dispatch_level() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "default"
     cap = torch.backends.cpu.get_cpu_capability().lower()
+    if cap == "avx512" and not os.environ.get("ATEN_CPU_CAPABILITY") and _has_cpu_flag("avx512_vnni"):
+        return "avx512vnni"
     return cap if cap in LEVEL_FLAGS else "default"
+
+
+def level_env(level: str, env: dict[str, str]) -> dict[str, str]:
+    """A copy of `env` under which a new process runs `level` (on a host that has it):
+    aten's ATEN_CPU_CAPABILITY, or for avx512vnni none at all (dispatch_level)."""
+    if level not in LEVEL_FLAGS:
+        raise ValueError(f"unknown native level {level!r}; expected one of {LEVELS}")
+    out = {k: v for k, v in env.items() if k != "ATEN_CPU_CAPABILITY"}
+    if level != "avx512vnni":
+        out["ATEN_CPU_CAPABILITY"] = level
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _has_cpu_flag(flag: str) -> bool:
+    """Whether the kernel reports `flag` for this CPU (Linux /proc/cpuinfo; elsewhere: no)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return flag in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return False
 
 
 def cache_root() -> Path:

@@ -164,15 +164,23 @@ def _time_layout(layout: str) -> float:
 
 
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,
-         layout: str | None = None) -> PackedLinear:
+         layout: str | None = None, int8_activations: bool = False) -> PackedLinear:
+    """int8_activations (the "int4a8" format): the "q4_1a8" layout where the native CPU kernels
+    run; elsewhere (a GPU, no compiler) int4's own layout, weight-only, as the format's
+    weights are int4's either way."""
     out_features, in_features = weight.shape
+    if layout is None and int8_activations and device.type == "cpu" and native.available():
+        layout = "q4_1a8"
     layout = layout or default_layout(device)
-    if layout == "q4_1":
-        return pack_q4_1(q4_1_blocks(weight), in_features, bias)
+    if layout in Q4_1_LAYOUTS:
+        return pack_q4_1(q4_1_blocks(weight), in_features, bias, layout)
     return pack_groups(to_int4_groups(weight), in_features, bias, device, layout)
 
 
 BLOCK_BYTES = 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+# Layouts of the same three Q4_1 arrays, read by kernels/csrc/int4_linear.cpp with int16
+# activations per row ("q4_1") or int8 per group of 32 ("q4_1a8", llama.cpp's arithmetic).
+Q4_1_LAYOUTS = ("q4_1", "q4_1a8")
 CHUNK_GROUPS = 16  # groups per chunk of the "q4_1" layout's nibbles (kernels/csrc/int4_linear.cpp)
 
 
@@ -202,15 +210,16 @@ def _q4_1_from_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> np.n
     return out.reshape(q.shape[0], -1).numpy()
 
 
-def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -> PackedLinear:
-    """Q4_1 blocks [N, G * 20] -> the "q4_1" layout's three arrays."""
+def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None,
+              layout: str = "q4_1") -> PackedLinear:
+    """Q4_1 blocks [N, G * 20] -> the "q4_1" (or "q4_1a8": the same arrays) layout's three arrays."""
     n = blocks.shape[0]
     b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1, BLOCK_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
     qs = to_chunk_order(b[..., 4:])
     return PackedLinear("int4", in_features, n, qs, bias, scales=d.contiguous(), zeros=m.contiguous(),
-                        layout="q4_1", group_size=GROUP_SIZE)
+                        layout=layout, group_size=GROUP_SIZE)
 
 
 def _chunk_transposes(groups: int) -> list[tuple[int, int]]:
@@ -283,7 +292,7 @@ def unpack_q(packed: PackedLinear) -> torch.Tensor:
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
-    if packed.layout == "q4_1":
+    if packed.layout in Q4_1_LAYOUTS:
         return _q4_1_dequantize(packed)[:packed.out_features, :packed.in_features]
     q = unpack_q(packed).float()
     sz = packed.scales.float().transpose(0, 1)  # [N, G, 2]
@@ -303,17 +312,35 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return xq, amax / 32767.0, x.reshape(m, k // GROUP_SIZE, GROUP_SIZE).sum(dim=-1)
 
 
+def quantize_activations_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] (K % 32 == 0) -> (xq int8-valued fp32 [M, K], dx [M, K/32], sums [M, K/32]):
+    per group of 32, dx = max|x| / 127, xq = round(x * (127 / max|x|)) (the kernel's float
+    steps), and the exact sum."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)
+    amax = xg.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xg * inv[..., None]).reshape(m, k)
+    return xq, amax / 127.0, xg.sum(dim=-1)
+
+
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    if packed.layout != "q4_1":
+    if packed.layout not in Q4_1_LAYOUTS:
         return linear_reference(x, dequantize(packed), packed.bias)
-    # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per row,
-    # y = dx sum_g d_g (q_g . xq_g) + m_g S_g, the m term on the exact group sums.
+    # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per row
+    # ("q4_1": y = dx sum_g d_g (q_g . xq_g) + m_g S_g) or to int8 per group ("q4_1a8":
+    # y = sum_g d_g dx_g (q_g . xq_g) + m_g S_g), the m term on the exact group sums.
     kp = packed.weight.shape[1] * 2
     q, d, m = _q4_1_parts(packed)
-    xq, dx, sums = quantize_activations(F.pad(x.float(), (0, kp - x.shape[1])))
+    xp = F.pad(x.float(), (0, kp - x.shape[1]))
+    a8 = packed.layout == "q4_1a8"
+    xq, dx, sums = quantize_activations_i8(xp) if a8 else quantize_activations(xp)
     xg = xq.reshape(x.shape[0], -1, GROUP_SIZE)  # [M, G, 32]
     dots = torch.einsum("mgi,ngi->mng", xg.double(), q.double())  # exact integers
-    y = (dots * d[None].double()).sum(-1) * dx.double()[:, None] + (sums.double() @ m.double().t())
+    if a8:
+        y = (dots * d[None].double() * dx.double()[:, None]).sum(-1) + (sums.double() @ m.double().t())
+    else:
+        y = (dots * d[None].double()).sum(-1) * dx.double()[:, None] + (sums.double() @ m.double().t())
     y = y[:, :packed.out_features].float()
     if packed.bias is not None:
         y = y + packed.bias
@@ -322,7 +349,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout == "q4_1":
+    if packed.layout in Q4_1_LAYOUTS:
         if x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
             # Prefill-sized passes: dequantize, fp32 GEMM; exact weights, unrounded activations.
             return linear_reference(x, dequantize(packed), packed.bias)
@@ -337,13 +364,16 @@ def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 
 def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None = None) -> torch.Tensor:
-    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp.
+    """x: [M, K] float -> [M, N]; fp32 activations into kernels/csrc/int4_linear.cpp, rounded
+    there to int16 per row ("q4_1") or to int8 per group of 32 ("q4_1a8").
     level: the native build to run (kernels/native.py; default: this process's dispatch level)."""
     kp = packed.weight.shape[1] * 2
     xf = native.fp32_rows(x, kp)
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
-    native.check(native.library(level).tandem_int4_linear(
+    lib = native.library(level)
+    kernel = lib.tandem_int4a8_linear if packed.layout == "q4_1a8" else lib.tandem_int4_linear
+    native.check(kernel(
         xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
         packed.zeros.data_ptr(), n, native.ptr(packed.bias), y.data_ptr(), n), "int4 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -53,7 +53,8 @@ class DecoderLayer:
 
 # The lm_head reads the whole vocabulary every step; int8 halves bf16's bytes and keeps the
 # logits (computed in fp32) close enough that greedy choices hold.
-LM_HEAD_FORMAT = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int8", "w8a8": "int8"}
+LM_HEAD_FORMAT = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int8", "int4a8": "int8",
+                  "w8a8": "int8"}
 
 
 @dataclass

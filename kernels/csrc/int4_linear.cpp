@@ -1,4 +1,6 @@
-// int4 linear for decode: y[M, N] = x[M, K] @ W^T (+ bias), fp32 in and out.
+// int4 linear for decode: y[M, N] = x[M, K] @ W^T (+ bias), fp32 in and out. Two entry points
+// read the same weights: tandem_int4_linear rounds x to int16 per row (below), and
+// tandem_int4a8_linear to int8 per group of 32 (the "a8" section further down).
 //
 // W holds the values of ggml Q4_1 blocks (group 32) in three arrays:
 //
@@ -40,9 +42,8 @@
 // decode step's GEMVs of a random 1B LLaMA, 640 MB of weights, with a throw-away harness): the
 // per-group layout took 155-194 ms at M = 1 and 373-414 ms at M = 8, this one 122-150 and
 // 348-389. At M = 8 both are bound by the 512-bit integer multiplies, which the reorder does
-// not reduce: one vpmaddwd (or vpdpwssd: no faster here) per 32 weights and row. Fewer
-// needs int8 activations (vpdpbusd, 64 per instruction): a prototype with int8 per group took
-// 253-286 ms at M = 8, at a quality cost not yet judged (above).
+// not reduce: one vpmaddwd (or vpdpwssd, in the avx512vnni build) per 32 weights and row.
+// Fewer needs int8 activations (vpdpbusd, 64 per instruction): the a8 variant below.
 //
 // xq is stored in the matching order (quantize_rows), per row KQ = 512 * chunks int16, a tail
 // chunk zero-padded; for chunk c and load t, 32 lanes at 512 c + 64 t hold x_{g, 2t+b} and the
@@ -194,6 +195,150 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunk
 #endif
 }
 
+// ---- int8 activations (the "a8" variant: tandem_int4a8_linear) ----
+//
+// Each group of 32 of x gets its own scale (dx_g = max|x_g| / 127, xq = round(x / dx_g): what
+// llama.cpp's Q8_0/Q8_1 activations are), so
+//
+//     y[r, n] = sum_g d_g * dx[r, g] * (q_g . xq[r, g])  +  sum_g m_g * S[r, g]
+//
+// Why: one vpdpbusd multiplies and sums 64 4-bit weights (as u8) by 64 int8 of x, against two
+// vpdpwssd for the int16 variant: the per-row cost of a batch halves. The price is x rounded to
+// 1 part in 254 of its group's range rather than 65534 of its row's (quality: benchmarks/quality,
+// README). |q . xq| <= 32 * 15 * 127 < 2^16: the int32 sums and their floats stay exact, so
+// VNNI or not, and the order of the integer adds, change nothing.
+//
+// xq8 order per row and chunk c (512 bytes at 512 c): for load t (0..7), 64 bytes at 64 t; the
+// int32 lane g of those holds x_{g, 2t}, x_{g, 2t+1}, x_{g, 16+2t}, x_{g, 16+2t+1}: the same
+// four elements whose nibbles the weight unpack below puts in lane g. dx8 [M, 16 * chunks], zero
+// padded.
+static inline int xq8_byte(int g, int i) {
+    const int s = i >= 16, e = i - 16 * s;  // s: high nibble; e = 2 t + b
+    return 64 * (e >> 1) + 4 * g + 2 * s + (e & 1);
+}
+
+static void quantize_rows_i8(const float* x, int64_t m, int64_t k, int64_t ldx, int8_t* xq, int64_t kq,
+                             float* dx, int64_t ldd, float* sums) {
+    const int64_t groups = k / 32;
+    memset(xq, 0, (size_t)(m * kq));
+    memset(dx, 0, (size_t)(m * ldd) * sizeof(float));
+    memset(sums, 0, (size_t)(m * ldd) * sizeof(float));
+    for (int64_t r = 0; r < m; r++) {
+        const float* xr = x + r * ldx;
+        for (int64_t g = 0; g < groups; g++) {
+            const float* xg = xr + g * 32;
+            float amax = 0.f, sum = 0.f;
+            for (int i = 0; i < 32; i++) {
+                amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
+                sum += xg[i];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t* qc = xq + r * kq + (g / CHUNK_GROUPS) * CHUNK_XQ;
+            const int gl = (int)(g % CHUNK_GROUPS);
+            for (int i = 0; i < 32; i++) qc[xq8_byte(gl, i)] = (int8_t)lrintf(xg[i] * inv);
+            dx[r * ldd + g] = amax / 127.f;
+            sums[r * ldd + g] = sum;
+        }
+    }
+}
+
+// out[r] = sum_g d_g * dx[r, g] * (q_g . xq[r, g]) + m_g * S[r, g] over the row's chunks (chunk,
+// d: as row_tile; m: per group, zero-padded like d; S [R, ldd] the group sums). The m term
+// joins the same per-chunk accumulator, so one reduction per row ends the sum: a separate dot
+// of m and S per output cost a third as much as the integer work at K = 2048.
+template <int R, class ChunkPtr>
+static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const float* mn, int64_t chunks,
+                               const int8_t* xq, int64_t kq, const float* dx, const float* S, int64_t ldd,
+                               float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi32(0x0f0f);
+#if !defined(__AVX512VNNI__)
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        const int8_t* xc = xq + c * CHUNK_XQ;
+        __m512i dot[R];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            // lane g: group g's bytes 2t, 2t+1 -> [lo, lo, hi, hi] nibbles as u8
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
+            const __m512i q = _mm512_or_si512(_mm512_and_si512(v, mask),
+                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), mask), 16));
+            for (int r = 0; r < R; r++) {
+                const __m512i xv = _mm512_loadu_si512((const void*)(xc + r * kq + 64 * t));
+#if defined(__AVX512VNNI__)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], q, xv);
+#else
+                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), ones));
+#endif
+            }
+        }
+        const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm512_loadu_ps(mn + c * CHUNK_GROUPS);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                     _mm512_mul_ps(vd, _mm512_loadu_ps(dx + r * ldd + c * CHUNK_GROUPS)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(vm, _mm512_loadu_ps(S + r * ldd + c * CHUNK_GROUPS), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__)
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi32(0x0f0f), ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        for (int h = 0; h < 2; h++) {  // groups 8 h .. 8 h + 7
+            const int8_t* xc = xq + c * CHUNK_XQ + 32 * h;
+            __m256i dot[R];
+            for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * t + 16 * h)));
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(v, mask),
+                                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 4), mask), 16));
+                for (int r = 0; r < R; r++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xc + r * kq + 64 * t));
+                    dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+                }
+            }
+            const __m256 vd = _mm256_loadu_ps(d + c * CHUNK_GROUPS + 8 * h);
+            const __m256 vm = _mm256_loadu_ps(mn + c * CHUNK_GROUPS + 8 * h);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                                         _mm256_mul_ps(vd, _mm256_loadu_ps(dx + r * ldd + c * CHUNK_GROUPS + 8 * h)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(vm, _mm256_loadu_ps(S + r * ldd + c * CHUNK_GROUPS + 8 * h), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[r] = _mm_cvtss_f32(s);
+    }
+#else
+    for (int r = 0; r < R; r++) out[r] = 0.f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* w = chunk(c);
+        for (int g = 0; g < CHUNK_GROUPS; g++) {
+            for (int r = 0; r < R; r++) {
+                const int8_t* xc = xq + r * kq + c * CHUNK_XQ;
+                int32_t dot = 0;
+                for (int t = 0; t < 8; t++)
+                    for (int b = 0; b < 2; b++) {
+                        const uint8_t byte = w[32 * t + 2 * g + b];
+                        dot += (byte & 0x0f) * xc[xq8_byte(g, 2 * t + b)] + (byte >> 4) * xc[xq8_byte(g, 16 + 2 * t + b)];
+                    }
+                const int64_t i = c * CHUNK_GROUPS + g;
+                out[r] += d[i] * dx[r * ldd + i] * (float)dot + mn[i] * S[r * ldd + i];
+            }
+        }
+    }
+#endif
+}
+
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     vf acc = vzero();
     int64_t i = 0;
@@ -204,13 +349,17 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 // Output rows [j0, j1) of y from the quantized activations: the serial kernel over a slice of N.
-static void int4_rows(const int16_t* xq, int64_t kq, const float* dx, const float* sums, int64_t m,
-                      int64_t k, const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
+// Tile(r, chunk, d, m, chunks, m0, out) writes out[0..r) for rows m0.. of x: the dot products of
+// one weight row, before the row scale dx_row (int16 variant; null: none) and, unless
+// TileAddsM, before the m term.
+template <bool TileAddsM, class Tile>
+static void int4_rows(const Tile& tile, const float* dx_row, const float* sums, int64_t m, int64_t k,
+                      const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
                       const float* bias, float* y, int64_t ldy, int64_t j0, int64_t j1) {
     const int64_t groups = k / 32, row_bytes = k / 2;
     const int64_t full = groups / CHUNK_GROUPS, tail = groups % CHUNK_GROUPS;
     const int64_t chunks = full + (tail > 0);
-    std::vector<float> d((size_t)(chunks * CHUNK_GROUPS), 0.f), mn((size_t)groups);
+    std::vector<float> d((size_t)(chunks * CHUNK_GROUPS), 0.f), mn((size_t)(chunks * CHUNK_GROUPS), 0.f);
     alignas(64) uint8_t tail_chunk[CHUNK_BYTES] = {0};  // groups >= tail stay 0 (q = 0, d = 0)
     const char* end = (const char*)(qs + n * row_bytes);
     float out[MB];
@@ -228,22 +377,26 @@ static void int4_rows(const int16_t* xq, int64_t kq, const float* dx, const floa
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
             const int64_t r = m - m0 < MB ? m - m0 : MB;
-            const int16_t* xr = xq + m0 * kq;
-            switch (r) {
-                case 1: row_tile<1>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 2: row_tile<2>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 3: row_tile<3>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 4: row_tile<4>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 5: row_tile<5>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 6: row_tile<6>(chunk, d.data(), chunks, xr, kq, out); break;
-                case 7: row_tile<7>(chunk, d.data(), chunks, xr, kq, out); break;
-                default: row_tile<8>(chunk, d.data(), chunks, xr, kq, out); break;
-            }
+            tile(r, chunk, d.data(), mn.data(), chunks, m0, out);
             for (int64_t i = 0; i < r; i++)
-                y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + dot_f32(mn.data(), sums + (m0 + i) * groups, groups) + b;
+                y[(m0 + i) * ldy + j] = out[i] * (dx_row ? dx_row[m0 + i] : 1.f) + b
+                                        + (TileAddsM ? 0.f : dot_f32(mn.data(), sums + (m0 + i) * groups, groups));
         }
     }
 }
+
+// Dispatches a runtime row count r (1..MB) to the kernel compiled for it.
+#define TANDEM_TILE_SWITCH(r, CALL)                      \
+    switch (r) {                                         \
+        case 1: CALL(1); break;                          \
+        case 2: CALL(2); break;                          \
+        case 3: CALL(3); break;                          \
+        case 4: CALL(4); break;                          \
+        case 5: CALL(5); break;                          \
+        case 6: CALL(6); break;                          \
+        case 7: CALL(7); break;                          \
+        default: CALL(8); break;                         \
+    }
 
 TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t ldx,
                                   const uint8_t* qs, const uint16_t* d16, const uint16_t* m16,
@@ -256,10 +409,43 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
     std::vector<float> dx((size_t)m), sums((size_t)(m * groups));
     // x is quantized once, before the split: every thread reads the same xq, dx and sums.
     quantize_rows(x, m, k, ldx, xq.data(), kq, dx.data(), sums.data());
+    const int16_t* xqp = xq.data();
+    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float*, int64_t chunks, int64_t m0,
+                          float* out) {
+#define TANDEM_TILE16(R) row_tile<R>(chunk, d, chunks, xqp + m0 * kq, kq, out)
+        TANDEM_TILE_SWITCH(r, TANDEM_TILE16)
+#undef TANDEM_TILE16
+    };
     // Threads take contiguous slices of N (16 rows at least: a 64-byte line of y per row of x),
     // so each weight row is still read from memory once, by one thread.
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        int4_rows(xq.data(), kq, dx.data(), sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+        int4_rows<false>(tile, dx.data(), sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+    });
+    return 0;
+}
+
+// The same layer with x rounded to int8 per group of 32 (row_tile_a8's comment).
+TANDEM_API int tandem_int4a8_linear(const float* x, int64_t m, int64_t k, int64_t ldx,
+                                    const uint8_t* qs, const uint16_t* d16, const uint16_t* m16,
+                                    int64_t n, const float* bias, float* y, int64_t ldy) {
+    if (k % 32) return 1;
+    if (m < 0 || n < 0) return 2;
+    const int64_t groups = k / 32, chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+    const int64_t kq = chunks * CHUNK_XQ, ldd = chunks * CHUNK_GROUPS;
+    std::vector<int8_t> xq((size_t)(m * kq));
+    std::vector<float> dx((size_t)(m * ldd)), sums((size_t)(m * ldd));
+    quantize_rows_i8(x, m, k, ldx, xq.data(), kq, dx.data(), ldd, sums.data());
+    const int8_t* xqp = xq.data();
+    const float *dxp = dx.data(), *sp = sums.data();
+    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks, int64_t m0,
+                          float* out) {
+#define TANDEM_TILE8(R) \
+    row_tile_a8<R>(chunk, d, mn, nchunks, xqp + m0 * kq, kq, dxp + m0 * ldd, sp + m0 * ldd, ldd, out)
+        TANDEM_TILE_SWITCH(r, TANDEM_TILE8)
+#undef TANDEM_TILE8
+    };
+    tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
+        int4_rows<true>(tile, nullptr, sums.data(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
     });
     return 0;
 }

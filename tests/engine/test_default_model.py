@@ -142,13 +142,14 @@ def test_decode_formats_keep_quality_against_fp32(default_gguf):
     targets = torch.tensor(ids[1:])[:, None]
     base = evaluate(loaded, "fp32", ids)
     base_ppl = math.exp(-base.gather(1, targets).mean().item())
-    for fmt in ("int8", "int4"):
+    # Measured int8 and int4 +0.0-0.8% and 96-98%, int4a8 (int8 activations per group) +1.0%
+    # and 93.9% (README); the bounds leave room for other kernels' rounding.
+    for fmt, ppl_bound, agreement_bound in (("int8", 0.02, 0.93), ("int4", 0.02, 0.93), ("int4a8", 0.03, 0.90)):
         logprobs = evaluate(loaded, fmt, ids)
         ppl = math.exp(-logprobs.gather(1, targets).mean().item())
         agreement = (logprobs.argmax(-1) == base.argmax(-1)).float().mean().item()
-        # Measured +0.8% and 96-98% (README); the bounds leave room for other kernels' rounding.
-        assert abs(ppl / base_ppl - 1) < 0.02, (fmt, ppl, base_ppl)
-        assert agreement >= 0.93, (fmt, agreement)
+        assert abs(ppl / base_ppl - 1) < ppl_bound, (fmt, ppl, base_ppl)
+        assert agreement >= agreement_bound, (fmt, agreement)
 
 
 def test_int4_decode_answers_the_capital_of_france(default_gguf):

@@ -114,7 +114,8 @@ class Sequences:
 
 # -- what each role packs -----------------------------------------------------------------
 
-@pytest.mark.parametrize("decode,prefill", [("int8", "fp32"), ("int4", "w8a8"), ("fp32", "bf16")])
+@pytest.mark.parametrize("decode,prefill", [("int8", "fp32"), ("int4", "w8a8"), ("int4a8", "w8a8"),
+                                            ("fp32", "bf16")])
 def test_decode_role_holds_only_the_decode_format(model_dir, decode, prefill):
     engine = engine_for(model_dir, "decode", decode, prefill)
     model = engine.model

@@ -55,3 +55,19 @@ def test_suite_passes_at_lower_dispatch_level(level, default_gguf):
     tail = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
     assert " passed" in out.stdout and " failed" not in out.stdout, tail
+
+
+@pytest.mark.parametrize("vnni,env,want", [(True, None, "avx512vnni"), (False, None, "avx512"),
+                                           (True, "avx512", "avx512")])
+def test_vnni_builds_run_where_the_cpu_has_vnni_unless_aten_s_level_is_set(monkeypatch, vnni, env, want):
+    """aten has no VNNI level: the native kernels take the VNNI build on an AVX-512 CPU that
+    reports avx512_vnni, and an explicit ATEN_CPU_CAPABILITY=avx512 means the plain build, so a
+    VNNI host tests both (and the x86 check comes first: other CPUs run the portable build)."""
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(native, "_has_cpu_flag", lambda flag: vnni and flag == "avx512_vnni")
+    if env is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", env)
+    assert native.dispatch_level() == want

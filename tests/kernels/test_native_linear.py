@@ -92,12 +92,13 @@ def test_q4_k_keeps_its_nibbles_in_the_q4_1_layout():
     assert err <= 2.0**-10 * exact.abs().max()
 
 
+@pytest.mark.parametrize("layout", quant_int4.Q4_1_LAYOUTS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_int4_native_equals_its_reference(level, n, k):
+def test_int4_native_equals_its_reference(level, n, k, layout):
     gen = torch.Generator().manual_seed(n * k)
     bias = torch.randn(n, generator=gen)
-    packed = quant_int4.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout="q4_1")
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), bias, torch.device("cpu"), layout=layout)
     for m in ROWS:
         x = torch.randn(m, k, generator=gen) * 3
         y = quant_int4.int4_linear_native(x, packed, level)
@@ -117,8 +118,35 @@ def test_int4_native_on_gguf_blocks_is_close_to_the_float_weights(level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_int4_native_zero_rows_and_zero_groups(level):
-    packed = quant_int4.pack(torch.randn(16, 64), None, torch.device("cpu"), layout="q4_1")
+def test_int4a8_rounds_x_per_group_to_int8_and_no_further(level):
+    """int8 per group of 32 costs at most half a step of 127 per group: y stays within the
+    bound sum_g |w_g| * dx_g / 2 of x @ W^T, and is not the int16 kernel's answer."""
+    qt = q4_1_tensor(48, 256, seed=2)
+    a8 = quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1a8")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    w = qt.dequantize().double()
+    exact = x.double() @ w.t()
+    step = x.double().reshape(5, -1, 32).abs().amax(-1) / 127  # [5, G]
+    bound = (w.abs().reshape(48, -1, 32).sum(-1) @ step.t()).t() / 2 + 1e-5  # [5, 48]
+    y = quant_int4.int4_linear_native(x, a8, level).double()
+    assert ((y - exact).abs() <= bound).all()
+    int16 = quant_int4.int4_linear_native(x, quant_int4.pack(qt, None, torch.device("cpu"), layout="q4_1"), level)
+    assert not torch.equal(y.float(), int16)
+
+
+def test_int4a8_format_packs_the_int8_activation_layout():
+    from kernels.linear import linear, pack_linear
+    qt = q4_1_tensor(32, 128, seed=4)
+    packed = pack_linear(qt, None, "int4a8", device="cpu")
+    assert (packed.fmt, packed.layout) == ("int4a8", "q4_1a8")
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(linear(x, packed), packed_linear_reference(x, packed), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", quant_int4.Q4_1_LAYOUTS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_int4_native_zero_rows_and_zero_groups(level, layout):
+    packed = quant_int4.pack(torch.randn(16, 64), None, torch.device("cpu"), layout=layout)
     x = torch.zeros(3, 64)
     x[1, :32] = 1.0  # one all-zero group beside a non-zero one
     torch.testing.assert_close(quant_int4.int4_linear_native(x, packed, level),
@@ -183,14 +211,15 @@ def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
                                atol=1e-2 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("layout", quant_int4.Q4_1_LAYOUTS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("n,k", [(40, 64), (96, 576), (64, 1536)])
-def test_int4_native_rows_are_bit_equal_whatever_batch_they_share(level, n, k):
+def test_int4_native_rows_are_bit_equal_whatever_batch_they_share(level, n, k, layout):
     """Batch invariance: a row's output does not depend on the rows beside it, nor on where it
     falls in the kernel's 8-row tiles (batches 1, 3, 8 and 9, the row at every position)."""
     gen = torch.Generator().manual_seed(k)
     packed = quant_int4.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
-                             torch.device("cpu"), layout="q4_1")
+                             torch.device("cpu"), layout=layout)
     rows = torch.randn(9, k, generator=gen) * 2
     alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed, level)[0] for i in range(9)]
     for batch in (3, 8, 9):
