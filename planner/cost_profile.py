@@ -144,9 +144,14 @@ def transfer_points(bench_kvtransfer: dict, backend: str) -> tuple[list[tuple[fl
 
 
 def fit_profile(bench_engine_runs: list[list[dict]], bench_kvtransfer: dict | None, *,
-                fmt: str | None = None, backend: str = "zmq", coordinator_overhead_s: float = 0.0,
+                prefill_format: str | None = None, decode_format: str | None = None,
+                backend: str = "zmq", coordinator_overhead_s: float = 0.0,
                 block_size: int = 16, source: str = "") -> CostProfile:
-    prefill, decode, kv_per_token = engine_points(bench_engine_runs, fmt)
+    """Prefill costs from the rows of prefill_format, decode costs from those of
+    decode_format (None: every row), as a prefill and a decode worker run different weight
+    formats (tandem's --prefill-quant, --decode-quant)."""
+    prefill, _, _ = engine_points(bench_engine_runs, prefill_format)
+    _, decode, kv_per_token = engine_points(bench_engine_runs, decode_format)
     pa, pb, pc = fit([(1.0, n, pairs) for n, pairs, _ in prefill], [s for *_, s in prefill])
     da, db, dc = fit([(1.0, b, ctx) for b, ctx, _ in decode], [s for *_, s in decode])
     if bench_kvtransfer is not None:
