@@ -146,5 +146,6 @@ def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSp
     # the answer is the cheapest candidate that met it, whichever phase tried it.
     meeting = [c for c in s.tried if c.meets]
     if meeting:
-        best = min(meeting, key=lambda c: (c.cost, c.config.prefill_workers + c.config.decode_workers))
+        best = min(meeting, key=lambda c: (c.cost, c.config.prefill_workers + c.config.decode_workers,
+                                           c.summary.tpot_p99_s, c.summary.ttft_p99_s))
     return Plan(best, tuple(s.tried), p_lb, d_lb)
