@@ -20,8 +20,9 @@ Closed forms instead of per-token events: between two changes of a decode worker
 so step i of that segment lasts d0 + i * c * B (c = decode_per_ctx_token_s) and k steps take
 k * d0 + c * B * k * (k - 1) / 2. A segment is one event; a request landing mid-segment cuts
 it at the next step boundary (found by bisection). Each request knows the worker step at
-which it finishes, so nothing walks the batch per step. ITL is recorded per segment as the
-segment's mean step with a weight of B * steps, plus each joiner's first gap on its own.
+which it finishes, so nothing walks the batch per step. ITL is recorded per segment as its
+mean step with a weight of B * steps (less the joiners' first gaps, each recorded on its own),
+so all gaps together add up exactly to the requests' first-token-to-finish times.
 
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
@@ -278,8 +279,9 @@ class Simulator:
         self.decode_tokens += n * b
         for r in w.joiners:  # their first decode token came at the end of step one
             self.itl.append((w.t0 + w.d0 - r.first_token_s, 1))
-        if n * b > len(w.joiners):
-            self.itl.append((self._steps_s(w, n) / n, n * b - len(w.joiners)))
+        j = len(w.joiners)
+        if n * b > j:  # the other gaps: mean of the segment's steps, without the joiners' d0s
+            self.itl.append(((b * self._steps_s(w, n) - j * w.d0) / (n * b - j), n * b - j))
         w.joiners = []
         while w.finishes and w.finishes[0][0] <= w.step:
             _, _, r = heapq.heappop(w.finishes)
