@@ -52,7 +52,7 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-len", default="512", help="prompt tokens (with --rate; default 512)")
     p.add_argument("--output-len", default="128", help="output tokens (with --rate; default 128)")
     p.add_argument("--requests", type=int, default=20000, help="requests generated with --rate (default 20000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace (default 0)")
     p.add_argument("--slo-ttft-p99", type=float, required=True, metavar="S", help="p99 TTFT bound, seconds")
     p.add_argument("--slo-tpot-p99", type=float, required=True, metavar="S", help="p99 TPOT bound, seconds")
     p.add_argument("--max-workers", type=int, default=100_000, help="most prefill + decode workers")
