@@ -129,10 +129,11 @@ def mode_topology(name: str, model: str, model_path: Path, log_dir: Path, thread
                   **mode) -> Topology:
     """The local topology of one mode (a MODES entry, or any deploy.local.Topology settings:
     benchmarks/validate_plan.py runs other P:D splits this way)."""
+    settings = dict(prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"))
+    settings.update(mode)
     topology = Topology(model=model, model_path=model_path, log_dir=log_dir / name, port=free_port(),
-                        prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"),
                         threads=threads, device=getattr(args, "device", "auto"),
-                        cuda_graphs=not getattr(args, "no_cuda_graphs", False), **mode)
+                        cuda_graphs=not getattr(args, "no_cuda_graphs", False), **settings)
     topology.log_dir.mkdir(parents=True, exist_ok=True)
     return topology
 
