@@ -109,6 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table(rows, ["sizing", "prefill", "decode", "budget", "batch", "cost", "TTFT p99 ms",
                  "TPOT p99 ms", "goodput/s", "meets"])
     print()
+    print("TTFT p99 with a prefill worker per request (no topology does better): " + ", ".join(
+        f"budget {b}: {_ms(t)} ms" for b, t in plan.ttft_floor.items()))
     if plan.best is None:
         print(f"no topology of at most {args.max_workers} workers meets the SLO")
         return 1

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.cost_profile import CostProfile
-from planner.metrics import SLO, Summary
+from planner.metrics import SLO, Summary, percentile
 from planner.simulator import ClusterConfig, simulate
 from planner.trace import Request
 
@@ -58,6 +58,7 @@ class Plan:
     tried: tuple[Candidate, ...]
     prefill_lower_bound: dict = field(default_factory=dict)  # budget -> workers
     decode_lower_bound: dict = field(default_factory=dict)   # batch -> workers
+    ttft_floor: dict = field(default_factory=dict)           # budget -> best reachable TTFT p99
 
 
 def work_lower_bounds(trace: list[Request], profile: CostProfile, budget: int, batch: int) -> tuple[int, int]:
@@ -72,6 +73,21 @@ def work_lower_bounds(trace: list[Request], profile: CostProfile, budget: int, b
                                             + p.decode_per_ctx_token_s * (r.prompt_tokens + r.output_tokens / 2))
                    for r in trace)
     return max(1, math.floor(prefill_s / span)), max(1, math.floor(decode_s / span))
+
+
+def ttft_floor(trace: list[Request], profile: CostProfile, budget: int) -> float:
+    """TTFT p99 if every request had a prefill worker to itself: no topology does better, so
+    an SLO below it is out of reach at this budget whatever the worker count (a long prompt's
+    chunks run one after another on one worker)."""
+    solo = []
+    for r in trace:
+        t, done = profile.coordinator_overhead_s, 0
+        while done < r.prompt_tokens:
+            n = min(budget, r.prompt_tokens - done)
+            t += profile.prefill_pass_s(n, CostProfile.chunk_pairs(n, done))
+            done += n
+        solo.append(t)
+    return percentile(solo, 99)
 
 
 class _Search:
@@ -123,7 +139,10 @@ def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSp
     # Decode workers to spare while sizing the prefill side: twice the most any batch cap needs.
     spare_d = 2 * max(d_lb.values()) + 1
     prefill_need: dict[int, int] = {}
+    floors = {b: ttft_floor(trace, profile, b) for b in space.token_budgets}
     for b in space.token_budgets:
+        if floors[b] > slo.ttft_s:
+            continue  # unreachable at this budget: simulating more workers cannot help
         def ttft_ok(n: int, b=b) -> bool:
             c = s.evaluate(ClusterConfig(n, spare_d, b, max(space.max_batches), kv), "prefill")
             return c.summary.rejected == 0 and c.summary.ttft_p99_s <= slo.ttft_s
@@ -148,4 +167,4 @@ def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSp
     if meeting:
         best = min(meeting, key=lambda c: (c.cost, c.config.prefill_workers + c.config.decode_workers,
                                            c.summary.tpot_p99_s, c.summary.ttft_p99_s))
-    return Plan(best, tuple(s.tried), p_lb, d_lb)
+    return Plan(best, tuple(s.tried), p_lb, d_lb, floors)

@@ -46,3 +46,10 @@ def test_search_space_is_validated():
         SearchSpace(max_workers=1)
     with pytest.raises(ValueError):
         SearchSpace(token_budgets=())
+
+
+def test_an_slo_below_the_solo_prefill_time_is_reported_unreachable_without_simulating(profile):
+    trace = generate(1.0, 100, LengthDist.parse("4000"), LengthDist.parse("2"), seed=1)
+    plan = search(trace, profile, SLO(ttft_s=0.1, tpot_s=1.0), SearchSpace(token_budgets=(512,), max_batches=(8,)))
+    assert plan.best is None and plan.tried == ()
+    assert plan.ttft_floor[512] > 0.1
