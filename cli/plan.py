@@ -116,8 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 1
     c, s = plan.best.config, plan.best.summary
     print(f"recommended: {c.prefill_workers} prefill + {c.decode_workers} decode workers "
-          f"(P:D = {c.prefill_workers / math.gcd(c.prefill_workers, c.decode_workers):g}:"
-          f"{c.decode_workers / math.gcd(c.prefill_workers, c.decode_workers):g}), token budget "
+          f"(P:D = 1:{c.decode_workers / c.prefill_workers:.2f}), token budget "
           f"{c.token_budget}, decode batch cap {c.max_batch}; cost {plan.best.cost:g}")
     print(f"predicted: TTFT p50 {_ms(s.ttft_p50_s)} / p99 {_ms(s.ttft_p99_s)} ms, TPOT p50 "
           f"{_ms(s.tpot_p50_s)} / p99 {_ms(s.tpot_p99_s)} ms, ITL p50 {_ms(s.itl_p50_s)} / p99 "
