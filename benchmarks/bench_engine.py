@@ -157,7 +157,10 @@ def bench_format(loaded, fmt: str, args) -> dict:
                    "kv_bytes": kv_per_seq * b} for b in batches]
     finally:
         torch.set_num_threads(torch_threads)
-    return {"format": fmt, "prefill_tok_s": args.prompt_len / prefill_s, "weight_bytes": weight_bytes(model),
+    # prompt_len and context make a row self-describing: planner/cost_profile.py fits its
+    # cost models from rows measured at several of them.
+    return {"format": fmt, "prompt_len": args.prompt_len, "context": args.context,
+            "prefill_tok_s": args.prompt_len / prefill_s, "weight_bytes": weight_bytes(model),
             "decode": decode}
 
 

@@ -24,6 +24,7 @@ without the protocol: the native kernel (kernels/copy_crc32c.py) once per layer,
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import time
@@ -165,12 +166,14 @@ def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[
     return results, copies, per_cpu
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc", "dist"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
     parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--json", action="store_true",
+                        help="print the GB/s per backend and prompt size as JSON (for planner/cost_profile.py)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     bad = [t for t in args.tokens if t <= 0 or t % LAYOUT.block_size]
     if bad:
@@ -182,6 +185,13 @@ def main() -> None:
     rows["copy+crc32c"], beside["copy+crc32c"], cpu["copy+crc32c"] = _bench_kernel(args.tokens, args.reps)
     for backend in args.backends:
         rows[backend], beside[backend], cpu[backend] = _bench_backend(backend, args.tokens, args.reps)
+    if args.json:
+        print(json.dumps({"layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads,
+                                     "head_dim": LAYOUT.head_dim, "block_size": LAYOUT.block_size,
+                                     "dtype": LAYOUT.dtype,
+                                     "bytes_per_token": LAYOUT.cache_nbytes(1) // LAYOUT.block_size},
+                          "gb_s": {name: {str(t): v for t, v in res.items()} for name, res in rows.items()}}))
+        return
     last = args.tokens[-1]
     print(f"KV transfer, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
           f"{LAYOUT.head_dim} dims, block {LAYOUT.block_size}, {LAYOUT.dtype}; GB/s, best of {args.reps}")

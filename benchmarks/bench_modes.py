@@ -57,6 +57,7 @@ class Sample:
     ttft: float
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0  # prompt_eval_count of the final chunk (what the model was fed)
 
 
 def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> Sample | None:
@@ -64,7 +65,7 @@ def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> S
                        "options": {"temperature": 0, "num_predict": num_predict}}).encode()
     req = urllib.request.Request(url + "/api/chat", data=body, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    times = []
+    times, prompt_tokens = [], 0
     with urllib.request.urlopen(req, timeout=300) as resp:
         for line in resp:
             chunk = json.loads(line)
@@ -72,9 +73,11 @@ def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> S
                 return None
             if not chunk.get("done") and chunk["message"]["content"]:
                 times.append(time.perf_counter())
+            if chunk.get("done"):
+                prompt_tokens = chunk.get("prompt_eval_count", 0)
     if not times:
         return None
-    return Sample(kind, times[0] - start, [b - a for a, b in zip(times, times[1:])], len(times))
+    return Sample(kind, times[0] - start, [b - a for a, b in zip(times, times[1:])], len(times), prompt_tokens)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -122,19 +125,39 @@ def run_load(url: str, model: str, duration: float, clients: int, long_every: fl
     return samples, time.monotonic() - started
 
 
+def mode_topology(name: str, model: str, model_path: Path, log_dir: Path, threads: int, args,
+                  **mode) -> Topology:
+    """The local topology of one mode (a MODES entry, or any deploy.local.Topology settings:
+    benchmarks/validate_plan.py runs other P:D splits this way)."""
+    settings = dict(prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"))
+    settings.update(mode)
+    topology = Topology(model=model, model_path=model_path, log_dir=log_dir / name, port=free_port(),
+                        threads=threads, device=getattr(args, "device", "auto"),
+                        cuda_graphs=not getattr(args, "no_cuda_graphs", False), **settings)
+    topology.log_dir.mkdir(parents=True, exist_ok=True)
+    return topology
+
+
+def serving(topology: Topology, model: str):
+    """A started, warmed-up cluster of `topology` (a context manager) and its URL."""
+    specs, ready = plan(topology)
+    cluster = LocalCluster(specs, ready, start_timeout_s=300)
+    return cluster, ready.url
+
+
+def warm_up(url: str, model: str) -> None:
+    stream(url, model, "warm up", 4, "short")
+    stream(url, model, "Summarize this: " + " ".join(WORDS * 20), 2, "long")
+
+
 def bench_mode(name: str, model: str, model_path: Path, args, log_root: Path) -> dict:
     cores = args.threads_per_worker * WORKERS["disaggregated"]
-    topology = Topology(model=model, model_path=model_path, log_dir=log_root / name, port=free_port(),
-                        prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"),
-                        threads=cores // WORKERS[name], device=getattr(args, "device", "auto"),
-                        cuda_graphs=not getattr(args, "no_cuda_graphs", False), **MODES[name])
-    topology.log_dir.mkdir(parents=True, exist_ok=True)
-    specs, ready = plan(topology)
-    with LocalCluster(specs, ready, start_timeout_s=300) as cluster:
+    topology = mode_topology(name, model, model_path, log_root, cores // WORKERS[name], args, **MODES[name])
+    cluster, url = serving(topology, model)
+    with cluster:
         cluster.start()
-        stream(ready.url, model, "warm up", 4, "short")
-        stream(ready.url, model, "Summarize this: " + " ".join(WORDS * 20), 2, "long")
-        samples, elapsed = run_load(ready.url, model, args.duration, args.chat_clients, args.long_every, args.long_words)
+        warm_up(url, model)
+        samples, elapsed = run_load(url, model, args.duration, args.chat_clients, args.long_every, args.long_words)
     short = [s for s in samples if s.kind == "short"]
     long = [s for s in samples if s.kind == "long"]
     itl = [x for s in short for x in s.itls]
@@ -159,14 +182,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads-per-worker", type=int, default=1,
                    help="torch threads of each disaggregated worker; a colocated worker gets the pair's total")
     p.add_argument("--skip-transfer", action="store_true", help="skip the KV transfer table")
+    p.add_argument("--json", action="store_true", help="print the per-mode rows as JSON instead of tables")
     add_device_flags(p)  # every worker's --device / --no-cuda-graphs
     args = p.parse_args(argv)
     model_path = default_store().resolve(args.model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         for name in args.modes.split(","):
-            print(f"running {name} for {args.duration:.0f} s ...", flush=True)
+            print(f"running {name} for {args.duration:.0f} s ...", flush=True, file=sys.stderr if args.json else sys.stdout)
             rows.append(bench_mode(name, args.model, model_path, args, Path(tmp)))
+    if args.json:
+        print(json.dumps(rows))
+        return
     print(f"\nload: {args.chat_clients} streaming chat clients (48 tokens each) + a ~{args.long_words}-word "
           f"prompt every {args.long_every:.1f} s, {args.duration:.0f} s per mode; times in ms")
     print(f"{'mode':22} {'procs x threads':>15} {'reqs':>5} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'TTFT short p50':>15} {'p99':>7} "

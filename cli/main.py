@@ -10,6 +10,7 @@ and dispatches. Shared pieces (the model store, the server's address) are cli/co
     tandem run MODEL [PROMPT] [opts]    generate, through the server or in-process cli/run.py
     tandem serve [opts]                 coordinator + workers on this host         cli/serve.py
     tandem launch TOPOLOGY.toml         a multi-host topology                      cli/launch.py
+    tandem plan [opts]                  size a cluster for a load and an SLO       cli/plan.py
     tandem --version                    the installed package's version
 
 The server is found at --host, else $OLLAMA_HOST, else 127.0.0.1:11434 (as ollama's CLI), and
@@ -25,6 +26,7 @@ import sys
 import cli.bench
 import cli.launch
 import cli.list
+import cli.plan
 import cli.ps
 import cli.pull
 import cli.run
@@ -33,7 +35,7 @@ import cli.show
 from cli.common_args import VersionAction, dispatch
 
 # In the order `tandem --help` lists them.
-SUBCOMMANDS = (cli.pull, cli.list, cli.ps, cli.show, cli.bench, cli.run, cli.serve, cli.launch)
+SUBCOMMANDS = (cli.pull, cli.list, cli.ps, cli.show, cli.bench, cli.run, cli.serve, cli.launch, cli.plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@
     engine                   the inference core
     kvtransfer, worker       the KV data plane; the worker-process runtime
     prefill_node, decode_node, coordinator
+    planner                  capacity planning (pure Python: imports nothing of tandem's)
     cli, deploy              the `tandem` command; launchers
     benchmarks, reliability  tools run from a checkout (never imported by the product)
     tests
@@ -24,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 PRODUCT = ["common", "kernels", "engine", "kvtransfer", "worker", "prefill_node", "decode_node",
-           "coordinator", "cli", "deploy"]
+           "coordinator", "planner", "cli", "deploy"]
 TOOLS = ["benchmarks", "reliability"]
 # package -> the tandem packages it may import (besides itself).
 ALLOWED: dict[str, set[str]] = {
@@ -37,9 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_node": {"common", "kernels", "engine", "kvtransfer", "worker"},
     "decode_node": {"common", "kernels", "engine", "kvtransfer", "worker"},
     "coordinator": {"common"},  # never torch: only the shared layer below it
+    "planner": set(),  # runs anywhere, far from the cluster it sizes
     "deploy": {"common", "engine", "worker"},
     "cli": {"common", "kernels", "engine", "kvtransfer", "worker", "coordinator", "deploy",
-            "prefill_node", "decode_node"},
+            "prefill_node", "decode_node", "planner"},
     "benchmarks": set(PRODUCT),
     "reliability": set(PRODUCT),
 }
@@ -176,7 +178,7 @@ def test_each_package_opens_with_a_docstring():
     assert missing == []
 
 
-@pytest.mark.parametrize("package", ["coordinator", "common", "deploy.local", "cli.main"])
+@pytest.mark.parametrize("package", ["coordinator", "common", "planner", "deploy.local", "cli.main"])
 def test_torch_free_packages_do_not_load_torch(package):
     """The coordinator, the shared layer, the supervisor and the CLI's start-up never import
     torch (a coordinator host needs no torch; `tandem --help` stays fast)."""

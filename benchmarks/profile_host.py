@@ -1,0 +1,74 @@
+"""Measure a cost profile (planner/cost_profile.py) of this host and write it as JSON.
+
+    python -m benchmarks.profile_host [MODEL] [--out profile.json] [--quick]
+        [--prefill-format w8a8] [--decode-format int4] [--threads 1] [--backend zmq]
+
+Runs benchmarks.bench_engine's own measurement (run_level, in process, at this host's
+dispatch level) at a few prompt lengths and contexts, so the fit sees prefill passes of
+several sizes and decode steps of several batches and contexts, and
+benchmarks.bench_kvtransfer (--json) for the transfer throughput of one backend; then fits
+the profile by least squares and writes it. --quick measures fewer and smaller points (for
+`tandem plan --measure` and tests); the fit is then rougher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from benchmarks.bench_engine import cpu_summary, run_level
+from planner.cost_profile import fit_profile
+from worker.runtime import configure_process
+
+# (prompt_len, context, batches): prefill at prompt_len, decode at context for each batch.
+POINTS = ((64, 128, "1,4,16"), (256, 512, "1,4,16"), (512, 1024, "1,8"))
+QUICK_POINTS = ((32, 64, "1,4"), (128, 256, "1,4"))
+
+
+def measure_engine(model: str, formats: list[str], threads: int, quick: bool) -> list[list[dict]]:
+    runs = []
+    for prompt_len, context, batches in (QUICK_POINTS if quick else POINTS):
+        args = SimpleNamespace(model=model, formats=",".join(dict.fromkeys(formats)), prompt_len=prompt_len,
+                               context=context, batches=batches, decode_steps=4 if quick else 16,
+                               repeats=1 if quick else 3, threads=threads, kv_dtype="fp32", device="cpu",
+                               no_cuda_graphs=True)
+        runs.append([run_level(args)])
+    return runs
+
+
+def measure_transfer(backend: str, quick: bool) -> dict:
+    tokens = ["128", "512"] if quick else ["128", "512", "2048"]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_kvtransfer", "--backends", backend,
+                          "--tokens", *tokens, "--reps", "1" if quick else "3", "--json"],
+                         stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default="smollm2")
+    p.add_argument("--out", default="profile.json")
+    p.add_argument("--prefill-format", default="w8a8", help="weight format of the prefill passes")
+    p.add_argument("--decode-format", default="int4", help="weight format of the decode steps")
+    p.add_argument("--threads", type=int, default=1, help="threads of one worker")
+    p.add_argument("--backend", default="zmq", help="KV transfer backend to measure")
+    p.add_argument("--no-transfer", action="store_true", help="skip the transfer measurement (free transfers)")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller points")
+    args = p.parse_args(argv)
+    configure_process(args.threads)
+    engine = measure_engine(args.model, [args.prefill_format, args.decode_format], args.threads, args.quick)
+    transfer = None if args.no_transfer else measure_transfer(args.backend, args.quick)
+    model = engine[0][0]["model"]
+    profile = fit_profile(engine, transfer, prefill_format=args.prefill_format,
+                          decode_format=args.decode_format, backend=args.backend,
+                          source=f"{cpu_summary()}; {model}; prefill {args.prefill_format}, decode "
+                                 f"{args.decode_format}, {args.threads} thread(s), {args.backend}")
+    profile.save(args.out)
+    print(json.dumps(profile.to_json(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

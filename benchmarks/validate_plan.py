@@ -1,0 +1,117 @@
+"""The planner's simulator against real runs of tandem on this host.
+
+    python -m benchmarks.validate_plan --profile PROFILE.json [--model smollm2] [--runs ...]
+
+Each run starts a local disaggregated cluster (benchmarks.bench_modes' topology: deploy.local,
+one torch thread per worker, prefill w8a8 and decode int4 as the profile measured them,
+every prompt prefilled on a prefill worker: prefill_threshold 0, since the simulator does
+not model conditional disaggregation), sends an open-loop Poisson load of chat prompts
+(random words) streaming --output tokens each, and records every request's arrival, TTFT,
+token times and prompt_eval_count. The same requests (arrival, prompt tokens, output tokens)
+are then simulated with the profile on the same P:D, token budget and batch cap, and the
+table prints measured and simulated TTFT and TPOT p50/p99 with their ratio (sim/measured).
+
+A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. Expect the simulator to be optimistic where
+the host is shared: the profile was measured with a core to itself, while here the workers,
+the coordinator and the load generator share the host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.bench_modes import WORDS, mode_topology, serving, stream, warm_up
+from planner.cost_profile import CostProfile
+from planner.metrics import RequestTimes, percentile
+from planner.simulator import ClusterConfig, simulate
+from planner.trace import Request
+
+BUDGET, MAX_BATCH = 512, 64  # the cluster's --chunk-size and --max-num-seqs, simulated alike
+
+
+def run_load(url: str, model: str, rate: float, count: int, output: int, seed: int):
+    """Open loop: request i is sent at its Poisson arrival whatever the others are doing."""
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in range(count)]
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 300))) for _ in range(count)]
+    results: list = [None] * count
+    start = time.perf_counter()
+
+    def one(i: int, at: float) -> None:
+        results[i] = (at, stream(url, model, prompts[i], output, "short"))
+
+    threads, at = [], 0.0
+    for i, gap in enumerate(gaps):
+        at += gap
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        t = threading.Thread(target=one, args=(i, time.perf_counter() - start))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return [(at, s) for at, s in results if s is not None and s.tokens >= 1]
+
+
+def measured_times(samples) -> list[RequestTimes]:
+    return [RequestTimes(at, at + s.ttft, at + s.ttft + sum(s.itls), s.tokens) for at, s in samples]
+
+
+def figures(times: list[RequestTimes]) -> dict[str, float]:
+    tpot = [v for t in times if (v := t.tpot_s) is not None]
+    ttft = [t.ttft_s for t in times]
+    return {"TTFT p50": percentile(ttft, 50), "TTFT p99": percentile(ttft, 99),
+            "TPOT p50": percentile(tpot, 50), "TPOT p99": percentile(tpot, 99)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.model_store import default_store
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help="cost profile (benchmarks.profile_host)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--runs", nargs="+", default=["1:1:0.3:24", "1:1:0.8:36", "1:2:0.8:36"],
+                   help="P:D:RATE:REQUESTS per run")
+    p.add_argument("--output", type=int, default=32, help="num_predict of every request")
+    args = p.parse_args(argv)
+    profile = CostProfile.load(args.profile)
+    model_path = default_store().resolve(args.model)
+    opts = argparse.Namespace(device="cpu", no_cuda_graphs=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
+        for spec in args.runs:
+            prefill, decode, rate, count = spec.split(":")
+            prefill, decode, rate, count = int(prefill), int(decode), float(rate), int(count)
+            topology = mode_topology(spec.replace(":", "_"), args.model, model_path, Path(tmp), 1, opts,
+                                     prefill=prefill, decode=decode, chunk_size=BUDGET, prefill_threshold=0,
+                                     worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", "w8a8",
+                                                  "--decode-quant", "int4", "--max-num-seqs", str(MAX_BATCH)))
+            print(f"run {spec}: starting {prefill} prefill + {decode} decode workers ...", flush=True)
+            cluster, url = serving(topology, args.model)
+            with cluster:
+                cluster.start()
+                warm_up(url, args.model)
+                load_before = os.getloadavg()[0]
+                samples = run_load(url, args.model, rate, count, args.output, seed=len(rows))
+                load_after = os.getloadavg()[0]
+            measured = measured_times(samples)
+            trace = [Request(t.arrival_s, s.prompt_tokens or 1, t.output_tokens)
+                     for t, (_, s) in zip(measured, samples)]
+            simulated = simulate(trace, profile, ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)).times
+            rows.append((spec, len(samples), figures(measured), figures(simulated), load_before, load_after))
+    print(f"\nprofile: {profile.source}")
+    print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the load")
+    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9}  " + "  ".join(
+        f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
+    for spec, n, meas, sim, lb, la in rows:
+        cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}" for k in meas)
+        print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f}  {cells}")
+
+
+if __name__ == "__main__":
+    main()

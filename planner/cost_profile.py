@@ -1,0 +1,168 @@
+"""Per-pass cost models of one worker on one host, fitted from tandem's own benchmarks.
+
+    prefill pass   s = a + b * T + c * sum_i n_i * (ctx_i + n_i / 2)
+                   T tokens in the pass; chunk i has n_i tokens after ctx_i cached ones, so
+                   the last term counts the (causal) attention pairs: quadratic in a prompt
+                   cut into one pass, linear in each chunk of a long one.
+    decode step    s = a + b * B + c * S
+                   B sequences in the batch, S the sum of their context lengths (the KV a
+                   step reads; weights are read once per step, which is `a`).
+    KV transfer    s = latency + bytes / bytes_per_s, bytes = tokens * kv_bytes_per_token
+    coordinator    a fixed delay between arrival and the request reaching the workers.
+
+Fitted by least squares (planner/least_squares.py) from the JSON that
+`benchmarks.bench_engine --json` and `benchmarks.bench_kvtransfer --json` print; saved and
+loaded as JSON. Coefficients are clamped at >= 0: a negative per-token cost is a fit through
+noise, and the simulator's closed forms assume costs grow with work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from planner.least_squares import fit
+
+SCHEMA = "tandem-cost-profile/1"
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    prefill_base_s: float          # fixed cost of a prefill pass (launch, lm_head of 1 row)
+    prefill_per_token_s: float     # per token in the pass (GEMMs)
+    prefill_per_pair_s: float      # per (query, cached key) pair (attention)
+    decode_base_s: float           # fixed cost of a decode step (every weight read once)
+    decode_per_seq_s: float        # per sequence in the batch (GEMV rows, sampling)
+    decode_per_ctx_token_s: float  # per cached token read by a step (paged attention)
+    kv_bytes_per_token: float      # KV of one token, every layer, K and V
+    transfer_bytes_per_s: float    # KV transfer throughput between a prefill and decode worker
+    transfer_latency_s: float      # fixed cost of one request's transfer (grant, finish ack)
+    coordinator_overhead_s: float = 0.0  # arrival -> request at the workers
+    block_size: int = 16           # tokens per KV block
+    source: str = ""               # what it was measured on (host CPU, model, format)
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, float) and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"CostProfile.{name} must be finite and >= 0, got {value!r}")
+        if self.transfer_bytes_per_s <= 0:
+            raise ValueError(f"CostProfile.transfer_bytes_per_s must be > 0, got {self.transfer_bytes_per_s}")
+        if self.block_size < 1:
+            raise ValueError(f"CostProfile.block_size must be >= 1, got {self.block_size}")
+        if self.prefill_base_s + self.prefill_per_token_s <= 0 or self.decode_base_s + self.decode_per_seq_s <= 0:
+            raise ValueError("CostProfile: a pass must cost time (base and per-token costs are all 0)")
+
+    # -- the cost models -------------------------------------------------------------------
+
+    def prefill_pass_s(self, tokens: int, pairs: float) -> float:
+        """One prefill pass of `tokens` tokens whose chunks sum to `pairs` attention pairs
+        (see chunk_pairs)."""
+        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_pair_s * pairs
+
+    @staticmethod
+    def chunk_pairs(n: int, ctx: int) -> float:
+        """Attention pairs of a chunk of n tokens after ctx cached ones."""
+        return n * (ctx + n / 2)
+
+    def decode_step_s(self, batch: int, context_sum: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context_sum
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostProfile":
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not a cost profile: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+        fields = {k: v for k, v in data.items() if k != "schema"}
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"cost profile: unknown fields {sorted(unknown)}")
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ValueError(f"cost profile: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        return cls.from_json(data)
+
+
+# -- fitting from the benchmarks' JSON -------------------------------------------------------
+
+def engine_points(bench_engine_runs: list[list[dict]], fmt: str | None = None):
+    """(prefill points, decode points, kv bytes per token) from one or more outputs of
+    `bench_engine --json --one-level` (each a list of levels, each with rows per format that
+    carry prompt_len and context). Prefill points are (tokens, pairs, seconds) of one prompt
+    in one pass; decode points are (batch, context sum, seconds)."""
+    prefill, decode, kv_per_token = [], [], []
+    for levels in bench_engine_runs:
+        for level in levels:
+            for row in level["rows"]:
+                if fmt is not None and row["format"] != fmt:
+                    continue
+                if "prompt_len" not in row or "context" not in row:
+                    raise ValueError("bench_engine JSON rows lack prompt_len/context: rerun a "
+                                     "bench_engine that writes them")
+                n, ctx = row["prompt_len"], row["context"]
+                prefill.append((n, CostProfile.chunk_pairs(n, 0), n / row["prefill_tok_s"]))
+                for d in row["decode"]:
+                    decode.append((d["batch"], d["batch"] * ctx, d["step_s"]))
+                    kv_per_token.append(d["kv_bytes"] / (d["batch"] * ctx))
+    if not prefill or not decode:
+        raise ValueError(f"no bench_engine rows{'' if fmt is None else f' of format {fmt!r}'}")
+    return prefill, decode, max(kv_per_token)
+
+
+def transfer_points(bench_kvtransfer: dict, backend: str) -> tuple[list[tuple[float, float]], float]:
+    """(bytes, seconds) per prompt size of one backend from `bench_kvtransfer --json`, and
+    the layout's KV bytes per token."""
+    layout = bench_kvtransfer["layout"]
+    per_token = layout["bytes_per_token"]
+    if backend not in bench_kvtransfer["gb_s"]:
+        raise ValueError(f"bench_kvtransfer JSON has no backend {backend!r} "
+                         f"(it has {sorted(bench_kvtransfer['gb_s'])})")
+    points = []
+    for tokens, gb_s in bench_kvtransfer["gb_s"][backend].items():
+        nbytes = int(tokens) * per_token
+        points.append((nbytes, nbytes / (gb_s * 1e9)))
+    return points, per_token
+
+
+def fit_profile(bench_engine_runs: list[list[dict]], bench_kvtransfer: dict | None, *,
+                prefill_format: str | None = None, decode_format: str | None = None,
+                backend: str = "zmq", coordinator_overhead_s: float = 0.0,
+                block_size: int = 16, source: str = "") -> CostProfile:
+    """Prefill costs from the rows of prefill_format, decode costs from those of
+    decode_format (None: every row), as a prefill and a decode worker run different weight
+    formats (tandem's --prefill-quant, --decode-quant)."""
+    prefill, _, _ = engine_points(bench_engine_runs, prefill_format)
+    _, decode, kv_per_token = engine_points(bench_engine_runs, decode_format)
+    pa, pb, pc = fit([(1.0, n, pairs) for n, pairs, _ in prefill], [s for *_, s in prefill])
+    da, db, dc = fit([(1.0, b, ctx) for b, ctx, _ in decode], [s for *_, s in decode])
+    if bench_kvtransfer is not None:
+        points, _ = transfer_points(bench_kvtransfer, backend)
+        lat, per_byte = fit([(1.0, b) for b, _ in points], [s for _, s in points])
+        bytes_per_s = 1 / per_byte if per_byte > 0 else max(b / s for b, s in points)
+    else:  # no transfer measured: the KV moves at no cost (stated in the profile's source)
+        lat, bytes_per_s = 0.0, float("1e15")
+        source = (source + "; " if source else "") + "transfer not measured"
+    return CostProfile(prefill_base_s=pa, prefill_per_token_s=pb, prefill_per_pair_s=pc,
+                       decode_base_s=da, decode_per_seq_s=db, decode_per_ctx_token_s=dc,
+                       kv_bytes_per_token=kv_per_token, transfer_bytes_per_s=bytes_per_s,
+                       transfer_latency_s=lat, coordinator_overhead_s=coordinator_overhead_s,
+                       block_size=block_size, source=source)
