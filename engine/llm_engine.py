@@ -99,7 +99,7 @@ def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
     return range(lo - start, max(lo, hi) - start)
 
 
-def _load_draft(name: str, target_path: Path, target: ModelConfig, weight_format: str,
+def load_draft(name: str, target_path: Path, target: ModelConfig, weight_format: str,
                 device: torch.device):
     """The draft model `name` (resolved as --model is: a store name or a path), in the
     engine's own weight format (a decode engine's decode format) on its device. ValueError
@@ -233,7 +233,7 @@ class LLMEngine:
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
         draft = None
         if config.speculative is not None and config.speculative.method == "draft":
-            draft = _load_draft(config.speculative.draft_model, Path(path), model_config,
+            draft = load_draft(config.speculative.draft_model, Path(path), model_config,
                                 main_format, target)
         engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path,
                      draft_model=draft)
