@@ -1,7 +1,14 @@
-"""Speculative decoding by prompt lookup against plain decoding, single stream, one engine.
+"""Speculative decoding (prompt lookup, or a draft model) against plain decoding, single
+stream, one engine.
 
     python -m benchmarks.bench_speculative [MODEL] [--spec ngram:k=4] [--tokens 128]
                                            [--decode-quant int4] [--repeats 2] [--threads 1]
+    python -m benchmarks.bench_speculative --spec draft:smollm2,k=4
+
+With draft:MODEL the draft is loaded in the same decode format; when it is the target itself
+(the default model drafting for itself) the engine reuses the target's weights, so every
+draft is accepted and the figures are the mechanism's ceiling: k + 1 tokens a step at the
+cost of k draft passes plus one verification.
 
 Two workloads, each greedy (temperature 0), on a decode-role engine (every pass in the decode
 format, as on a decode worker): (a) copy: the model is asked to repeat a paragraph exactly,
@@ -78,7 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.for_role("decode", args.decode_quant,
                                    cache=CacheConfig(num_blocks=256, enable_prefix_caching=False))
     plain = LLMEngine.from_path(args.model, config)
-    spec = LLMEngine(plain.model, replace(plain.config, speculative=speculative), plain.tokenizer)
+    draft = None
+    if speculative.method == "draft":
+        from pathlib import Path
+
+        from common.model_store import default_store
+        from engine.llm_engine import load_draft
+
+        draft_path = default_store().resolve(speculative.draft_model)
+        draft = (plain.model if Path(draft_path).resolve() == Path(args.model).resolve()
+                 else load_draft(speculative.draft_model, Path(args.model), plain.config.model,
+                                 plain.config.weight_format, plain.runner.device))
+    spec = LLMEngine(plain.model, replace(plain.config, speculative=speculative), plain.tokenizer,
+                     draft_model=draft)
     print(f"# {cpu_summary()}; threads={args.threads}; decode format {args.decode_quant}; "
           f"{args.tokens} tokens greedy; {args.spec}; best of {args.repeats}")
     print("| workload | plain tok/s | spec tok/s | ratio | acceptance | tokens/step | same output |")

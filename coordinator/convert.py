@@ -49,6 +49,7 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted + the target's own token, per verification
+    method: str = ""  # the proposer ("ngram", "draft"); "" from a worker that predates it
 
 
 def spec_from_status(status: pb.WorkerStatus) -> SpecDecodeCounters | None:
@@ -57,7 +58,7 @@ def spec_from_status(status: pb.WorkerStatus) -> SpecDecodeCounters | None:
         return None
     s = status.spec_decode
     return SpecDecodeCounters(s.num_steps, s.num_draft_tokens, s.num_accepted_tokens,
-                              s.num_emitted_tokens)
+                              s.num_emitted_tokens, s.method)
 
 
 def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:

@@ -329,8 +329,8 @@ class _RelayedCounters:
                          "KV blocks not moved because the receiver had them cached", kv_labels)
         rejected = family("tandem_worker_kv_auth_rejected", "KV frames and handshakes the "
                           "worker refused for want of the cluster secret", kv_labels)
-        # vLLM's names (vllm:spec_decode_*_total), per worker.
-        spec_labels = ["worker", "role"]
+        # vLLM's names (vllm:spec_decode_*_total), per worker and proposer (ngram, draft).
+        spec_labels = ["worker", "role", "method"]
         accepted = family("vllm:spec_decode_num_accepted_tokens",
                           "Draft tokens the target model accepted", spec_labels)
         drafted = family("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", spec_labels)
@@ -353,10 +353,11 @@ class _RelayedCounters:
                 skipped.add_metric(labels, w.kv.skipped_blocks)
                 rejected.add_metric(labels, w.kv.auth_rejected)
             if w.spec is not None:
-                accepted.add_metric([w.worker_id, w.role], w.spec.num_accepted_tokens)
-                drafted.add_metric([w.worker_id, w.role], w.spec.num_draft_tokens)
-                drafts.add_metric([w.worker_id, w.role], w.spec.num_steps)
-                emitted.add_metric([w.worker_id, w.role], w.spec.num_emitted_tokens)
+                spec = [w.worker_id, w.role, w.spec.method]
+                accepted.add_metric(spec, w.spec.num_accepted_tokens)
+                drafted.add_metric(spec, w.spec.num_draft_tokens)
+                drafts.add_metric(spec, w.spec.num_steps)
+                emitted.add_metric(spec, w.spec.num_emitted_tokens)
             for (method, reason), count in w.refused.items():
                 calls.add_metric([w.worker_id, method, reason], count)
         yield from (sent, received, transfers, seconds, skipped, rejected, accepted, drafted,

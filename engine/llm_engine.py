@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager
 from common.model_config import ModelConfig
 from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, check_kv_dtype
 from engine.device import resolve_device
+from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes
 from engine.embedding import mean_pooled
 from common.malloc_policy import loading_weights
@@ -98,14 +99,46 @@ def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
     return range(lo - start, max(lo, hi) - start)
 
 
+def load_draft(name: str, target_path: Path, target: ModelConfig, weight_format: str,
+                device: torch.device):
+    """The draft model `name` (resolved as --model is: a store name or a path), in the
+    engine's own weight format (a decode engine's decode format) on its device. ValueError
+    naming it when it cannot be found or read, or when its vocabulary is not the target's
+    (size, and a few token strings where both tokenizers load)."""
+    from common.model_store import default_store
+    from common.tokenizer import Tokenizer
+    from engine.loaders import load_model
+
+    try:
+        draft_path = default_store().resolve(name)
+        loaded = load_model(Path(draft_path))
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the flag's model
+        raise ValueError(f"--speculative draft:{name}: cannot load the draft model: {exc}") from exc
+    try:
+        target_tok, draft_tok = Tokenizer.from_path(target_path), Tokenizer.from_path(Path(draft_path))
+    except Exception:  # noqa: BLE001 - a model without tokenizer files: sizes are compared alone
+        target_tok = draft_tok = None
+    try:
+        check_same_vocabulary(target.vocab_size, loaded.config.vocab_size, target_tok, draft_tok)
+    except ValueError as exc:
+        raise ValueError(f"--speculative draft:{name}: {exc}") from None
+    with loading_weights():
+        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format,
+                                                        device=device)
+        loaded.drop_resident_pages()
+    return model
+
+
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None,
                  kv_dtype: str | torch.dtype | None = None, kv_cache: torch.Tensor | None = None,
-                 tokenizer_path: str | Path | None = None) -> None:
+                 tokenizer_path: str | Path | None = None, draft_model=None) -> None:
         """`config` with its model and cache.num_blocks known (from_path fills them). The KV
         cache's element type is config.cache.kv_dtype; `kv_dtype` (optional) must agree with
         it, and so must a caller-provided `kv_cache` tensor. The cache lives on the model's
-        device; config.cuda_graphs: replay decode steps as CUDA graphs there."""
+        device; config.cuda_graphs: replay decode steps as CUDA graphs there. draft_model:
+        the proposer's model when config.speculative's method is "draft" (from_path loads it;
+        ValueError when it is missing or its vocabulary is not the target's)."""
         want = config.cache.kv_dtype
         if kv_dtype is not None and kv_dtype_name(kv_dtype) != want:
             raise ValueError(f"kv_dtype {kv_dtype_name(kv_dtype)!r} contradicts the engine config's "
@@ -133,9 +166,20 @@ class LLMEngine:
         self.connector: KVConnector | None = None
         self.sampler = Sampler()
         # Speculative decoding (engine/speculative.py), when the config asks for it.
-        self.speculator: SpeculativeDecoder | None = (
-            SpeculativeDecoder(config.speculative, self.sampler)
-            if config.speculative is not None else None)
+        self.speculator: SpeculativeDecoder | None = None
+        if config.speculative is not None:
+            proposer = None
+            if config.speculative.method == "draft":
+                if draft_model is None:
+                    raise ValueError(f"--speculative {config.speculative.spec}: the draft model "
+                                     f"is not loaded (LLMEngine.from_path loads it)")
+                check_same_vocabulary(config.model.vocab_size, draft_model.config.vocab_size)
+                proposer = DraftModelProposer(draft_model, config.speculative.num_speculative_tokens,
+                                              config.cache, KV_TORCH_DTYPES[want])
+            elif draft_model is not None:
+                raise ValueError(f"a draft model was given, but speculative method is "
+                                 f"{config.speculative.method!r}")
+            self.speculator = SpeculativeDecoder(config.speculative, self.sampler, proposer)
         # Structured output (engine/grammar.py): llguidance's vocabulary is built at the first
         # grammar request, from `tokenizer` or else from tokenizer_path (workers load none).
         self.grammars = GrammarBackend(config.model.vocab_size, tokenizer, tokenizer_path)
@@ -187,7 +231,12 @@ class LLMEngine:
         config = replace(config, model=model_config, cache=sized_cache(config.cache, model_config),
                          weight_format=main_format, prefill_weight_format=second_format)
         tokenizer = Tokenizer.from_path(Path(path)) if load_tokenizer else None
-        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path)
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft":
+            draft = load_draft(config.speculative.draft_model, Path(path), model_config,
+                                main_format, target)
+        engine = cls(model, config, tokenizer, kv_cache=kv_cache, tokenizer_path=path,
+                     draft_model=draft)
         engine.load_duration_s = time.monotonic() - t0
 
         def reload():  # the same path and formats, for load_weights after unload_weights

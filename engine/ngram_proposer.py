@@ -19,7 +19,12 @@ nearly as plain decoding while a copy that starts later is still found.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from engine.proposer import Draft
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 EMA_WEIGHT = 0.3  # weight of the newest step's acceptance ratio in the moving average
 PROBE_INTERVAL = 8  # steps between one-token probes once the average drafts nothing
@@ -94,6 +99,15 @@ class NgramProposer:
     min_n: int = 1
     max_n: int = 3
     states: dict[str, DraftState] = field(default_factory=dict)
+
+    def propose_drafts(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, Draft]:
+        """The Proposer contract (engine/proposer.py): one lookup per request."""
+        drafts = {}
+        for request, limit in wanted:
+            tokens = self.propose(request.request_id, request.token_ids, limit)
+            if tokens:
+                drafts[request.request_id] = Draft(tokens)
+        return drafts
 
     def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> list[int]:
         """At most min(adaptive k, limit) draft tokens for `tokens` (the request's prompt +

@@ -9,10 +9,12 @@ Greedy: accept d[i] while it equals the target's choice at row i; the run's last
 target's choice at the first mismatch (or row k after a full accept). That is exactly the
 sequence non-speculative greedy decoding produces from the same logits.
 
-Sampled (Leviathan et al. / Chen et al. speculative sampling, with n-gram's point-mass draft
-q = one-hot(d[i])): accept d[i] with probability min(1, p(d[i]) / q(d[i])) = p(d[i]); on a
-reject draw from the residual max(0, p - q), normalized, which is p with d[i]'s mass removed.
-Each emitted token is then distributed as p, whatever the draft.
+Sampled (Leviathan et al. / Chen et al. speculative sampling): accept d[i] with probability
+min(1, p(d[i]) / q(d[i])); on a reject draw from the residual max(0, p - q), normalized.
+Each emitted token is then distributed as p, whatever the draft. q is the draft's
+distribution at row i: a draft model's (draft_probs, engine/draft_proposer.py), or, when
+none is given, n-gram's point mass q = one-hot(d[i]), where the test is u < p(d[i]) and the
+residual is p with d[i]'s mass removed.
 """
 
 from __future__ import annotations
@@ -44,16 +46,21 @@ def accept_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
 
 
 def rejection_sample(probs: torch.Tensor, draft: Sequence[int],
-                     generators: Sequence[torch.Generator | None]) -> list[int]:
+                     generators: Sequence[torch.Generator | None],
+                     draft_probs: torch.Tensor | None = None) -> list[int]:
     """probs [k + 1, V]: the target's sampling distribution at each row (filters and
     temperature applied, rows summing to 1); generators: one per row (a seeded request's
-    position generators, or the same unseeded generator k + 1 times). Returns the run
-    (module docstring); it stops short, without a token of its own, at a row that has no
-    valid distribution."""
+    position generators, or the same unseeded generator k + 1 times); draft_probs [k, V]:
+    the distribution each draft token was drawn from, None for a point-mass draft. Returns
+    the run (module docstring); it stops short, without a token of its own, at a row that
+    has no valid distribution."""
     k = len(draft)
     if probs.dim() != 2 or probs.shape[0] != k + 1 or len(generators) != k + 1:
         raise ValueError(f"{k} draft tokens need {k + 1} probability rows and generators, got "
                          f"{tuple(probs.shape)} and {len(generators)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, probs.shape[1]):
+        raise ValueError(f"{k} draft tokens need draft probabilities of shape "
+                         f"{(k, probs.shape[1])}, got {tuple(draft_probs.shape)}")
     usable = (probs.isfinite().all(-1) & (probs.sum(-1) > 0)).tolist()
     run: list[int] = []
     for i in range(k + 1):
@@ -68,13 +75,26 @@ def rejection_sample(probs: torch.Tensor, draft: Sequence[int],
         if not 0 <= token < p.shape[0]:
             raise ValueError(f"draft token {token} is outside the vocabulary (0..{p.shape[0] - 1})")
         u = torch.rand((), generator=gen, device=_device(gen)).item()
-        if u < p[token].item():
-            run.append(token)
-            continue
-        # Rejected: the residual max(0, p - onehot) is p without the draft's mass. Its sum is
-        # 1 - p(token) > u >= 0, so it has mass left.
-        residual = p.clone()
-        residual[token] = 0.0
+        if draft_probs is None:
+            if u < p[token].item():
+                run.append(token)
+                continue
+            # Rejected: the residual max(0, p - onehot) is p without the draft's mass. Its sum
+            # is 1 - p(token) > u >= 0, so it has mass left.
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            q = draft_probs[i].to(p.device, p.dtype)
+            # u < min(1, p/q) without dividing: q(token) > 0 since the draft drew it.
+            if u * q[token].item() < p[token].item():
+                run.append(token)
+                continue
+            # Rejected means p(token) < q(token), so p - q is positive somewhere (both sum
+            # to 1) and the residual has mass; rounding can still leave none when p and q are
+            # equal to within float error, and then p itself is the right law.
+            residual = (p - q).clamp_min(0.0)
+            if not residual.sum().item() > 0:
+                residual = p
         run.append(_draw(residual, gen))
         return run
     return run

@@ -1,8 +1,10 @@
 """Speculative decoding inside the running batch: propose before a step, verify after it.
 
     engine.step():
-      propose(running)     each eligible decode gets request.draft_token_ids (prompt lookup,
-                           engine/ngram_proposer.py), at most what max_tokens leaves
+      propose(running)     each eligible decode gets request.draft_token_ids from the
+                           proposer (engine/proposer.py: prompt lookup, engine/ngram_proposer.py,
+                           or a draft model, engine/draft_proposer.py), at most what
+                           max_tokens leaves; a draft model's q rows are kept here until verify
       schedule             the chunk is [last token] + drafts, 1 + k tokens of the budget, with
                            blocks for every draft slot (engine/scheduler.py)
       execute              one pass; k + 1 logit rows for that chunk (engine/model_runner.py)
@@ -26,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from engine.ngram_proposer import NgramProposer
+from engine.proposer import Proposer
 from engine.rejection_sampler import accept_greedy, rejection_sample
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler, apply_logit_bias, forbid_tokens, position_generator, probabilities
@@ -36,6 +39,7 @@ from engine.speculative_config import SpeculativeConfig
 class SpecDecodeStats:
     """Engine-wide counters since the engine started (monotonic)."""
 
+    method: str = "ngram"  # SpeculativeConfig.method: which proposer these count
     num_steps: int = 0  # verifications: a request's pass that carried a draft
     num_draft_tokens: int = 0  # draft tokens verified (vLLM: spec_decode_num_draft_tokens)
     num_accepted_tokens: int = 0  # of which accepted (vLLM: spec_decode_num_accepted_tokens)
@@ -64,26 +68,43 @@ def speculates(request: Request) -> bool:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler) -> None:
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler,
+                 proposer: Proposer | None = None) -> None:
+        """proposer: the draft model's (engine/draft_proposer.py), required for method
+        "draft", which the engine builds since it loads the model; ngram's is built here."""
         self.config = config
         self.sampler = sampler
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
-        self.stats = SpecDecodeStats()
+        if config.method == "draft" and proposer is None:
+            raise ValueError("speculative method draft needs its draft model's proposer")
+        self.proposer: Proposer = proposer if proposer is not None else NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats(method=config.method)
+        # request id -> the q rows of its current draft (a draft model's sampled draft only),
+        # from propose to the verify of the same step; replaced at every propose.
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets each request's draft_token_ids for the next schedule ([] where it does not
         speculate). A draft never reaches past max_tokens: the run it yields is at most
         its length + 1 tokens."""
+        wanted = []
         for request in requests:
             request.draft_token_ids = []
             if speculates(request):
                 limit = request.max_tokens - request.num_output_tokens - 1
                 if limit > 0:
-                    request.draft_token_ids = self.proposer.propose(
-                        request.request_id, request.token_ids, limit)
+                    wanted.append((request, limit))
+        self._draft_probs = {}
+        drafts = self.proposer.propose_drafts(wanted) if wanted else {}
+        for request, _ in wanted:
+            draft = drafts.get(request.request_id)
+            if draft is not None and draft.token_ids:
+                request.draft_token_ids = list(draft.token_ids)
+                if draft.probs is not None:
+                    self._draft_probs[request.request_id] = draft.probs
 
     def forget(self, request_id: str) -> None:
+        self._draft_probs.pop(request_id, None)
         self.proposer.forget(request_id)
 
     def verify(self, request: Request, draft: Sequence[int], logits: torch.Tensor,
@@ -104,7 +125,10 @@ class SpeculativeDecoder:
             run = accept_greedy(targets, draft)
         else:
             probs = probabilities(apply_logit_bias(logits, rows), rows)
-            run = rejection_sample(probs, draft, [generator(i) for i in range(k + 1)])
+            # The schedule may have cut the draft to the budget: q's rows follow it.
+            q = self._draft_probs.get(request.request_id)
+            run = rejection_sample(probs, draft, [generator(i) for i in range(k + 1)],
+                                   None if q is None else q[:k])
         accepted = max(0, len(run) - 1)
         self.proposer.record(request.request_id, k, accepted)
         self.stats.num_steps += 1

@@ -113,7 +113,8 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
             num_steps=snap.spec_decode.num_steps,
             num_draft_tokens=snap.spec_decode.num_draft_tokens,
             num_accepted_tokens=snap.spec_decode.num_accepted_tokens,
-            num_emitted_tokens=snap.spec_decode.num_emitted_tokens),
+            num_emitted_tokens=snap.spec_decode.num_emitted_tokens,
+            method=snap.spec_decode.method),
         refused_calls=[pb.RefusedCalls(method=method, reason=reason, count=count)
                        for (method, reason), count in sorted(
                            (refused.refused.snapshot() if refused else {}).items())])

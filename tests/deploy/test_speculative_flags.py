@@ -59,3 +59,19 @@ def test_tandem_run_refuses_a_bad_spec(capsys, monkeypatch):
 
     assert cli.main.main(["run", "smollm2", "hi", "--speculative", "ngram"]) != 0
     assert "k=N is required" in capsys.readouterr().err
+
+
+def test_a_draft_spec_reaches_the_decode_engine_and_not_the_prefill_one(tmp_path):
+    topology = Topology(model="m", model_path=tmp_path, log_dir=tmp_path,
+                        speculative="draft:smollm2,k=3")
+    assert "draft:smollm2,k=3" in topology.worker_flags("decode")
+    assert "--speculative" not in topology.worker_flags("prefill")
+    base = ["--model", "m", "--port", "1", "--device", "cpu", "--speculative", "draft:smollm2,k=3"]
+    decode = WorkerConfig.from_args(worker_arg_parser("decode_node", ("decode", "colocated"))
+                                    .parse_args(base))
+    assert decode.engine.speculative == SpeculativeConfig(method="draft", num_speculative_tokens=3,
+                                                          draft_model="smollm2")
+    prefill = WorkerConfig.from_args(worker_arg_parser("prefill_node", ("prefill",)).parse_args(base))
+    assert prefill.engine.speculative is None  # the prefill worker never loads the draft
+    with pytest.raises(ValueError, match="draft needs its model first"):
+        Topology(model="m", model_path=tmp_path, log_dir=tmp_path, speculative="draft:k=3")

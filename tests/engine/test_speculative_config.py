@@ -26,7 +26,10 @@ def test_off(text):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("draft:k=4", "method must be one of ngram"),
+    ("eagle:k=4", "method must be one of ngram, draft"),
+    ("draft:k=4", "draft needs its model first"),
+    ("draft:m", "k=N is required"),
+    ("draft:m,k=2,n=1..2", "unknown option 'n'"),
     ("ngram", "k=N is required"),
     ("ngram:k=0", "1..16"),
     ("ngram:k=99", "1..16"),

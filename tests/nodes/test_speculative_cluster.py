@@ -1,6 +1,6 @@
 """Speculation on a real decode worker process: a disaggregated cluster (prefill and decode
-workers as processes, every prompt prefilled remotely) started with --speculative ngram on
-every worker's command line. The decode worker speculates after the KV handoff and answers
+workers as processes, every prompt prefilled remotely) started with --speculative ngram, or
+draft with the model drafting for itself, on every worker's command line. The decode worker speculates after the KV handoff and answers
 what plain decoding answers; the prefill worker ignores the flag; the counters reach the
 coordinator's /internal/workers and /metrics under vLLM's names."""
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 import urllib.request
+
+import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,20 +20,21 @@ from engine.llm_engine import LLMEngine
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.cluster import running_cluster
 
-WORKER_ARGS = ("--decode-quant", "fp32", "--prefill-quant", "fp32", "--kv-cache-gb", "0.05",
-               "--speculative", "ngram:k=4")
+WORKER_ARGS = ("--decode-quant", "fp32", "--prefill-quant", "fp32", "--kv-cache-gb", "0.05")
 CONTENT = "the river and the city, the river and the city, the river and the city of the king"
 N = 40
 
 
-def test_decode_worker_speculates_and_answers_as_plain_decoding(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_decode_worker_speculates_and_answers_as_plain_decoding(tmp_path, method):
     tiny = make_tiny_hf_model(tmp_path / "m", "llama", max_position=1024)
+    spec_flag = "ngram:k=4" if method == "ngram" else f"draft:{tiny},k=4"
     reference = LLMEngine.from_path(tiny, EngineConfig(cache=CacheConfig(num_blocks=256)))
     messages = [{"role": "user", "content": CONTENT}]
     ids = chat_prompt_ids(reference, messages)
     expected = "".join(TextStream(reference, ids, SamplingParams(temperature=0.0, num_predict=N)))
     with running_cluster(tiny, tmp_path / "logs", prefill=1, decode=1, prefill_threshold=0,
-                         worker_args=WORKER_ARGS) as cluster:
+                         worker_args=(*WORKER_ARGS, "--speculative", spec_flag)) as cluster:
         answer = cluster.chat(messages, options={"temperature": 0, "num_predict": N})
         assert answer["message"]["content"] == expected
         assert answer["tandem"]["prefill_worker"]  # the disaggregated path
@@ -45,11 +48,14 @@ def test_decode_worker_speculates_and_answers_as_plain_decoding(tmp_path):
         assert workers["prefill"]["spec_decode"] is None
         assert spec["num_steps"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
         assert spec["num_emitted_tokens"] == spec["num_steps"] + spec["num_accepted_tokens"]
+        assert spec["method"] == method
+        if method == "draft":  # its own draft: the decode worker's draft prefilled the prompt
+            assert spec["num_accepted_tokens"] >= 0.9 * spec["num_draft_tokens"] > 0
         with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
             metrics = r.read().decode()
         samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
                    for family in text_string_to_metric_families(metrics) for x in family.samples}
-        labels = (("role", "decode"), ("worker", workers["decode"]["worker_id"]))
+        labels = (("method", method), ("role", "decode"), ("worker", workers["decode"]["worker_id"]))
         assert samples[("vllm:spec_decode_num_draft_tokens_total", labels)] == spec["num_draft_tokens"]
         assert (samples[("vllm:spec_decode_num_accepted_tokens_total", labels)]
                 == spec["num_accepted_tokens"])
