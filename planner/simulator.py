@@ -33,7 +33,6 @@ network latency to the client, heterogeneous workers.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 

@@ -168,12 +168,7 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunk
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), vd, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[r] = _mm_cvtss_f32(s);
-    }
+    for (int r = 0; r < R; r++) out[r] = vsum(acc[r]);  // simd.h's AVX2 reduction
 #else
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {
@@ -335,12 +330,7 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        out[r] = _mm_cvtss_f32(s);
-    }
+    for (int r = 0; r < R; r++) out[r] = vsum(acc[r]);  // simd.h's AVX2 reduction
 #else
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {

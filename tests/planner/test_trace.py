@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.trace import LengthDist, Request, generate, load, save
+from planner.trace import LengthDist, generate, load, save
 
 
 def test_load_reads_what_save_wrote(tmp_path):
