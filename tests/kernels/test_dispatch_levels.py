@@ -71,3 +71,11 @@ def test_vnni_builds_run_where_the_cpu_has_vnni_unless_aten_s_level_is_set(monke
     else:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", env)
     assert native.dispatch_level() == want
+
+
+def test_a_child_process_is_sent_to_a_level_through_aten_s_variable_or_none_for_vnni():
+    base = {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert native.level_env("avx512", base) == {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx512"}
+    assert native.level_env("avx512vnni", base) == {"PATH": "/bin"}
+    with pytest.raises(ValueError, match="unknown native level"):
+        native.level_env("avx1024", base)
