@@ -62,6 +62,8 @@ def tokenize(model: ServedModel, body: dict[str, Any], max_messages: int) -> dic
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string")
+        if "tools" in body:  # a prompt is tokenized as given: tools would be silently dropped
+            raise RequestError("tools go with messages (the chat template renders them), not with prompt")
         text = prompt
     else:
         messages, tools = parse_messages(body, max_messages)

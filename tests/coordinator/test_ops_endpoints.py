@@ -64,9 +64,11 @@ def test_tokenize_and_detokenize_in_vllms_shapes(model):
                 await post("/detokenize", tokens=[10 ** 9]),
                 await post("/detokenize", tokens=[True]),
                 await client.post(f"{h.url}/tokenize", json={"model": "other", "prompt": "x"}),
+                # found by tests/reliability/test_fuzz_http.py: tools beside a prompt were ignored
+                await post("/tokenize", prompt="x", tools=[{"type": "", "function": {"name": "f"}}]),
             ]
 
-    plain, bare, chat, text, both, outside, boolean, other = run(scenario())
+    plain, bare, chat, text, both, outside, boolean, other, prompt_tools = run(scenario())
     assert plain.status_code == 200, plain.text
     ids = tok.encode("Hello world", add_special_tokens=True)
     assert plain.json() == {"tokens": ids, "count": len(ids), "max_model_len": model.context_len,
@@ -79,7 +81,7 @@ def test_tokenize_and_detokenize_in_vllms_shapes(model):
     assert chat.json()["tokens"] == tok.encode(rendered)
     assert chat.json()["count"] == len(tok.encode(rendered))
     assert text.status_code == 200 and text.json() == {"prompt": "Hello world"}
-    for bad in (both, outside, boolean):
+    for bad in (both, outside, boolean, prompt_tools):
         assert bad.status_code == 400, bad.text
         assert isinstance(bad.json()["error"]["message"], str)  # OpenAI's shape, as vLLM
     assert other.status_code == 404
