@@ -225,7 +225,7 @@ def test_no_worker_within_the_load_timeout_is_503(served):
 
     r, took = run(scenario())
     assert r.status_code == 503 and "waited 0.3 s for one to load the model" in r.json()["error"]
-    assert took >= 0.3
+    assert took >= 0.3  # a lower bound (it waited the load timeout): a slow host only adds to it
 
 
 def test_a_model_from_ollamas_store_is_listed_as_name_tag_and_answers_to_each_spelling(
