@@ -307,7 +307,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     m, k = x.shape
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    # A tensor numerator: `32767.0 / amax` is torch's reciprocal-then-multiply, rounded twice,
+    # where the kernel divides once (one element in ~2,000 then rounds to the other integer).
+    inv = torch.where(amax > 0, amax.new_tensor(32767.0) / amax, torch.zeros_like(amax))
     xq = torch.round(x * inv[:, None])
     return xq, amax / 32767.0, x.reshape(m, k // GROUP_SIZE, GROUP_SIZE).sum(dim=-1)
 
@@ -319,7 +321,7 @@ def quantize_activations_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     m, k = x.shape
     xg = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)
     amax = xg.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, amax.new_tensor(127.0) / amax, torch.zeros_like(amax))  # as above
     xq = torch.round(xg * inv[..., None]).reshape(m, k)
     return xq, amax / 127.0, xg.sum(dim=-1)
 

@@ -8,8 +8,9 @@ output in the epilogue, so the inner loop is a plain int8 -> float dot product.
 
 Layouts (PackedLinear.layout), chosen by the device given to pack():
     "native": q int8 [N, Kp], scales fp32 [N], read by the native CPU kernel
-              (kernels/csrc/int8_linear.cpp) with fp32 activations; the CPU default wherever
-              the native kernels build. Kp = round_up(K, 16).
+              (kernels/csrc/int8_linear.cpp), which rounds each row of x to int16 (one scale
+              per row, dx = max|x| / 32767) for an integer dot product; `reference` is that
+              formula. The CPU default wherever the native kernels build. Kp = round_up(K, 16).
     "cpu":    q int8 [N, Kp], scales bf16 [N] for aten._weight_int8pack_mm(x bf16, q, scales).
               Measured (torch 2.13, AVX-512): that kernel returns garbage for K % 16 != 0 and
               crashes for some odd K, so K is zero-padded to Kp = round_up(K, 16) at pack time.
@@ -28,6 +29,7 @@ from kernels import native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, float_row_chunks, linear_reference
+from kernels.quant_int4 import quantize_activations
 from kernels.quantized_tensor import QuantizedTensor
 
 K_ALIGN = 16
@@ -82,7 +84,17 @@ def dequantize(packed: PackedLinear) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    return linear_reference(x, dequantize(packed), packed.bias)
+    if packed.layout != "native":
+        return linear_reference(x, dequantize(packed), packed.bias)
+    # The native kernel's definition: y = dx[r] * scale[n] * (q[n] . xq[r]), x rounded to int16
+    # per row (the int4 kernel's weight-only rounding, kernels/quant_int4.py).
+    k = packed.in_features
+    xq, dx, _ = quantize_activations(F.pad(x.float(), (0, -k % 32)))
+    dots = xq[:, :k].double() @ packed.weight[:, :k].double().t()  # exact integers
+    y = (dots * dx.double()[:, None] * packed.scales.double()[None]).float()
+    if packed.bias is not None:
+        y = y + packed.bias
+    return y.to(x.dtype)
 
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
