@@ -108,6 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-timeout", type=float, default=DEFAULTS.load_timeout_s,
                    help="longest wait of a request for a live decode worker (one loading the "
                         "model) before a 503; 0 = refuse at once")
+    p.add_argument("--load-on-request", action="store_true",
+                   help="a request may name a model the stores hold that is not served: its "
+                        "workers are started through the launcher (`tandem serve` gives "
+                        "$TANDEM_SUPERVISOR_FD), within --max-loaded-models and "
+                        "--model-memory-budget, unloading the least recently used idle one")
+    p.add_argument("--max-loaded-models", type=int, metavar="N",
+                   help="with --load-on-request: most models loaded at once, those given with "
+                        "--model included (default: no bound)")
+    p.add_argument("--model-memory-budget", metavar="SIZE",
+                   help="with --load-on-request: most bytes of model weights loaded at once "
+                        "(e.g. 8GB, 512MiB; the weight files' sizes; default: no bound)")
+    p.add_argument("--model-start-timeout", type=float, default=300.0, metavar="S",
+                   help="with --load-on-request: longest wait for a model's workers to "
+                        "register (default 300)")
     p.add_argument("--heartbeat-interval", type=float, default=DEFAULTS.heartbeat_interval_s)
     p.add_argument("--heartbeat-misses", type=int, default=DEFAULTS.heartbeat_misses)
     p.add_argument("--prefill-timeout", type=float, default=DEFAULTS.prefill_timeout_s)
@@ -147,6 +161,37 @@ def _default_keep_alive() -> float:
 
     seconds = parse_keep_alive(_env("OLLAMA_KEEP_ALIVE") or None)
     return DEFAULTS.keep_alive_s if seconds is None else seconds
+
+
+def _on_demand(args: argparse.Namespace, store):
+    """What attaches models loaded on request to the coordinator (None without
+    --load-on-request); a ValueError for bounds without it, or without a launcher."""
+    from coordinator.model_budget import ModelBudget, parse_size
+    from coordinator.worker_supervisor import channel_fd
+
+    bounds = args.max_loaded_models is not None or args.model_memory_budget is not None
+    if not args.load_on_request:
+        if bounds:
+            raise ValueError("--max-loaded-models and --model-memory-budget bound the models "
+                             "loaded on request: give --load-on-request too")
+        return None
+    fd = channel_fd()
+    if fd is None:
+        raise ValueError("--load-on-request needs the launcher that supervises the workers "
+                         "(tandem serve --load-on-request): $TANDEM_SUPERVISOR_FD is not set")
+    budget = ModelBudget(args.max_loaded_models, parse_size(args.model_memory_budget)
+                         if args.model_memory_budget is not None else None)
+
+    def attach(coordinator) -> None:
+        from coordinator.on_demand import OnDemandModels
+        from coordinator.worker_supervisor import SupervisorChannel
+
+        coordinator.on_demand = OnDemandModels(coordinator, SupervisorChannel(fd), budget, store,
+                                               args.model_start_timeout)
+        logging.getLogger("coordinator").info(
+            "models the stores hold load on request (budget: %s)", budget.describe())
+
+    return attach
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models
+        attach = _on_demand(args, store)
     except (TandemError, ValueError) as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1
@@ -218,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "the Registry listens on %s without a cluster secret: anyone who reaches it can "
             "register as a worker and receive users' prompts (set $TANDEM_CLUSTER_SECRET or "
             "--cluster-secret-file on every process)", config.registry_host)
-    serve(config, models, store)
+    serve(config, models, store, attach)
     return 0
 
 

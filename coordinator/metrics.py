@@ -185,6 +185,7 @@ class Metrics:
         success = Counter("vllm:request_success", "Requests finished, by vLLM's finished_reason",
                           [*m, "finished_reason"], registry=r)
         self._series = {name: _ModelSeries(families, success, name) for name in names}
+        self._families, self._success = families, success  # add_model's
 
         # ---- tandem's own ----------------------------------------------------------------------
         self.queue_depth = Gauge("tandem_queue_depth", "Requests waiting for admission "
@@ -222,6 +223,12 @@ class Metrics:
                                self.worker_waiting, self.worker_queued_tokens)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
+
+    def add_model(self, model_name: str) -> None:
+        """Series for a model loaded on request (kept after it is unloaded: counters of a
+        model_name do not restart while the coordinator runs)."""
+        if model_name not in self._series:
+            self._series[model_name] = _ModelSeries(self._families, self._success, model_name)
 
     def of(self, model_name: str) -> ModelMetrics:
         """The recorder of one model's requests (a name given to Metrics)."""

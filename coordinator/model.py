@@ -67,10 +67,12 @@ def shown(text: str, limit: int = 100) -> str:
 
 def load_from_store(store: ModelStore, given: str, name: str,
                     template_file: str | Path | None = None,
-                    warn: Callable[[str], None] | None = None) -> ServedModel:
+                    warn: Callable[[str], None] | None = None,
+                    path: Path | None = None) -> ServedModel:
     """The model `given` names in the store (or a path), served as `name`, with what
-    /api/create kept with that name (its template, its system message)."""
-    path = store.resolve(given)
+    /api/create kept with that name (its template, its system message). `path`: where the
+    caller resolved `given` already (a client's name, resolved without probing paths)."""
+    path = store.resolve(given) if path is None else path
     entry = store.entry(given)
     stored = store.overrides(given)
     # Every store name of the same file answers too (copies made by /api/copy, names made from

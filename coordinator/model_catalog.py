@@ -74,6 +74,34 @@ class ModelCatalog:
             raise ModelNotFoundError(f"model '{shown(name)}' not found{self.missing_hint(name)}")
         return model
 
+    # ---- models added and removed at run time (coordinator/on_demand.py) ------------------------
+
+    def add(self, model: ServedModel) -> None:
+        """A model loaded on request joins, after the others; the invariants hold as at start
+        (ValueError: its file is served already, or one of its names is another model's)."""
+        if model.fingerprint in self._models:
+            raise ValueError(f"{model.name!r} is {self._models[model.fingerprint].name!r}, "
+                             "which is served already")
+        # A name only derived from its path (a blob's file name) that another model answers
+        # to is dropped, as at start; a name it was asked by is refused below.
+        derived = {n for n in _path_names(model)
+                   if any(o.answers_to(n) for o in self._models.values())}
+        if derived:
+            model = dataclasses.replace(model, names=model.names - derived)
+        for other in self._models.values():
+            clash = _shared_name(model, other)
+            if clash is not None:
+                raise ValueError(f"the name {clash!r} would name two models: {other.name!r} "
+                                 f"({other.path}) and {model.name!r} ({model.path})")
+        self._models[model.fingerprint] = model
+
+    def remove(self, fingerprint: str) -> None:
+        """A model unloaded (its workers stopped). The default model is never removed: a
+        request that names no model means it."""
+        if fingerprint == self.default.fingerprint:
+            raise ValueError("the default model is not removed")
+        self._models.pop(fingerprint, None)
+
     # ---- names added and dropped at run time (/api/copy, /api/create, /api/delete) --------------
 
     def add_name(self, model: ServedModel, name: str) -> None:

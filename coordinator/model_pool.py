@@ -10,6 +10,8 @@ coordinator's own: the registry (one gRPC service), max_streams, metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import concurrency_limit
@@ -20,15 +22,22 @@ from coordinator.residency import Residency
 
 class ModelPool:
     def __init__(self, registry: WorkerRegistry, fingerprint: str,
-                 config: CoordinatorConfig) -> None:
+                 config: CoordinatorConfig, on_expire: Callable[[], None] | None = None) -> None:
+        """on_expire: how keep_alive unloads a model loaded on request (its workers are
+        stopped: coordinator/on_demand.py); None: SetResident on its workers."""
         self.fingerprint = fingerprint
+        # Set once its workers are being stopped (a model loaded on request, unloaded): a
+        # request holding this pool looks its model up again. Never cleared.
+        self.retired = False
         self.workers: RegistryView = registry.view(fingerprint)
         self.admission = Admission(self._capacity, config.max_queue, config.queue_timeout_s,
                                    config.retry_after_s)
+        self._registry = registry
         registry.add_listener(self.admission.wake)
         self.flow = RequestFlow(self.workers, config)
         # keep_alive: loads the model on its workers before a request, drops it after expiry.
-        self.residency = Residency(self.workers, config.keep_alive_s, config.prefill_timeout_s)
+        self.residency = Residency(self.workers, config.keep_alive_s, config.prefill_timeout_s,
+                                   on_expire=on_expire)
 
     def _capacity(self) -> int:
         return concurrency_limit(self.workers.snapshots(DECODE_ROLES),
@@ -36,3 +45,9 @@ class ModelPool:
 
     def has_decode_worker(self) -> bool:
         return bool(self.workers.live(DECODE_ROLES))
+
+    def retire(self) -> None:
+        """Its workers are being stopped: no request starts here again (see `retired`)."""
+        self.retired = True
+        self._registry.remove_listener(self.admission.wake)
+        self.admission.wake()  # queued requests look again, and find the pool retired

@@ -387,6 +387,25 @@ class WorkerRegistry:
             counts[record.role] += 1
         return counts
 
+    # ---- models added and removed at run time (coordinator/on_demand.py) ------------------------
+
+    def add_model(self, fingerprint: str) -> None:
+        """Workers of this model are accepted from now on (a model loaded on request)."""
+        self.model_fingerprints = self.model_fingerprints | {fingerprint}
+
+    def remove_model(self, fingerprint: str) -> list[str]:
+        """Refuse this model's workers again and forget their records (its workers were
+        stopped): a worker id of the model may be reused by its next load. The ids dropped."""
+        self.model_fingerprints = self.model_fingerprints - {fingerprint}
+        dropped = [r for r in self._workers.values() if r.model_fingerprint == fingerprint]
+        for record in dropped:
+            del self._workers[record.worker_id]
+            record.alive, record.dead_reason = False, "its model was unloaded"
+            _close_later(record.channel)
+        if dropped:
+            self._notify()
+        return [r.worker_id for r in dropped]
+
     def view(self, model: str) -> RegistryView:
         """The workers of one served model, with the queries placement, the request flow and
         keep_alive use: what they see of the registry never holds another model's worker."""
@@ -398,6 +417,10 @@ class WorkerRegistry:
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def _notify(self) -> None:
         for listener in self._listeners:

@@ -14,6 +14,11 @@ ends last decides, as in Ollama. Life cycle, all on the coordinator's event loop
 
 A worker that registers while the model is unloaded holds its weights (workers load at start)
 until the next expiry.
+
+A model loaded on request (coordinator/on_demand.py) is unloaded by stopping its workers, not
+by SetResident: its Residency has `on_expire`, called (on the loop, synchronously) where the
+others send SetResident(false). Such a model is never loaded back here: once unloaded, acquire
+raises ModelRetired, and the caller looks the model up again (which starts new workers).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import grpc
@@ -36,6 +42,10 @@ log = logging.getLogger(__name__)
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+class ModelRetired(Exception):
+    """The model's workers are being stopped (it was unloaded); look it up again."""
 
 
 class KeepAliveError(ValueError):
@@ -77,8 +87,10 @@ def parse_keep_alive(value) -> float | None:
 
 class Residency:
     def __init__(self, registry: WorkerRegistry, default_keep_alive_s: float,
-                 rpc_timeout_s: float, clock=time.monotonic) -> None:
+                 rpc_timeout_s: float, clock=time.monotonic,
+                 on_expire: Callable[[], None] | None = None) -> None:
         self.registry = registry
+        self.on_expire = on_expire
         self.default_keep_alive_s = default_keep_alive_s
         self.rpc_timeout_s = rpc_timeout_s
         self._clock = clock
@@ -87,12 +99,16 @@ class Residency:
         self.expires_at = clock() + default_keep_alive_s  # monotonic; math.inf = never
         self._switch = asyncio.Lock()  # one load or unload at a time
         self._changed = asyncio.Event()
+        self.last_used = clock()  # a request's start or end: least recently used unloads first
 
     # ---- requests -------------------------------------------------------------------------------
 
     async def acquire(self) -> float:
         """Counts a request in flight, loading the model first when it is unloaded; returns the
         seconds spent waiting for the load (0.0 when it was loaded)."""
+        self.last_used = self._clock()
+        if not self.resident and self.on_expire is not None:
+            raise ModelRetired("the model was unloaded")
         self.in_flight += 1
         if self.resident:
             return 0.0
@@ -110,7 +126,8 @@ class Residency:
     def release(self, keep_alive_s: float | None) -> None:
         self.in_flight -= 1
         keep = self.default_keep_alive_s if keep_alive_s is None else keep_alive_s
-        self.expires_at = self._clock() + keep
+        self.last_used = self._clock()
+        self.expires_at = self.last_used + keep
         self._changed.set()
 
     async def unload(self) -> None:
@@ -148,7 +165,10 @@ class Residency:
         async with self._switch:
             if self.resident and self.in_flight == 0 and self._clock() >= self.expires_at:
                 self.resident = False  # before the calls: a request arriving now waits to load
-                await self._set_all(False)
+                if self.on_expire is not None:
+                    self.on_expire()
+                else:
+                    await self._set_all(False)
 
     async def _set_all(self, resident: bool) -> None:
         """SetResident on every live worker at once. A load must reach at least one decode

@@ -13,6 +13,7 @@ SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting, finishes open resp
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -96,7 +97,12 @@ def uvicorn_server(coordinator: Coordinator, loop: str = "uvloop",
 
 
 def serve(config: CoordinatorConfig, models: ServedModel | ModelCatalog | list[ServedModel],
-          store: ModelStore | None = None) -> None:
+          store: ModelStore | None = None,
+          attach: Callable[[Coordinator], None] | None = None) -> None:
     """Blocks until SIGINT/SIGTERM. models: the first is the default. `store`: the model
-    store the model routes manage."""
-    uvicorn_server(Coordinator(config, models, store)).run()
+    store the model routes manage. `attach`: called with the Coordinator before it serves
+    (models loaded on request attach there: coordinator/on_demand.py)."""
+    coordinator = Coordinator(config, models, store)
+    if attach is not None:
+        attach(coordinator)
+    uvicorn_server(coordinator).run()

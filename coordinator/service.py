@@ -22,10 +22,11 @@ from coordinator.metrics import Metrics, RequestTimings
 from coordinator.model import ServedModel
 from coordinator.model_catalog import ModelCatalog, not_served_hint
 from coordinator.model_pool import ModelPool
+from coordinator.on_demand import OnDemandModels
 from coordinator.placement import choose_embedder
 from coordinator.prompts import off_loop
 from coordinator.registry import WorkerRegistry
-from coordinator.residency import Residency
+from coordinator.residency import ModelRetired, Residency
 from coordinator.response_cache import ResponseCache, ResponseCacheCollector
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
 from common import request_id
@@ -57,7 +58,10 @@ class Coordinator:
         self.pools = {f: ModelPool(self.registry, f, config) for f in self.models.fingerprints}
         self._worker_waiters: set[asyncio.Future[None]] = set()  # requests awaiting a worker
         self.registry.add_listener(self._wake_worker_waiters)
-        self._residency_tasks: list[asyncio.Task] = []
+        self._residency_tasks: dict[str, asyncio.Task] = {}  # fingerprint -> its keep_alive
+        # Models loaded on request (coordinator/on_demand.py): set by the entry point when a
+        # launcher supervises the workers; None = only the models given at start are served.
+        self.on_demand: OnDemandModels | None = None
         self.metrics = Metrics([m.name for m in self.models])  # model_name: each model's own
         # Set by listening() once the transports bound (coordinator/server.py).
         self.registry_port: int | None = None  # the Registry gRPC service, for workers
@@ -80,6 +84,52 @@ class Coordinator:
     def pool(self, model: ServedModel | None = None) -> ModelPool:
         return self.pools[(model or self.models.default).fingerprint]
 
+    async def find_model(self, name: str) -> ServedModel:
+        """The model a request names: a served one, else (models loaded on request) one the
+        stores hold, loaded first; ModelNotFoundError (404) otherwise."""
+        if self.on_demand is None:
+            return self.models.get(name)
+        return await self.on_demand.get(name)
+
+    async def _live_pool(self, model: ServedModel) -> tuple[ServedModel, ModelPool]:
+        """The model and its pool; a model loaded on request that was unloaded since the
+        request looked it up is loaded again (the same file: the same tokenizer)."""
+        pool = self.pools.get(model.fingerprint)
+        if pool is None or pool.retired:
+            if self.on_demand is None:
+                raise NoWorkers(f"model {model.name} is no longer served")
+            model = await self.on_demand.get(model.name)
+            pool = self.pools[model.fingerprint]
+        return model, pool
+
+    # ---- models added and removed at run time (coordinator/on_demand.py) ------------------------
+
+    def add_model_pool(self, model: ServedModel, on_expire) -> None:
+        """A pool for a model loading on request: the registry accepts its workers from now
+        on; requests find it once publish_model put it in the catalog."""
+        self.registry.add_model(model.fingerprint)
+        pool = ModelPool(self.registry, model.fingerprint, self.config, on_expire=on_expire)
+        self.pools[model.fingerprint] = pool
+        self._residency_tasks[model.fingerprint] = asyncio.create_task(pool.residency.run())
+        self.metrics.add_model(model.name)
+
+    def publish_model(self, model: ServedModel) -> None:
+        """Its workers registered: requests, /api/ps and /api/tags see it."""
+        self.models.add(model)
+
+    def retire_model(self, fingerprint: str) -> None:
+        """No request starts on this model again (synchronous: nothing interleaves); its
+        workers are stopped by the caller. Requests waiting for a worker of it look again."""
+        pool = self.pools.pop(fingerprint, None)
+        if pool is not None:
+            pool.retire()
+        task = self._residency_tasks.pop(fingerprint, None)
+        if task is not None:  # keep_alive's own task, when it unloads: cancelled at its next wait
+            task.cancel()
+        if fingerprint in self.models.fingerprints:
+            self.models.remove(fingerprint)
+        self._wake_worker_waiters()
+
     # The default model's pool, for callers that serve one model.
     @property
     def admission(self) -> Admission:
@@ -99,8 +149,10 @@ class Coordinator:
         """The background tasks: the registry's sweeper and keep_alive's residency. The
         transports around this object are started by coordinator/server.py."""
         self._sweeper = asyncio.create_task(self.registry.run_sweeper())
-        self._residency_tasks = [asyncio.create_task(p.residency.run())
-                                 for p in self.pools.values()]
+        if self.on_demand is not None:
+            await self.on_demand.start()
+        self._residency_tasks = {f: asyncio.create_task(p.residency.run())
+                                 for f, p in self.pools.items()}
 
     def listening(self, registry_port: int, grpc_port: int) -> None:
         """Where the transports bound (coordinator/server.py): the registry's and the client
@@ -109,7 +161,9 @@ class Coordinator:
 
     async def stop(self) -> None:
         """Cancels the background tasks (the transports are stopped by coordinator/server.py)."""
-        for task in (self._sweeper, *self._residency_tasks):
+        if self.on_demand is not None:
+            await self.on_demand.close()
+        for task in (self._sweeper, *self._residency_tasks.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -189,16 +243,15 @@ class Coordinator:
         it, for the model to load on them, then in its queue, if need be). Raises NoWorkers
         or Overloaded."""
         model = model or self.model
-        pool = self.pool(model)
         if self.open_requests >= self.config.max_streams:
             self.metrics.count_refusal("overloaded")
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
         held = False  # counted in flight by residency
+        pool = None
         try:
-            await self._wait_for_decode_worker(timings, pool)
-            timings.load_wait += await pool.residency.acquire()
+            model, pool = await self._hold(model, timings)
             held = True
             await pool.admission.acquire()
         except BaseException as exc:  # NoWorkers, Overloaded, or the client left while waiting
@@ -213,18 +266,36 @@ class Coordinator:
                           self.metrics.of(model.name),
                           lambda: self._release(pool, keep_alive_s))
 
+    async def _hold(self, model: ServedModel, timings: RequestTimings
+                    ) -> tuple[ServedModel, ModelPool]:
+        """Wait for a live decode worker of the model and count the request in flight on its
+        residency (loading the weights back if keep_alive dropped them); the model and pool
+        it is counted on. A model loaded on request that is unloaded meanwhile is looked up
+        (so loaded) again: a few times at most, each a real unload of an idle model."""
+        for attempt in range(3):
+            model, pool = await self._live_pool(model)
+            try:
+                await self._wait_for_decode_worker(timings, pool)
+                timings.load_wait += await pool.residency.acquire()
+                return model, pool
+            except ModelRetired:
+                if attempt == 2:
+                    raise NoWorkers(f"model {model.name} was unloaded while this request "
+                                    "waited for it, three times; retry") from None
+        raise AssertionError("unreachable")
+
     async def preload(self, keep_alive_s: float | None,
                       model: ServedModel | None = None) -> None:
         """A request with no prompt (Ollama's load/unload) for `model` (None: the default):
         keep_alive 0 unloads it from its workers now (or once its requests in flight end);
         any other value loads it and sets its expiry. Other models stay as they are."""
-        pool = self.pool(model)
+        model = model or self.model
+        pool = self.pools.get(model.fingerprint)
         if keep_alive_s == 0:
-            await pool.residency.unload()
+            if pool is not None and not pool.retired:
+                await pool.residency.unload()
             return
-        if not pool.residency.resident:  # else nothing to wait for: only the expiry moves
-            await self._wait_for_decode_worker(RequestTimings(), pool)
-        await pool.residency.acquire()
+        _, pool = await self._hold(model, RequestTimings())
         pool.residency.release(keep_alive_s)
 
     async def embed(self, inputs: list[list[int]], normalize: bool,
@@ -239,12 +310,11 @@ class Coordinator:
             raise TooManyStreams(f"too many concurrent requests: {self.open_requests} open "
                                  f"(limit {self.config.max_streams})", self.config.retry_after_s)
         self.open_requests += 1
-        pool = self.pool(model)
-        workers_of_model = pool.workers
+        pool = None
         held = admitted = False
         try:
-            await self._wait_for_decode_worker(timings, pool)
-            timings.load_wait += await pool.residency.acquire()
+            model, pool = await self._hold(model or self.model, timings)
+            workers_of_model = pool.workers
             held = True
             # Admitted like a prompt: an embedding holds a running slot while it computes.
             await pool.admission.acquire()
@@ -307,6 +377,8 @@ class Coordinator:
         start = time.monotonic()
         deadline = start + self.config.load_timeout_s
         while not pool.has_decode_worker():
+            if pool.retired:
+                raise ModelRetired("the model was unloaded")
             left = deadline - time.monotonic()
             if left <= 0:
                 waited = (f" (waited {self.config.load_timeout_s:g} s for one to load the model)"
