@@ -53,6 +53,19 @@ def register(subparsers) -> None:
                         "instead of --prefill/--decode; repeatable, e.g. --workers qwen3:8b=2:3")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
+    p.add_argument("--load-on-request", action="store_true",
+                   help="a request may name a model the stores hold (tandem's, Ollama's, the "
+                        "Hugging Face cache) that no --model serves: its workers (--prefill/"
+                        "--decode of them, or one --colocated) start then, the request waiting, "
+                        "as Ollama loads a model; keep_alive unloads it (its workers stop)")
+    p.add_argument("--max-loaded-models", type=int, metavar="N",
+                   help="with --load-on-request: most models loaded at once, the --model ones "
+                        "included; the least recently used idle one loaded on request is "
+                        "unloaded to make room (default: no bound)")
+    p.add_argument("--model-memory-budget", metavar="SIZE",
+                   help="with --load-on-request: most bytes of model weights loaded at once "
+                        "(the weight files' sizes, e.g. 16GB or 900MiB), the --model ones "
+                        "included; unloads as --max-loaded-models does (default: no bound)")
     add_kv_backend_flag(p)
     p.add_argument("--chunk-size", type=int, default=DEFAULT_TOKEN_BUDGET,
                    help="per-pass token budget of every worker (their --max-batched-tokens), so "
@@ -118,7 +131,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             cuda_graphs=not args.no_cuda_graphs,
                             coordinator_args=("--grpc-port", str(args.grpc_port),
                                               *_chat_template_args(args.chat_template, models),
-                                              *_response_cache(args.response_cache)),
+                                              *_response_cache(args.response_cache),
+                                              *_on_request_args(args)),
+                            load_on_request=args.load_on_request,
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
                             otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -131,8 +146,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     topology = dataclasses.replace(
         topology, model_path=resolve_or_pull(models[0]),
         more_models=tuple((m, resolve_or_pull(m)) for m in models[1:]))
+    factory = None
+    if topology.load_on_request:
+        from deploy.model_supervisor import ModelSupervisor
+
+        factory = ModelSupervisor
     return serve(topology, start_timeout_s=args.start_timeout, out=_log,
-                 lock_dir=default_home() / "run", more_ports=(args.grpc_port,))
+                 lock_dir=default_home() / "run", more_ports=(args.grpc_port,),
+                 supervisor_factory=factory)
+
+
+def _on_request_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The coordinator's bounds on the models loaded on request, checked here first."""
+    from coordinator.model_budget import ModelBudget, parse_size  # torch-free
+
+    bounds = (("--max-loaded-models", args.max_loaded_models),
+              ("--model-memory-budget", args.model_memory_budget))
+    given = [(flag, value) for flag, value in bounds if value is not None]
+    if given and not args.load_on_request:
+        raise ValueError(f"{given[0][0]} bounds the models loaded on request: give "
+                         "--load-on-request too")
+    ModelBudget(args.max_loaded_models, parse_size(args.model_memory_budget)
+                if args.model_memory_budget is not None else None)  # ValueError naming it
+    if not args.load_on_request:
+        return ()
+    return (*(a for flag, value in given for a in (flag, str(value))),
+            "--model-start-timeout", str(args.start_timeout))
 
 
 def model_workers(values: list[str]) -> tuple[tuple[str, int, int], ...]:

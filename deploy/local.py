@@ -145,6 +145,10 @@ class Topology:
     # A core lease for the workers of this host (common/core_lease.py): decode workers use
     # idle prefill workers' cores. Only where both roles run (shares_cores).
     core_lease: bool = True
+    # A request may name a model the stores hold that is not among `models`: `serve` then
+    # starts its workers on the coordinator's request (deploy/model_supervisor.py), with the
+    # counts and flags of `prefill`/`decode`/`colocated`, and no core lease slot.
+    load_on_request: bool = False
 
     @property
     def models(self) -> tuple[tuple[str, Path], ...]:
@@ -301,6 +305,9 @@ class ProcessSpec:
     # Written on the process's stdin, which is then closed (a secret for the far side of ssh:
     # deploy/hosts.py); empty = stdin is /dev/null.
     stdin: bytes = field(default=b"", repr=False)
+    # Descriptors the process inherits besides the lifeline (the coordinator's end of the
+    # supervisor channel: deploy/model_supervisor.py).
+    pass_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -351,7 +358,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port,
                    *(a for name, _ in t.models for a in ("--model", name)),
                    "--host", t.host, "--port", str(t.port),
                    "--registry-host", WORKER_HOST, "--registry-port", str(registry_port),
-                   *t.coordinator_flags(), *t.auth_args]
+                   *t.coordinator_flags(), *t.auth_args,
+                   *(("--load-on-request",) if t.load_on_request else ())]
     cluster = (("TANDEM_CLUSTER_SECRET", t.cluster_secret),) if t.cluster_secret else ()
     secrets = ((("TANDEM_API_KEY", t.api_key),) if t.api_key else ()) + cluster
     if t.api_tls:
@@ -362,19 +370,8 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port,
     for slot, (model_index, model_path, role, module) in enumerate(t.worker_roles()):
         index = counters[model_index, role] = counters.get((model_index, role), -1) + 1
         name = f"{t.worker_prefix(model_index)}{role}-{index}"
-        argv = [sys.executable, "-m", module, "--model", str(model_path),
-                # Port 0: each worker binds one the kernel picks and registers it, so a worker
-                # never races another bind for a port picked free here.
-                "--host", WORKER_HOST, "--port", "0",
-                "--coordinator", f"{WORKER_HOST}:{registry_port}",
-                "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role),
-                *t.auth_args]
-        if module == "decode_node":
-            argv += ["--role", role]
-        if core_lease is not None:
-            argv += ["--core-lease", str(core_lease), "--core-lease-slot", str(slot)]
-        argv += list(t.worker_args)
-        specs.append(ProcessSpec(name, argv, t.log_dir / f"{name}.log", env=cluster))
+        specs.append(worker_spec(t, name, model_path, role, module, registry_port,
+                                 (core_lease, slot) if core_lease is not None else None))
     host = "127.0.0.1" if t.host in ("0.0.0.0", "::", "") else t.host
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
     scheme = "https" if t.api_tls else "http"
@@ -386,6 +383,32 @@ def plan(t: Topology, port_picker: Callable[[], int] = free_port,
     named = tuple(names[1:]) if t.more_models else ()
     return specs, Readiness(f"{scheme}://{host}:{t.port}", t.expected_workers(), named,
                             secret=t.cluster_secret)
+
+
+def worker_spec(t: Topology, name: str, model_path: Path, role: str, module: str,
+                registry_port: int, lease_slot: tuple[Path, int] | None = None) -> ProcessSpec:
+    """One worker's spec: `name` serving `model_path` as `role` (module: prefill_node or
+    decode_node), registering at the coordinator's Registry port; `lease_slot`: (core lease
+    file, its slot), or None."""
+    argv = [sys.executable, "-m", module, "--model", str(model_path),
+            # Port 0: each worker binds one the kernel picks and registers it, so a worker
+            # never races another bind for a port picked free here.
+            "--host", WORKER_HOST, "--port", "0",
+            "--coordinator", f"{WORKER_HOST}:{registry_port}",
+            "--kv-backend", t.kv_backend, "--worker-id", name, *t.worker_flags(role),
+            *t.auth_args]
+    if module == "decode_node":
+        argv += ["--role", role]
+    if lease_slot is not None:
+        argv += ["--core-lease", str(lease_slot[0]), "--core-lease-slot", str(lease_slot[1])]
+    argv += list(t.worker_args)
+    cluster = (("TANDEM_CLUSTER_SECRET", t.cluster_secret),) if t.cluster_secret else ()
+    return ProcessSpec(name, argv, t.log_dir / f"{name}.log", env=cluster)
+
+
+def registry_port_of(coordinator: ProcessSpec) -> int:
+    """The Registry port plan() gave the coordinator (where workers started later register)."""
+    return int(coordinator.argv[coordinator.argv.index("--registry-port") + 1])
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
@@ -407,6 +430,15 @@ class _Child:
     started: float = field(default_factory=time.monotonic)
     quick_failures: int = 0  # consecutive exits soon after a start
     restart_at: float | None = None  # set while a restart waits out its backoff
+    # The model loaded on request this worker serves (deploy/model_supervisor.py), else None:
+    # such a worker given up on stops only its model, never the cluster.
+    model: str | None = None
+    exits: list[tuple[int, str]] = field(default_factory=list)  # (code, log tail) while serving
+    given_up: bool = False
+    pids: list[int] = field(default_factory=list)  # every process started for it
+
+    def __post_init__(self) -> None:
+        self.pids.append(self.process.pid)
 
 
 class LocalCluster:
@@ -432,6 +464,9 @@ class LocalCluster:
         # One torch thread per process and passive OpenMP waits: several workers share a host.
         self.env = {**(worker_env() if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.children: list[_Child] = []
+        # Held while the list changes or is walked: the supervisor channel's threads add and
+        # remove the workers of models loaded on request while the main thread supervises.
+        self.children_lock = threading.RLock()
         self.stop_requested = threading.Event()
         self.lifeline = Lifeline()  # the children's tie to this process
         self.pids: list[int] = []  # every process started, restarts included
@@ -462,6 +497,7 @@ class LocalCluster:
         if child.process.poll() is None:
             raise LaunchError(f"{name} is still running (pid {child.process.pid})")
         child.process = self._popen(child.spec, child.log)
+        child.pids.append(child.process.pid)
         child.started, child.restart_at = time.monotonic(), None
         return child.process
 
@@ -474,7 +510,8 @@ class LocalCluster:
                                    stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
                                    start_new_session=True,
                                    env={**self.env, **self.lifeline.child_env(), **dict(spec.env)},
-                                   pass_fds=self.lifeline.pass_fds, preexec_fn=preexec)
+                                   pass_fds=(*self.lifeline.pass_fds, *spec.pass_fds),
+                                   preexec_fn=preexec)
         if spec.stdin:  # a few bytes: the pipe's buffer holds them, nothing blocks
             try:
                 process.stdin.write(spec.stdin)
@@ -552,27 +589,40 @@ class LocalCluster:
         return None
 
     def _supervise(self) -> str | None:
+        with self.children_lock:
+            return self._supervise_locked()
+
+    def _supervise_locked(self) -> str | None:
         now = time.monotonic()
         for i, child in enumerate(self.children):
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.process = self._popen(child.spec, child.log)
+                    child.pids.append(child.process.pid)
                     child.started, child.restart_at = now, None
                     self.out(f"restarted {child.spec.name} (pid {child.process.pid})")
                 continue
             code = child.process.poll()
-            if code is None:
+            if code is None or child.given_up:
                 continue
+            tail = log_tail(child.spec.log_path)
             why = (f"{child.spec.name} exited with code {code} while serving; last lines of "
-                   f"{child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+                   f"{child.spec.log_path}:\n{tail}")
             if i == 0 and len(self.ready.urls) == 1:  # the workers cannot serve without it
                 return why
+            if child.model is not None:
+                child.exits.append((code, tail))  # the coordinator asks (a failed load)
             # A worker, or one of several coordinators (the others serve on; the workers
             # register with it again by themselves): restarted after a backoff.
             child.quick_failures = child.quick_failures + 1 if now - child.started < self.quick_s else 1
             if child.quick_failures > self.max_quick_failures:
-                return (f"{why}\n{child.spec.name} exited within {self.quick_s:g} s of starting "
-                        f"{child.quick_failures} times in a row; not restarting it")
+                gave_up = (f"{why}\n{child.spec.name} exited within {self.quick_s:g} s of "
+                           f"starting {child.quick_failures} times in a row; not restarting it")
+                if child.model is None:
+                    return gave_up
+                child.given_up = True  # its model alone is lost; its coordinator unloads it
+                self.out(gave_up)
+                continue
             delay = self.restart_backoff_s[min(child.quick_failures, len(self.restart_backoff_s)) - 1]
             child.restart_at = now + delay
             self.out(f"{why}\nrestarting {child.spec.name} in {delay:g} s")
@@ -582,33 +632,71 @@ class LocalCluster:
         """Workers first (so none re-registers with a vanishing coordinator), coordinator last,
         all within one grace period; then SIGKILL. Logs how each ended; removes the workers'
         shared-memory segments that are left."""
+        with self.children_lock:
+            children = list(self.children)
         deadline = time.monotonic() + self.grace_s
         ended = []
         # The coordinator gets a second at least, even after slow workers.
         n = len(self.ready.urls)
-        for floor_s, group in ((0.0, self.children[n:]), (1.0, self.children[:n])):
-            running = [c for c in group if c.process.poll() is None]
-            for child in running:
-                self._signal(child, signal.SIGTERM)
-            for child in running:
-                try:
-                    child.process.wait(max(floor_s, deadline - time.monotonic()))
-                    how = f"exit {child.process.returncode}"
-                except subprocess.TimeoutExpired:
-                    self._signal(child, signal.SIGKILL)
-                    _signal(child.process, signal.SIGKILL)
-                    how = f"SIGKILL after {self.grace_s:g} s"
-                    try:
-                        child.process.wait(self.grace_s)
-                    except subprocess.TimeoutExpired:
-                        how += ", still not gone"
-                ended.append(f"{child.spec.name} (pid {child.process.pid}, {how})")
-        for child in self.children:
+        for floor_s, group in ((0.0, children[n:]), (1.0, children[:n])):
+            ended += self._end(group, deadline, floor_s)
+        for child in children:
             child.log.close()
         removed = reclaim_orphans(owners=self.pids)
         if ended or removed:
             self.out(f"stopped {', '.join(ended) or 'nothing (every process had exited)'}"
                      + (f"; removed shared memory {', '.join(removed)}" if removed else ""))
+
+    def _end(self, group: list[_Child], deadline: float, floor_s: float = 0.0) -> list[str]:
+        """SIGTERM to the running processes of `group`, SIGKILL to those still there at
+        `deadline`; how each ended."""
+        ended = []
+        running = [c for c in group if c.process.poll() is None]
+        for child in running:
+            self._signal(child, signal.SIGTERM)
+        for child in running:
+            try:
+                child.process.wait(max(floor_s, deadline - time.monotonic()))
+                how = f"exit {child.process.returncode}"
+            except subprocess.TimeoutExpired:
+                self._signal(child, signal.SIGKILL)
+                _signal(child.process, signal.SIGKILL)
+                how = f"SIGKILL after {self.grace_s:g} s"
+                try:
+                    child.process.wait(self.grace_s)
+                except subprocess.TimeoutExpired:
+                    how += ", still not gone"
+            ended.append(f"{child.spec.name} (pid {child.process.pid}, {how})")
+        return ended
+
+    # ---- the workers of models loaded on request (deploy/model_supervisor.py) -------------------
+
+    def add_model(self, model: str, specs: list[ProcessSpec]) -> None:
+        """Start a model's workers while serving; supervised as the others, except that one
+        given up on stops only its model."""
+        with self.children_lock:
+            if self.stop_requested.is_set():
+                raise LaunchError("the cluster is stopping")
+            for spec in specs:
+                spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = open(spec.log_path, "ab")
+                self.children.append(_Child(spec, self._popen(spec, log), log, model=model))
+
+    def model_children(self, model: str) -> list[_Child]:
+        with self.children_lock:
+            return [c for c in self.children if c.model == model]
+
+    def remove_model(self, model: str) -> tuple[list[str], list[str]]:
+        """Stop a model's workers (SIGTERM, SIGKILL after grace_s) and forget them; (how each
+        ended, the shared-memory KV segments of theirs removed)."""
+        with self.children_lock:
+            group = [c for c in self.children if c.model == model]
+            self.children = [c for c in self.children if c.model != model]
+        ended = self._end(group, time.monotonic() + self.grace_s)
+        for child in group:
+            child.log.close()
+        # Every pid of theirs, restarts included: the segments a killed worker left behind.
+        return ended, reclaim_orphans(owners=[pid for c in group for pid in c.pids])
 
     def kill_now(self) -> None:
         """SIGKILL every process at once (a second Ctrl-C); stop() then reaps them."""
@@ -640,14 +728,16 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
 
 def serve(topology: Topology, *, start_timeout_s: float = 300.0,
           out: Callable[[str], None] = print, lock_dir: Path | None = None,
-          more_ports: tuple[int, ...] = ()) -> int:
+          more_ports: tuple[int, ...] = (), supervisor_factory=None) -> int:
     """Run a topology until Ctrl-C, SIGTERM or SIGHUP; 0 on a requested stop, 1 if a process
     failed. First claims the HTTP port and `more_ports` (the coordinator's other listening
-    ports on its host; locks in `lock_dir`): PortInUse if one is held, nothing started."""
+    ports on its host; locks in `lock_dir`): PortInUse if one is held, nothing started.
+    supervisor_factory(topology, registry_port): the coordinator's supervisor channel
+    (deploy/model_supervisor.ModelSupervisor, for topology.load_on_request)."""
     with claim_ports(lock_dir, (topology.port, *more_ports), topology.host):
         lease = make_core_lease(topology, out)
         try:
-            return _serve(topology, start_timeout_s, out, lease)
+            return _serve(topology, start_timeout_s, out, lease, supervisor_factory)
         finally:  # every worker has stopped by now (run_until_stopped)
             if lease is not None:
                 lease.unlink()
@@ -665,11 +755,17 @@ def make_core_lease(topology: Topology, out: Callable[[str], None] = print) -> C
 
 
 def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None],
-           lease: CoreLease | None = None) -> int:
+           lease: CoreLease | None = None, supervisor_factory=None) -> int:
     specs, ready = plan(topology, core_lease=lease.path if lease else None)
+    supervisor = None
+    if supervisor_factory is not None:
+        supervisor = supervisor_factory(topology, registry_port_of(specs[0]))
+        specs[0] = supervisor.attach(specs[0])
     # OpenMP reads its thread count when torch starts, before a worker's own --threads.
     cluster = LocalCluster(specs, ready, start_timeout_s=start_timeout_s,
                            env=worker_env(topology.threads or 1))
+    if supervisor is not None:
+        supervisor.cluster = cluster
 
     def on_ready() -> None:
         out(f"tandem is serving {', '.join(n for n, _ in topology.models)} at {ready.url}  (Ollama API: "
@@ -678,7 +774,12 @@ def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None
             out(f"  {spec.name}: {' '.join(spec.argv[2:])}")
 
     out(f"starting {', '.join(s.name for s in specs)}; logs in {topology.log_dir}")
-    return run_until_stopped(cluster, on_ready, out)
+    try:
+        return run_until_stopped(cluster, on_ready, out, on_spawn=supervisor.serve_in_background
+                                 if supervisor is not None else None)
+    finally:
+        if supervisor is not None:
+            supervisor.close()
 
 
 def run_until_stopped(cluster: LocalCluster, on_ready: Callable[[], None],
