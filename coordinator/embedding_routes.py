@@ -41,12 +41,13 @@ def _check_count(items: list, limit: int) -> None:
                            f"got {len(items)}")
 
 
-def _model(body: dict[str, Any], coordinator: Coordinator) -> tuple[str, ServedModel]:
-    """The request's model name as given, and the served model it names (a 404 if none)."""
+async def _model(body: dict[str, Any], coordinator: Coordinator) -> tuple[str, ServedModel]:
+    """The request's model name as given, and the model it names (loaded first when models
+    load on request; a 404 if none)."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise RequestError("model is required")
-    return name, coordinator.models.get(name)
+    return name, await coordinator.find_model(name)
 
 
 def _texts(value: Any, field: str, tokens_allowed: bool) -> list[str | list[int]]:
@@ -147,7 +148,7 @@ class EmbeddingRoutes:
     async def embed(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        name, model = _model(body, self.coordinator)
+        name, model = await _model(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=False)
         dims = _dimensions(body, model.config.hidden_size)
         embeddings, count = await self._vectors(request, model, items, _context(body, model),
@@ -162,7 +163,7 @@ class EmbeddingRoutes:
         # Ollama's first embedding route: one `prompt`, one vector, not normalized.
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        _, model = _model(body, self.coordinator)
+        _, model = await _model(body, self.coordinator)
         items = _texts(body.get("prompt"), "prompt", tokens_allowed=False)
         if len(items) != 1:
             raise RequestError("prompt must be a string")
@@ -173,7 +174,7 @@ class EmbeddingRoutes:
     async def openai_embeddings(self, request: Request) -> JSONResponse:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        name, model = _model(body, self.coordinator)
+        name, model = await _model(body, self.coordinator)
         items = _texts(body.get("input"), "input", tokens_allowed=True)
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):

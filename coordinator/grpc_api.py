@@ -88,7 +88,8 @@ async def _serve_request_id(context: grpc.aio.ServicerContext) -> None:
 class TandemServicer(pb_grpc.TandemServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.infos = [model_info.describe(m) for m in coordinator.models]
+        # Each model's description, made once (a model loaded on request: when first listed).
+        self._infos = {m.fingerprint: model_info.describe(m) for m in coordinator.models}
         self.keys = coordinator.config.api_keys()  # tenants, for the prefix cache's salt
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -101,7 +102,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         await _serve_request_id(context)
         timings = RequestTimings()
         try:
-            model = self.coordinator.models.get(request.model)
+            model = await self.coordinator.find_model(request.model)
             name = model.name
             params = options_to_params(request.options, model.defaults)
             if not request.prompt and not request.context:
@@ -134,7 +135,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         await _serve_request_id(context)
         timings = RequestTimings()
         try:
-            model = self.coordinator.models.get(request.model)
+            model = await self.coordinator.find_model(request.model)
             params = options_to_params(request.options, model.defaults)
             messages = model.defaults.with_system(check_messages(
                 [{"role": m.role, "content": m.content} for m in request.messages],
@@ -168,7 +169,13 @@ class TandemServicer(pb_grpc.TandemServicer):
         return pb.ListModelsResponse(models=[pb.Model(
             name=i.name, size=i.size, digest=i.digest, format=i.format, family=i.family,
             parameter_size=i.parameter_size, quantization_level=i.quantization_level,
-            context_length=i.context_length, modified_at=i.modified_at) for i in self.infos])
+            context_length=i.context_length, modified_at=i.modified_at) for i in self._listed()])
+
+    def _listed(self) -> list:
+        for m in self.coordinator.models:
+            if m.fingerprint not in self._infos:
+                self._infos[m.fingerprint] = model_info.describe(m)
+        return [self._infos[m.fingerprint] for m in self.coordinator.models]
 
 
 class _Health(health.aio.HealthServicer):

@@ -62,19 +62,29 @@ OLLAMA_API_VERSION = "0.12.10"
 class OllamaRoutes:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        # Each served model's description, computed once (copies add names, not weights).
-        self.infos = {m.fingerprint: model_info.describe(m) for m in coordinator.models}
+        # Each served model's description, computed once (copies add names, not weights);
+        # a model loaded on request gets its own when first listed.
+        self._infos = {m.fingerprint: model_info.describe(m) for m in coordinator.models}
         self.limits = coordinator.config
 
-    def _model(self, name: str) -> ServedModel:
-        """The served model a request names, as it stands now; a 404 for any other."""
-        return self.coordinator.models.get(name)
+    def info(self, model: ServedModel) -> dict:
+        if model.fingerprint not in self._infos:
+            self._infos[model.fingerprint] = model_info.describe(model)
+        return self._infos[model.fingerprint]
 
-    def defaults(self, body: object) -> ModelDefaults:
+    async def _model(self, name: str) -> ServedModel:
+        """The model a request names, as it stands now (loaded first when the stores hold it
+        and models load on request); a 404 for any other."""
+        return await self.coordinator.find_model(name)
+
+    async def defaults(self, body: object) -> ModelDefaults:
         """The default options and system prompt of the model a body names (none for a name
-        no model answers to: the 404 comes after the body's own checks, as before)."""
+        no model answers to: the 404 comes after the body's own checks, as before). A model
+        the stores hold that is not loaded is read for them, not loaded."""
         name = model_named(body)
         model = self.coordinator.models.find(name) if name else None
+        if model is None and name and self.coordinator.on_demand is not None:
+            model = await self.coordinator.on_demand.describe(name)
         return model.defaults if model is not None else NO_DEFAULTS
 
     async def root(self) -> PlainTextResponse:
@@ -84,7 +94,7 @@ class OllamaRoutes:
         return JSONResponse({"version": OLLAMA_API_VERSION, "tandem": tandem_version()})
 
     async def tags(self) -> JSONResponse:
-        return JSONResponse({"models": [model_info.tags_entry(self.infos[m.fingerprint])
+        return JSONResponse({"models": [model_info.tags_entry(self.info(m))
                                         for m in self.coordinator.models]})
 
     async def ps(self) -> JSONResponse:
@@ -93,14 +103,28 @@ class OllamaRoutes:
         for model in self.coordinator.models:
             pool = self.coordinator.pool(model)
             if pool.residency.resident and any(pool.workers.live_counts().values()):
-                entries.append(model_info.ps_entry(self.infos[model.fingerprint],
+                entries.append(model_info.ps_entry(self.info(model),
                                                    pool.residency.expires_at_iso()))
         return JSONResponse({"models": entries})
 
     async def show(self, request: Request) -> JSONResponse:
         name = parse_show(await read_json_body(request, self.limits.max_body_bytes))
-        model = self._model(name)
-        return JSONResponse(model_info.show_body(model, self.infos[model.fingerprint]))
+        model = self.coordinator.models.get(name)  # a 404 for a model not loaded (not loaded here)
+        return JSONResponse(model_info.show_body(model, self.info(model)))
+
+    async def _unload(self, name: str) -> str:
+        """keep_alive 0 without a prompt: the model unloaded (a served one once its requests
+        end; one loaded on request: its workers stopped); a model the stores hold that is not
+        loaded stays so. The name the answer carries; a 404 for a name nothing holds."""
+        model = self.coordinator.models.find(name)
+        if model is not None:
+            await self.coordinator.preload(0, model)
+            return model.name
+        described = (await self.coordinator.on_demand.describe(name)
+                     if self.coordinator.on_demand is not None else None)
+        if described is None:
+            self.coordinator.models.get(name)  # the 404, as for any name not served
+        return described.name
 
     async def start_chat(self, name: str, messages: list[dict], tools: list[dict] | None,
                          params: SamplingParams, timings: RequestTimings,
@@ -110,7 +134,7 @@ class OllamaRoutes:
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
         /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
-        model = self._model(name)
+        model = await self._model(name)
         prompt_ids = await self.chat_prompt(model, name, messages, tools, params, timings,
                                             truncate, think)
         return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
@@ -139,8 +163,10 @@ class OllamaRoutes:
     async def chat(self, request: Request) -> Response:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        req = parse_chat(body, self.limits.max_messages, self.defaults(body))
-        model = self._model(req.model)
+        req = parse_chat(body, self.limits.max_messages, await self.defaults(body))
+        if not req.messages and req.keep_alive == 0:  # unload: never load it for that
+            return JSONResponse(chat_load(await self._unload(req.model), req.unload))
+        model = await self._model(req.model)
         name = model.name
         if not req.messages:
             await self.coordinator.preload(req.keep_alive, model)
@@ -170,8 +196,10 @@ class OllamaRoutes:
     async def generate(self, request: Request) -> Response:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        req = parse_generate(body, self.defaults(body))
-        model = self._model(req.model)
+        req = parse_generate(body, await self.defaults(body))
+        if not req.prompt and not req.context and req.keep_alive == 0:
+            return JSONResponse(generate_load(await self._unload(req.model), req.unload))
+        model = await self._model(req.model)
         if not req.prompt and not req.context:
             await self.coordinator.preload(req.keep_alive, model)
             return JSONResponse(generate_load(model.name, req.unload))

@@ -110,6 +110,25 @@ class OnDemandModels:
         if not task.cancelled() and task.exception() is not None:
             log.warning("loading %s failed: %s", key, task.exception())  # also retrieves it
 
+    async def describe(self, name: str) -> ServedModel | None:
+        """The model the stores hold under `name`, read (metadata, tokenizer, defaults) but
+        not loaded; None when none does. For what a request's body needs before it is checked
+        (the model's default options), so a malformed request never starts workers."""
+        try:
+            return await self._read(name)
+        except ModelNotFoundError:
+            return None
+
+    async def _read(self, name: str) -> ServedModel:
+        try:
+            # paths=False: a client's name never probes the server's files.
+            path = await off_loop(self.store.resolve, name, False)
+        except ModelNotFoundError:
+            # As for any name not served: the store's message would show the server's paths.
+            raise ModelNotFoundError(f"model '{shown(name)}' not found") from None
+        return await off_loop(load_from_store, self.store, name, name, None,
+                              logging.getLogger("coordinator").warning, path)
+
     def loaded(self) -> list[str]:
         """Names of the models loaded on request and ready, least recently used first."""
         entries = [e for e in self._entries.values() if e.ready and not e.pinned]
@@ -118,14 +137,7 @@ class OnDemandModels:
     # ---- loading --------------------------------------------------------------------------------
 
     async def _load(self, name: str) -> ServedModel:
-        try:
-            # paths=False: a client's name never probes the server's files.
-            path = await off_loop(self.store.resolve, name, False)
-        except ModelNotFoundError:
-            # As for any name not served: the store's message would show the server's paths.
-            raise ModelNotFoundError(f"model '{shown(name)}' not found") from None
-        model = await off_loop(load_from_store, self.store, name, name, None,
-                               logging.getLogger("coordinator").warning, path)
+        model = await self._read(name)
         fingerprint = model.fingerprint
         served = self.coordinator.models.by_fingerprint(fingerprint) if (
             fingerprint in self.coordinator.models.fingerprints) else None

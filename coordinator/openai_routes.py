@@ -22,6 +22,7 @@ from coordinator.http_stream import (
 )
 from coordinator.logprobs import join_completion_logprobs
 from coordinator.metrics import RequestTimings
+from coordinator.model import ServedModel
 from coordinator.ollama_routes import OllamaRoutes
 from coordinator.prompts import completion_prompt_ids, off_loop
 from coordinator.request_flow import WorkerError
@@ -58,22 +59,29 @@ class OpenAIRoutes:
         self.coordinator = coordinator
         self.ollama = ollama
         self.limits = coordinator.config
-        # Each served model's file time, as OpenAI's `created`, read once at start.
-        self.created = {m.fingerprint: int(m.path.stat().st_mtime) for m in coordinator.models}
+        # Each served model's file time, as OpenAI's `created`, read once (at start, or when
+        # a model loaded on request is first listed).
+        self._created = {m.fingerprint: int(m.path.stat().st_mtime) for m in coordinator.models}
+
+    def created(self, model: ServedModel) -> int:
+        if model.fingerprint not in self._created:
+            self._created[model.fingerprint] = int(model.path.stat().st_mtime)
+        return self._created[model.fingerprint]
 
     async def models(self) -> JSONResponse:
-        return JSONResponse(oa.models_list([(m.listed_name, self.created[m.fingerprint])
+        return JSONResponse(oa.models_list([(m.listed_name, self.created(m))
                                             for m in self.coordinator.models]))
 
     async def one_model(self, name: str) -> JSONResponse:
         model = self.coordinator.models.get(name)
-        return JSONResponse(oa.model_entry(model.listed_name, self.created[model.fingerprint]))
+        return JSONResponse(oa.model_entry(model.listed_name, self.created(model)))
 
     async def chat_completions(self, request: Request) -> Response:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        req = oa.parse_chat_completion(body, self.limits.max_messages, self.ollama.defaults(body))
-        model = self.coordinator.models.get(req.model)
+        req = oa.parse_chat_completion(body, self.limits.max_messages,
+                                       await self.ollama.defaults(body))
+        model = await self.coordinator.find_model(req.model)
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, req.tools,
                                                    req.params, timings, think=req.think)
         choices = await submit_choices(self.coordinator, [prompt_ids], req.n, req.params,
@@ -117,8 +125,8 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
-        req = oa.parse_completion(body, self.ollama.defaults(body))
-        model = self.coordinator.models.get(req.model)
+        req = oa.parse_completion(body, await self.ollama.defaults(body))
+        model = await self.coordinator.find_model(req.model)
         context = req.params.context_limit(model.context_len)
         prompts = [await off_loop(completion_prompt_ids, model, p, context) for p in req.prompts]
         choices = await submit_choices(self.coordinator, prompts, req.n, req.params, timings,
