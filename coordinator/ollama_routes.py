@@ -72,10 +72,10 @@ class OllamaRoutes:
             self._infos[model.fingerprint] = model_info.describe(model)
         return self._infos[model.fingerprint]
 
-    async def _model(self, name: str) -> ServedModel:
+    async def _model(self, name: str, timings: RequestTimings | None = None) -> ServedModel:
         """The model a request names, as it stands now (loaded first when the stores hold it
-        and models load on request); a 404 for any other."""
-        return await self.coordinator.find_model(name)
+        and models load on request, the wait in `timings`); a 404 for any other."""
+        return await self.coordinator.find_model(name, timings)
 
     async def defaults(self, body: object) -> ModelDefaults:
         """The default options and system prompt of the model a body names (none for a name
@@ -134,7 +134,7 @@ class OllamaRoutes:
         Ollama's), the messages rendered and tokenized off the loop. /v1/chat/completions too.
         truncate: drop the oldest messages of a chat longer than its context (Ollama's
         /api/chat default) instead of refusing it. think: Ollama's (coordinator/thinking.py)."""
-        model = await self._model(name)
+        model = await self._model(name, timings)
         prompt_ids = await self.chat_prompt(model, name, messages, tools, params, timings,
                                             truncate, think)
         return await self.coordinator.submit(prompt_ids, params, timings, keep_alive, cache_salt,
@@ -166,7 +166,7 @@ class OllamaRoutes:
         req = parse_chat(body, self.limits.max_messages, await self.defaults(body))
         if not req.messages and req.keep_alive == 0:  # unload: never load it for that
             return JSONResponse(chat_load(await self._unload(req.model), req.unload))
-        model = await self._model(req.model)
+        model = await self._model(req.model, timings)
         name = model.name
         if not req.messages:
             await self.coordinator.preload(req.keep_alive, model)
@@ -199,7 +199,7 @@ class OllamaRoutes:
         req = parse_generate(body, await self.defaults(body))
         if not req.prompt and not req.context and req.keep_alive == 0:
             return JSONResponse(generate_load(await self._unload(req.model), req.unload))
-        model = await self._model(req.model)
+        model = await self._model(req.model, timings)
         if not req.prompt and not req.context:
             await self.coordinator.preload(req.keep_alive, model)
             return JSONResponse(generate_load(model.name, req.unload))

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.errors import ModelNotFoundError, TandemError
-from common.model_name import name_key
+from common.model_name import display_name, name_key
 from common.model_store import ModelStore
 from common.supervisor_wire import SupervisorError
 from coordinator.model import ServedModel, load_from_store, shown
@@ -99,7 +99,7 @@ class OnDemandModels:
         key = name_key(name)
         task = self._loads.get(key)
         if task is None:
-            task = asyncio.create_task(self._load(name))
+            task = asyncio.create_task(self._load(canonical_name(name)))
             self._loads[key] = task
             task.add_done_callback(lambda t: self._load_done(key, t))
         return await asyncio.shield(task)
@@ -255,3 +255,9 @@ class OnDemandModels:
         pool = self.coordinator.pools.get(entry.model.fingerprint)
         return pool.residency.last_used if pool is not None else self._clock()
 
+
+def canonical_name(name: str) -> str:
+    """The name a model loaded on request is served (and its workers named) by, whichever
+    spelling loaded it: Ollama's shortest form without `:latest` (`library/beta:latest` ->
+    `beta`, `qwen3:0.6b` stays)."""
+    return display_name(name.strip()).removesuffix(":latest")

@@ -81,7 +81,7 @@ class OpenAIRoutes:
         body = await read_json_body(request, self.limits.max_body_bytes)
         req = oa.parse_chat_completion(body, self.limits.max_messages,
                                        await self.ollama.defaults(body))
-        model = await self.coordinator.find_model(req.model)
+        model = await self.coordinator.find_model(req.model, timings)
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, req.tools,
                                                    req.params, timings, think=req.think)
         choices = await submit_choices(self.coordinator, [prompt_ids], req.n, req.params,
@@ -126,7 +126,7 @@ class OpenAIRoutes:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
         req = oa.parse_completion(body, await self.ollama.defaults(body))
-        model = await self.coordinator.find_model(req.model)
+        model = await self.coordinator.find_model(req.model, timings)
         context = req.params.context_limit(model.context_len)
         prompts = [await off_loop(completion_prompt_ids, model, p, context) for p in req.prompts]
         choices = await submit_choices(self.coordinator, prompts, req.n, req.params, timings,

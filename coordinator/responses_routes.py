@@ -33,7 +33,7 @@ class ResponsesRoutes:
         timings = RequestTimings()
         body = await read_json_body(request, self.limits.max_body_bytes)
         req = ra.parse_responses(body, self.limits.max_messages, await self.ollama.defaults(body))
-        model = await self.coordinator.find_model(req.model)
+        model = await self.coordinator.find_model(req.model, timings)
         prompt_ids = await self.ollama.chat_prompt(model, req.model, req.messages, None,
                                                    req.params, timings)
         generation = await self.coordinator.submit(prompt_ids, req.params, timings,

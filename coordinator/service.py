@@ -84,12 +84,17 @@ class Coordinator:
     def pool(self, model: ServedModel | None = None) -> ModelPool:
         return self.pools[(model or self.models.default).fingerprint]
 
-    async def find_model(self, name: str) -> ServedModel:
+    async def find_model(self, name: str, timings: RequestTimings | None = None) -> ServedModel:
         """The model a request names: a served one, else (models loaded on request) one the
-        stores hold, loaded first; ModelNotFoundError (404) otherwise."""
+        stores hold, loaded first, the wait counted in timings.load_wait (Ollama's
+        load_duration); ModelNotFoundError (404) otherwise."""
         if self.on_demand is None:
             return self.models.get(name)
-        return await self.on_demand.get(name)
+        start = time.monotonic()
+        model = await self.on_demand.get(name)
+        if timings is not None:
+            timings.load_wait += time.monotonic() - start
+        return model
 
     async def _live_pool(self, model: ServedModel) -> tuple[ServedModel, ModelPool]:
         """The model and its pool; a model loaded on request that was unloaded since the

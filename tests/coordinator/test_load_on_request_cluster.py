@@ -77,8 +77,10 @@ def served(tmp_path_factory):
     pinned = make_tiny_gguf(root / "pinned.gguf", seed=0).path
     models = {"alpha": make_tiny_gguf(root / "alpha.gguf", seed=1).path,
               "beta": make_tiny_gguf(root / "beta.gguf", seed=2).path,
-              # Larger than what the budget leaves beside the pinned model.
-              "big": make_tiny_gguf(root / "big.gguf", seed=3, hidden=128, layers=4,
+              # Within the budget alone, not beside the pinned model.
+              "medium": make_tiny_gguf(root / "medium.gguf", seed=3, layers=4).path,
+              # Larger than the whole budget.
+              "big": make_tiny_gguf(root / "big.gguf", seed=4, hidden=128, layers=4,
                                     intermediate=256).path}
     expected = {name: _greedy(models[name]) for name in ("alpha", "beta")}
     assert expected["alpha"] != expected["beta"]  # else the routing checks prove nothing
@@ -87,7 +89,9 @@ def served(tmp_path_factory):
         make_ollama_store(store, path, name=f"library/{name}", params={}, system=None)
     small = max(models["alpha"].stat().st_size, models["beta"].stat().st_size)
     budget = pinned.stat().st_size + small + 1024  # the pinned model and one of alpha, beta
-    assert pinned.stat().st_size + models["big"].stat().st_size > budget
+    assert models["medium"].stat().st_size < budget < (pinned.stat().st_size
+                                                       + models["medium"].stat().st_size)
+    assert models["big"].stat().st_size > budget
     assert budget < pinned.stat().st_size + models["alpha"].stat().st_size + models["beta"].stat().st_size
     port = free_port()
     log = open(root / "serve.log", "wb")
@@ -156,12 +160,17 @@ def test_models_load_on_request_within_the_budget_and_unload(served):
     assert ids == {"colocated-0", "beta-colocated-0"}  # alpha's records are gone
     assert not any(Path(f"/proc/{pid}").exists() for pid in alpha_pids)  # stopped and reaped
 
-    # big cannot fit even beside the pinned model alone: a 503 naming the budget.
+    # medium cannot fit even beside the pinned model alone: a 503 naming the budget and
+    # what holds it, and beta is not unloaded for it in vain; big is over the whole budget.
     with pytest.raises(ollama.ResponseError) as refused:
-        client.chat(model="big", messages=MESSAGES, options=OPTIONS)
+        client.chat(model="medium", messages=MESSAGES, options=OPTIONS)
     assert refused.value.status_code == 503
     assert "budget" in str(refused.value) and "pinned" in str(refused.value)
-    assert _ps(url) == ["beta:latest", "pinned:latest"]  # nothing unloaded for it in vain
+    assert _ps(url) == ["beta:latest", "pinned:latest"]
+    with pytest.raises(ollama.ResponseError) as too_big:
+        client.chat(model="big", messages=MESSAGES, options=OPTIONS)
+    assert too_big.value.status_code == 503
+    assert "larger than the model memory budget" in str(too_big.value)
 
     # keep_alive 0 unloads beta: its worker stops, /api/ps no longer lists it.
     beta_pids = _worker_pids(serve.pid, "beta-colocated-0")
