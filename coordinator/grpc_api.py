@@ -189,7 +189,8 @@ class _Health(health.aio.HealthServicer):
     async def Check(self, request, context):
         if request.service not in ("", SERVICE_NAME):
             return await super().Check(request, context)
-        live = all(p.has_decode_worker() for p in self.coordinator.pools.values())
+        # The catalog's models, as /health: a model still loading on request is not served yet.
+        live = all(self.coordinator.pool(m).has_decode_worker() for m in self.coordinator.models)
         status = (health_pb2.HealthCheckResponse.SERVING if live
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         return health_pb2.HealthCheckResponse(status=status)
