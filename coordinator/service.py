@@ -300,7 +300,10 @@ class Coordinator:
             if pool is not None and not pool.retired:
                 await pool.residency.unload()
             return
-        _, pool = await self._hold(model, RequestTimings())
+        if pool is not None and not pool.retired and pool.residency.resident:
+            await pool.residency.acquire()  # nothing to wait for: only the expiry moves
+        else:
+            _, pool = await self._hold(model, RequestTimings())
         pool.residency.release(keep_alive_s)
 
     async def embed(self, inputs: list[list[int]], normalize: bool,
