@@ -77,14 +77,21 @@ static inline int xq_lane(int g, int i) {
     return 64 * (e >> 1) + 32 * s + 2 * g + (e & 1);
 }
 
-// x [M, ldx] fp32 -> xq [M, kq] int16 (chunk order, zero-padded), dx [M], sums [M, G]
+// x [M, ldx] fp32 -> xq [M, kq] int16 (chunk order, zero-padded), dx [M], sums [M, ldd] (per
+// group; the caller zeroes the padding to whole chunks)
 static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int16_t* xq, int64_t kq,
-                          float* dx, float* sums) {
+                          float* dx, float* sums, int64_t ldd) {
     const int64_t groups = k / 32;
     for (int64_t r = 0; r < m; r++) {
         const float* xr = x + r * ldx;
         float amax = 0.f;
-        for (int64_t i = 0; i < k; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 vmax = _mm512_setzero_ps();
+        for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
+        amax = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; i < k; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         int16_t* qr = xq + r * kq;
         memset(qr, 0, (size_t)kq * sizeof(int16_t));
@@ -92,12 +99,29 @@ static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int
             const float* xg = xr + g * 32;
             int16_t* qc = qr + (g / CHUNK_GROUPS) * CHUNK_XQ;
             const int gl = (int)(g % CHUNK_GROUPS);
-            float sum = 0.f;
-            for (int i = 0; i < 32; i++) {
-                sum += xg[i];
-                qc[xq_lane(gl, i)] = (int16_t)lrintf(xg[i] * inv);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            // The scalar loop below, 16 lanes at a time: cvtps rounds to nearest even, as lrintf
+            // does; |x * inv| <= 32767 never saturates. xq_lane puts the pair (x_2t, x_2t+1) in
+            // int32 unit 32 t + gl of the chunk and (x_16+2t, x_17+2t) in unit 32 t + 16 + gl.
+            const __m512 v0 = _mm512_loadu_ps(xg), v1 = _mm512_loadu_ps(xg + 16);
+            const __m512 vinv = _mm512_set1_ps(inv);
+            alignas(32) int32_t units[16];  // 0..7: t's pair of x_0..15; 8..15: of x_16..31
+            _mm256_store_si256((__m256i*)units, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv))));
+            _mm256_store_si256((__m256i*)(units + 8),
+                               _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv))));
+            for (int t = 0; t < 8; t++) {
+                memcpy(qc + 64 * t + 2 * gl, units + t, 4);
+                memcpy(qc + 64 * t + 32 + 2 * gl, units + 8 + t, 4);
             }
-            sums[r * groups + g] = sum;
+            sums[r * ldd + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+#else
+            float sum = 0.f;
+            for (int e = 0; e < 32; e++) {
+                sum += xg[e];
+                qc[xq_lane(gl, e)] = (int16_t)lrintf(xg[e] * inv);
+            }
+            sums[r * ldd + g] = sum;
+#endif
         }
         dx[r] = amax / 32767.f;
     }
@@ -111,37 +135,52 @@ static inline void fp16_row_to_float(const uint16_t* h, int64_t n, float* out) {
     for (; i < n; i++) out[i] = fp16_to_float(h[i]);
 }
 
-// out[r] = sum_g d_g * (q_g . xq[r, g]) over the row's chunks. chunk(c): the 256 bytes of
-// chunk c in the full-chunk order (the tail is passed zero-padded); d: per group, zero-padded
-// to whole chunks.
+// out[r] = sum_g (d_g dx_r) * (q_g . xq[r, g]) + m_g * S[r, g] over the row's chunks. chunk(c):
+// the 256 bytes of chunk c in the full-chunk order (the tail is passed zero-padded); d, mn:
+// per group, S: per row (stride ldd) and group, all zero-padded to whole chunks; dx: per row.
+// The m term joins the chunk's accumulator, as row_tile_a8's does: a separate 64-float dot per
+// output cost ~a quarter of the integer work at K = 2048 and M = 1.
 template <int R, class ChunkPtr>
-static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunks, const int16_t* xq,
-                            int64_t kq, float* out) {
+static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* mn, int64_t chunks,
+                            const int16_t* xq, int64_t kq, const float* dx, const float* S, int64_t ldd,
+                            float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    constexpr int A = dot_chains(R);
+    __m512 acc[R], vdx[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), vdx[r] = _mm512_set1_ps(dx[r]);
     const __m512i mask = _mm512_set1_epi16(0x000f);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
         const int16_t* xc = xq + c * CHUNK_XQ;
-        __m512i dot[R];
-        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        // A independent integer chains per row (the lo half of load t into chain 2t mod A, the
+        // hi half into 2t+1 mod A), summed at the chunk's end: one vpdpwssd depends on the last
+        // (5 cycles), so a lone row's 16 in one chain ran at a fifth of the unit's rate.
+        // Integer sums are exact: the chunk's dot, and every bit after it, do not depend on A.
+        __m512i dot[R][A];
+        for (int r = 0; r < R; r++)
+            for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
         for (int t = 0; t < 8; t++) {
             const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
             const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi16(v, 4);
             for (int r = 0; r < R; r++) {
                 const int16_t* xt = xc + r * kq + 64 * t;
+                __m512i& d0 = dot[r][(2 * t) % A];
+                __m512i& d1 = dot[r][(2 * t + 1) % A];
 #if defined(__AVX512VNNI__)
-                dot[r] = _mm512_dpwssd_epi32(dot[r], lo, _mm512_loadu_si512((const void*)xt));
-                dot[r] = _mm512_dpwssd_epi32(dot[r], hi, _mm512_loadu_si512((const void*)(xt + 32)));
+                d0 = _mm512_dpwssd_epi32(d0, lo, _mm512_loadu_si512((const void*)xt));
+                d1 = _mm512_dpwssd_epi32(d1, hi, _mm512_loadu_si512((const void*)(xt + 32)));
 #else
-                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)xt)));
-                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(xt + 32))));
+                d0 = _mm512_add_epi32(d0, _mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)xt)));
+                d1 = _mm512_add_epi32(d1, _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(xt + 32))));
 #endif
             }
         }
-        const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS);  // lane g: group g's d
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), vd, acc[r]);
+        // lane g: group g's d and m
+        const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm512_loadu_ps(mn + c * CHUNK_GROUPS);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_chains<A>(dot[r])), _mm512_mul_ps(vd, vdx[r]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(vm, _mm512_loadu_ps(S + r * ldd + c * CHUNK_GROUPS), acc[r]);
+        }
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(__AVX2__)
@@ -165,7 +204,11 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunk
                 }
             }
             const __m256 vd = _mm256_loadu_ps(d + c * CHUNK_GROUPS + 8 * h);
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), vd, acc[r]);
+            const __m256 vm = _mm256_loadu_ps(mn + c * CHUNK_GROUPS + 8 * h);
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(vd, _mm256_set1_ps(dx[r])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(vm, _mm256_loadu_ps(S + r * ldd + c * CHUNK_GROUPS + 8 * h), acc[r]);
+            }
         }
     }
     for (int r = 0; r < R; r++) out[r] = vsum(acc[r]);  // simd.h's AVX2 reduction
@@ -183,7 +226,8 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, int64_t chunk
                         const int lane = 64 * t + 2 * g + b;
                         dot += (byte & 0x0f) * xc[lane] + (byte >> 4) * xc[lane + 32];
                     }
-                out[r] += d[c * CHUNK_GROUPS + g] * (float)dot;
+                const int64_t i = c * CHUNK_GROUPS + g;
+                out[r] += d[i] * dx[r] * (float)dot + mn[i] * S[r * ldd + i];
             }
         }
     }
@@ -269,6 +313,7 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
                                const int8_t* xq, int64_t kq, const float* dx, const float* S, int64_t ldd,
                                float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+    constexpr int A = dot_chains(R);  // of the chunk's 8 loads
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i mask = _mm512_set1_epi32(0x0f0f);
@@ -278,8 +323,9 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
         const int8_t* xc = xq + c * CHUNK_XQ;
-        __m512i dot[R];
-        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        __m512i dot[R][A];  // load t into chain t mod A (as row_tile)
+        for (int r = 0; r < R; r++)
+            for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
         for (int t = 0; t < 8; t++) {
             // lane g: group g's bytes 2t, 2t+1 -> [lo, lo, hi, hi] nibbles as u8
             const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
@@ -287,16 +333,17 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
                                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), mask), 16));
             for (int r = 0; r < R; r++) {
                 const __m512i xv = _mm512_loadu_si512((const void*)(xc + r * kq + 64 * t));
+                __m512i& dt = dot[r][t % A];
 #if defined(__AVX512VNNI__)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], q, xv);
+                dt = _mm512_dpbusd_epi32(dt, q, xv);
 #else
-                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), ones));
+                dt = _mm512_add_epi32(dt, _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), ones));
 #endif
             }
         }
         const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm512_loadu_ps(mn + c * CHUNK_GROUPS);
         for (int r = 0; r < R; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_chains<A>(dot[r])),
                                      _mm512_mul_ps(vd, _mm512_loadu_ps(dx + r * ldd + c * CHUNK_GROUPS)), acc[r]);
             acc[r] = _mm512_fmadd_ps(vm, _mm512_loadu_ps(S + r * ldd + c * CHUNK_GROUPS), acc[r]);
         }
@@ -352,23 +399,13 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
 #endif
 }
 
-static inline float dot_f32(const float* a, const float* b, int64_t n) {
-    vf acc = vzero();
-    int64_t i = 0;
-    for (; i + TANDEM_VL <= n; i += TANDEM_VL) acc = vfma(vload(a + i), vload(b + i), acc);
-    float s = vsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 // Output rows [j0, j1) of y from the quantized activations: the serial kernel over a slice of N.
-// Tile(r, chunk, d, m, chunks, m0, out) writes out[0..r) for rows m0.. of x: the dot products of
-// one weight row, before the row scale dx_row (int16 variant; null: none) and, unless
-// TileAddsM, before the m term.
-template <bool TileAddsM, class Tile>
-static void int4_rows(const Tile& tile, const float* dx_row, const float* sums, int64_t m, int64_t k,
-                      const uint8_t* qs, const uint16_t* d16, const uint16_t* m16, int64_t n,
-                      const float* bias, float* y, int64_t ldy, int64_t j0, int64_t j1) {
+// Tile(r, chunk, d, m, chunks, m0, out) writes out[0..r) for rows m0.. of x: one weight row's
+// outputs before the bias.
+template <class Tile>
+static void int4_rows(const Tile& tile, int64_t m, int64_t k, const uint8_t* qs, const uint16_t* d16,
+                      const uint16_t* m16, int64_t n, const float* bias, float* y, int64_t ldy, int64_t j0,
+                      int64_t j1) {
     const int64_t groups = k / 32, row_bytes = k / 2;
     const int64_t full = groups / CHUNK_GROUPS, tail = groups % CHUNK_GROUPS;
     const int64_t chunks = full + (tail > 0);
@@ -396,8 +433,7 @@ static void int4_rows(const Tile& tile, const float* dx_row, const float* sums, 
             const int64_t r = m - m0 < MB ? m - m0 : MB;
             tile(r, chunk, d.data(), mn.data(), chunks, m0, out);
             for (int64_t i = 0; i < r; i++)
-                y[(m0 + i) * ldy + j] = out[i] * (dx_row ? dx_row[m0 + i] : 1.f) + b
-                                        + (TileAddsM ? 0.f : dot_f32(mn.data(), sums + (m0 + i) * groups, groups));
+                y[(m0 + i) * ldy + j] = out[i] + b;
         }
     }
 }
@@ -420,23 +456,24 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
                                   int64_t n, const float* bias, float* y, int64_t ldy) {
     if (k % 32) return 1;
     if (m < 0 || n < 0) return 2;
-    const int64_t groups = k / 32;
-    const int64_t kq = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS * CHUNK_XQ;
+    const int64_t groups = k / 32, chunks = (groups + CHUNK_GROUPS - 1) / CHUNK_GROUPS;
+    const int64_t kq = chunks * CHUNK_XQ, ldd = chunks * CHUNK_GROUPS;
     const auto xq = aligned_zeros<int16_t>((size_t)(m * kq));
-    const auto dx = aligned_zeros<float>((size_t)m), sums = aligned_zeros<float>((size_t)(m * groups));
+    const auto dx = aligned_zeros<float>((size_t)m), sums = aligned_zeros<float>((size_t)(m * ldd));
     // x is quantized once, before the split: every thread reads the same xq, dx and sums.
-    quantize_rows(x, m, k, ldx, xq.get(), kq, dx.get(), sums.get());
+    quantize_rows(x, m, k, ldx, xq.get(), kq, dx.get(), sums.get(), ldd);
     const int16_t* xqp = xq.get();
-    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float*, int64_t chunks, int64_t m0,
+    const float *dxp = dx.get(), *sp = sums.get();
+    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks, int64_t m0,
                           float* out) {
-#define TANDEM_TILE16(R) row_tile<R>(chunk, d, chunks, xqp + m0 * kq, kq, out)
+#define TANDEM_TILE16(R) row_tile<R>(chunk, d, mn, nchunks, xqp + m0 * kq, kq, dxp + m0, sp + m0 * ldd, ldd, out)
         TANDEM_TILE_SWITCH(r, TANDEM_TILE16)
 #undef TANDEM_TILE16
     };
     // Threads take contiguous slices of N (16 rows at least: a 64-byte line of y per row of x),
     // so each weight row is still read from memory once, by one thread.
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        int4_rows<false>(tile, dx.get(), sums.get(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+        int4_rows(tile, m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
     });
     return 0;
 }
@@ -462,7 +499,7 @@ TANDEM_API int tandem_int4a8_linear(const float* x, int64_t m, int64_t k, int64_
 #undef TANDEM_TILE8
     };
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        int4_rows<true>(tile, nullptr, sums.get(), m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
+        int4_rows(tile, m, k, qs, d16, m16, n, bias, y, ldy, j0, j1);
     });
     return 0;
 }

@@ -67,27 +67,35 @@ static void quantize_rows_i16(const float* x, int64_t m, int64_t k, int64_t ldx,
 template <int R>
 static inline void row_tile(const int8_t* qr, int64_t k, const int16_t* xq, int64_t kq, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+    constexpr int A = dot_chains(R);
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < k; b0 += KB) {
         const int64_t b1 = b0 + KB < k ? b0 + KB : k;
-        __m512i dot[R];
-        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
-        for (int64_t i = b0; i < b1; i += 32) {
-            // The row's last 16 weights when K % 32 == 16: a masked load reads no byte past it
-            // (xq's lanes there are zero either way).
-            const __mmask32 keep = b1 - i >= 32 ? 0xffffffffu : 0x0000ffffu;
-            const __m512i w = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(keep, qr + i));
-            for (int r = 0; r < R; r++) {
-                const __m512i xv = _mm512_loadu_si512((const void*)(xq + r * kq + i));
+        // A independent chains per row (32 weights at a time, in turn), summed at the block's
+        // end: exact, so nothing after depends on A (simd.h's dot_chains says why).
+        __m512i dot[R][A];
+        for (int r = 0; r < R; r++)
+            for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
+        for (int64_t i0 = b0; i0 < b1; i0 += 32 * A) {
+            for (int a = 0; a < A; a++) {
+                const int64_t i = i0 + 32 * a;
+                if (i >= b1) break;
+                // The row's last 16 weights when K % 32 == 16: a masked load reads no byte past
+                // it (xq's lanes there are zero either way).
+                const __mmask32 keep = b1 - i >= 32 ? 0xffffffffu : 0x0000ffffu;
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(keep, qr + i));
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_loadu_si512((const void*)(xq + r * kq + i));
 #if defined(__AVX512VNNI__)
-                dot[r] = _mm512_dpwssd_epi32(dot[r], w, xv);
+                    dot[r][a] = _mm512_dpwssd_epi32(dot[r][a], w, xv);
 #else
-                dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(w, xv));
+                    dot[r][a] = _mm512_add_epi32(dot[r][a], _mm512_madd_epi16(w, xv));
 #endif
+                }
             }
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_cvtepi32_ps(dot[r]));
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_cvtepi32_ps(sum_chains<A>(dot[r])));
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(__AVX2__)

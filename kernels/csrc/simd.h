@@ -87,6 +87,21 @@ static inline vf vload_i8(const int8_t* p) {
 }
 // One 32-weight group of 4-bit values, ggml order (element i < 16: low nibble of byte i,
 // element 16 + i: its high nibble), dequantized as q * d + m into out[0..32/VL).
+// Independent int32 accumulators per row of x for a tile of R rows: an integer dot (vpdpwssd,
+// vpdpbusd) waits ~5 cycles for the previous one into the same register, so ~8 chains in
+// flight keep the unit busy; R rows give R chains already.
+static constexpr int dot_chains(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+// The sum of A integer chains, as a tree (exact: the order changes nothing).
+template <int A>
+static inline __m512i sum_chains(const __m512i* c) {
+    if constexpr (A == 1) {
+        return c[0];
+    } else {
+        return _mm512_add_epi32(sum_chains<A / 2>(c), sum_chains<A / 2>(c + A / 2));
+    }
+}
+
 static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
     const vf vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
