@@ -139,26 +139,50 @@ def default_layout(device: torch.device) -> str:
         return "nibbles"
     if len(candidates) == 1:
         return candidates[0]
-    from kernels.layout_choice import fastest_layout
+    from kernels.layout_choice import fastest_layout, streams_weights
 
+    # ~0.56 bytes a weight (4 bits, an fp16 scale and offset per 32) in either layout.
+    if streams_weights(0.5625):
+        return fastest_layout("int4", candidates, _time_streamed, variant="streamed")
     return fastest_layout("int4", candidates, _time_layout)
 
 
 def _time_layout(layout: str) -> float:
-    """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8)."""
+    """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8), its
+    weights in cache after the first."""
+    return _time_passes(layout, 1536, 576, copies=1, reps=7)
+
+
+def _time_streamed(layout: str) -> float:
+    """Seconds for decode-shaped passes over 2048 x 2048 projections, as many distinct copies
+    as fill twice the last-level cache, so each call reads its weights from memory."""
+    from kernels.layout_choice import last_level_cache_bytes
+
+    copies = -(-2 * last_level_cache_bytes() // int(2048 * 2048 * 0.5625))
+    return _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=3)
+
+
+def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> float:
+    import dataclasses
     import time
 
     gen = torch.Generator().manual_seed(0)
-    packed = pack(torch.randn(1536, 576, generator=gen), None, torch.device("cpu"), layout)
-    xs = [torch.randn(m, 576, generator=gen) for m in (1, 8)]
-    for _ in range(3):  # warm-up: aten's first calls pay one-time costs
+    packed = pack(torch.randn(n, k, generator=gen), None, torch.device("cpu"), layout)
+    layers = [packed] + [
+        dataclasses.replace(packed, **{f.name: getattr(packed, f.name).clone()
+                                       for f in dataclasses.fields(packed)
+                                       if isinstance(getattr(packed, f.name), torch.Tensor)})
+        for _ in range(copies - 1)]
+    xs = [torch.randn(m, k, generator=gen) for m in (1, 8)]
+    for _ in range(3 if copies == 1 else 1):  # warm-up: aten's first calls pay one-time costs
         for x in xs:
             forward(x, packed)
     best = float("inf")
-    for _ in range(7):
+    for _ in range(reps):
         t0 = time.perf_counter()
         for x in xs:
-            forward(x, packed)
+            for layer in layers:
+                forward(x, layer)
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -25,6 +25,7 @@ from engine.token_embedding import TokenEmbedding
 from engine.weights import QuantizedTensor, to_float
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
+from kernels.layout_choice import model_weights
 from kernels.linear import PackedLinear, linear, pack_linear
 from kernels.rms_norm import rms_norm
 from kernels.rotary_kv_write import rotary_kv_write
@@ -127,10 +128,15 @@ class LlamaForCausalLM:
             return FormatSet(fmt, [self._load_layer(get, i, fmt) for i in range(config.num_layers)],
                              heads[head_fmt])
 
-        self.main = format_set(weight_format)
-        # A second copy only for a distinct prefill format (colocated engines).
-        self.prefill_copy = (format_set(prefill_format)
-                             if prefill_format is not None and prefill_format != weight_format else None)
+        # The layers' weights in all: where they outgrow the CPU's cache, a decode step streams
+        # them from memory, and the faster kernel layout can differ (kernels/layout_choice.py).
+        layer_weights = sum(int(np.prod(w.shape)) for name, w in weights.items()
+                            if name.startswith("model.layers.") and len(w.shape) == 2)
+        with model_weights(layer_weights):
+            self.main = format_set(weight_format)
+            # A second copy only for a distinct prefill format (colocated engines).
+            self.prefill_copy = (format_set(prefill_format)
+                                 if prefill_format is not None and prefill_format != weight_format else None)
         cos, sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
                                config.rope_scaling)
         self.cos, self.sin = cos.to(device), sin.to(device)

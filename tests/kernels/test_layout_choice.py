@@ -58,3 +58,45 @@ def test_a_changed_native_kernel_is_measured_again(monkeypatch):
     assert f"native {native.source_digest()[:12]}" in before
     monkeypatch.setattr(native, "source_digest", lambda: "0" * 64)
     assert layout_choice.host_key("int4") != before
+
+
+def test_a_model_beyond_the_cache_has_a_choice_of_its_own(tmp_path, monkeypatch):
+    """Weights streamed from memory can change the winner: inside model_weights of a model
+    larger than the last-level cache, the choice has a key (and a measurement) of its own."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    monkeypatch.setattr(layout_choice, "last_level_cache_bytes", lambda: 1000)
+    assert not layout_choice.streams_weights(1.0)
+    with layout_choice.model_weights(999):
+        assert not layout_choice.streams_weights(1.0)
+    with layout_choice.model_weights(2000):
+        assert layout_choice.streams_weights(1.0) and not layout_choice.streams_weights(0.25)
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: {"a": 1.0, "b": 2.0}[n]) == "a"
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: {"a": 2.0, "b": 1.0}[n],
+                                        variant="streamed") == "b"
+    table = json.loads((tmp_path / "native" / "layouts.json").read_text())
+    plain = layout_choice.host_key("fmt")
+    assert table == {plain: "a", plain + "|streamed": "b"}
+
+
+def test_int4_times_a_streamed_model_over_matrices_beyond_the_cache(tmp_path, monkeypatch):
+    """The int4 choice for a model that outgrows the cache is timed over distinct copies of a
+    2048 x 2048 layer filling twice the cache, each layout's real kernel, and recorded apart."""
+    import torch
+
+    from kernels import quant_int4
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    monkeypatch.setattr(layout_choice, "last_level_cache_bytes", lambda: 4 << 20)
+    passes = []
+    real = quant_int4._time_passes
+    monkeypatch.setattr(quant_int4, "_time_passes",
+                        lambda layout, n, k, copies, reps: passes.append((layout, n, k, copies))
+                        or real(layout, n, k, copies, reps))
+    with layout_choice.model_weights(10 ** 9):
+        chosen = quant_int4.default_layout(torch.device("cpu"))
+    assert chosen in ("q4_1", "cpu")
+    assert sorted(passes) == [("cpu", 2048, 2048, 4), ("q4_1", 2048, 2048, 4)]
+    table = json.loads((tmp_path / "native" / "layouts.json").read_text())
+    assert table == {layout_choice.host_key("int4") + "|streamed": chosen}
