@@ -84,14 +84,7 @@ static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int
     const int64_t groups = k / 32;
     for (int64_t r = 0; r < m; r++) {
         const float* xr = x + r * ldx;
-        float amax = 0.f;
-        int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 vmax = _mm512_setzero_ps();
-        for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
-        amax = _mm512_reduce_max_ps(vmax);
-#endif
-        for (; i < k; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        const float amax = abs_max(xr, k);
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         int16_t* qr = xq + r * kq;
         memset(qr, 0, (size_t)kq * sizeof(int16_t));

@@ -66,6 +66,19 @@ static inline float fp16_to_float(uint16_t h) {
 #endif
 }
 
+// max |x_i| over n floats (the activation quantizers' row scale)
+static inline float abs_max(const float* x, int64_t n) {
+    float amax = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
 #if defined(__AVX512F__)
 #define TANDEM_VL 16
 typedef __m512 vf;
