@@ -138,6 +138,10 @@ def _message(index: int, m: Any) -> Any:
     m = {**m, "content": _text_content(index, m.get("content"))}
     if m.get("role") == "developer":
         m["role"] = "system"
+    for key in ("name", "tool_call_id"):  # the template renders them as text
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RequestError(f"messages[{index}].{key} must be a string, "
+                               f"got {json.dumps(m[key])[:60]}")
     calls = m.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
         raise RequestError(f"messages[{index}].tool_calls must be a list of objects")

@@ -201,6 +201,17 @@ def test_tool_calls_of_the_wrong_type_are_400(server, path, calls):
     server.check_still_serving(before)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("key", ["name", "tool_call_id"])
+def test_openai_message_names_of_the_wrong_type_are_400(server, path, key):
+    """Found by the schemathesis fuzz test: /tokenize answered 200 for a tool_call_id object."""
+    messages = [*USER, {"role": "tool", "content": "4", key: {"a": 1}}]
+    before = server.served()
+    r = server.post(path, json.dumps({"model": "tiny", "messages": messages}))
+    check_openai_400(r, f"messages[1].{key} must be a string")
+    server.check_still_serving(before)
+
+
 def test_tool_call_arguments_nested_10000_deep_are_400(server):
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]}]
