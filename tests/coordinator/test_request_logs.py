@@ -58,14 +58,19 @@ def _lines(cluster, name: str) -> list[dict]:
     return lines
 
 
-def _lines_about(cluster, rid: str, names=LOGS, timeout_s: float = 20.0) -> dict[str, list[dict]]:
-    """Each log's lines with request_id `rid`, polled until every log has one (the access line
-    is written once the response ended, which the client may see first) or the deadline."""
+def _lines_about(cluster, rid: str, names=LOGS, timeout_s: float = 20.0,
+                 access: bool = True) -> dict[str, list[dict]]:
+    """Each log's lines with request_id `rid`, polled until every log has one and (access, an
+    HTTP request) the coordinator's has its access line, or the deadline. The access line is
+    written once the response ended, which the client may see first, and after the request's
+    own summary line: waiting for any line let a streamed answer's check run before it."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = {n: [line for line in _lines(cluster, n) if line.get("request_id") == rid]
                  for n in names}
-        if all(found.values()) or time.monotonic() > deadline:
+        logged = not access or "coordinator" not in found or any(
+            line["logger"] == "coordinator.access" for line in found["coordinator"])
+        if (all(found.values()) and logged) or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
 
@@ -135,7 +140,7 @@ def test_the_grpc_api_takes_and_returns_the_id_as_metadata(cluster):
         responses = list(call)
         assert responses[-1].done
         assert dict(call.initial_metadata())[request_id.METADATA_KEY] == rid
-    found = _lines_about(cluster, rid)
+    found = _lines_about(cluster, rid, access=False)  # gRPC: no HTTP access line
     assert found["prefill-0"] and found["decode-0"]
 
 
