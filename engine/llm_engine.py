@@ -39,6 +39,7 @@ from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, pos
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
+from kernels import batch_invariance
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,12 @@ class LLMEngine:
             raise ValueError("from_path reads the model's config from its files: pass an "
                              "EngineConfig with model=None")
         main_format, second_format = config.weight_format, config.prefill_weight_format
+        if second_format is not None and batch_invariance.enabled():
+            # A pass runs in the prefill copy only when it holds no decode token, so a prompt's
+            # format would depend on what shares its passes: one copy, the decode format's.
+            log.info("batch-invariant mode: every pass in %s (no %s prefill copy)", main_format,
+                     second_format)
+            second_format = None
         target = resolve_device(config.device).torch_device
         t0 = time.monotonic()
         with loading_weights():  # peak: the model plus one matrix's temporaries

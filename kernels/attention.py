@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import batch_invariance
 from kernels._triton import use_triton
 from kernels.flash_attention import (check_paged_attention_args, flash_attention_cpu,
                                      flash_attention_triton)
@@ -65,7 +66,34 @@ def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
             decodes.append(b)
         elif q_len > 1:
             chunks.append(b)
+    if chunks and batch_invariance.enabled():
+        return _rows_as_decodes(starts, lens, block_tables, block_size, decodes, chunks)
     return AttentionPlan(starts, lens, chunks, plan_decode(starts, lens, block_tables, block_size, decodes))
+
+
+def _rows_as_decodes(starts: list[int], lens: list[int], block_tables: torch.Tensor,
+                     block_size: int, decodes: list[int], chunks: list[int]) -> AttentionPlan:
+    """Batch-invariant mode (kernels/batch_invariance.py): each query row of a prefill chunk is
+    attended as a decode at its own position (query row r of a chunk at position p reads keys
+    0..p of its sequence's blocks, as a decode of length p + 1 would). SDPA's arithmetic for a
+    row depends on how many queries and keys its call holds, so a prompt cut into other chunks,
+    or shortened by a prefix-cache hit, would see other sums; the native decode kernel computes
+    each (row, kv head) alone in one order, the same one a later decode step of that sequence
+    uses."""
+    rows, row_lens, owners = [], [], []
+    for b in decodes:
+        rows.append(starts[b])
+        row_lens.append(lens[b])
+        owners.append(b)
+    for b in chunks:
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            rows.append(starts[b] + i)
+            row_lens.append(lens[b] - q_len + i + 1)
+            owners.append(b)
+    tables = block_tables[owners]
+    return AttentionPlan(starts, lens, [], plan_decode(rows, row_lens, tables, block_size,
+                                                       list(range(len(rows)))))
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

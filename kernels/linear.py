@@ -40,6 +40,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import batch_invariance
 from kernels.quantized_tensor import QuantizedTensor
 
 # fmt -> module implementing it. Dense formats are handled in this file.
@@ -159,7 +160,12 @@ def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     if x.shape[-1] != packed.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, layer expects {packed.in_features}")
     if packed.fmt in DENSE_FORMATS:
-        y = torch.nn.functional.linear(x.to(packed.weight.dtype), packed.weight)
+        xw = x.to(packed.weight.dtype)
+        if xw.device.type == "cpu" and batch_invariance.enabled():
+            y = batch_invariance.dense_linear(xw.reshape(-1, packed.in_features).contiguous(),
+                                              packed.weight).reshape(*x.shape[:-1], packed.out_features)
+        else:
+            y = torch.nn.functional.linear(xw, packed.weight)
         if packed.bias is not None:
             y = y.float() + packed.bias
         return y.to(x.dtype)

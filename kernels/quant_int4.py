@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import batch_invariance, native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.ggml_dequant import q4_k_groups
@@ -376,7 +376,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
     if packed.layout in Q4_1_LAYOUTS:
-        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             # Prefill-sized passes: dequantize, fp32 GEMM; exact weights, unrounded activations.
             return linear_reference(x, dequantize(packed), packed.bias)
         return int4_linear_native(x, packed)

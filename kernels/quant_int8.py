@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import batch_invariance, native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, float_row_chunks, linear_reference
@@ -100,7 +100,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
     if packed.layout == "native":
-        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS:
+        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             return linear_reference(x, dequantize(packed), packed.bias)
         return int8_linear_native(x, packed)
     if packed.layout == "cpu":
@@ -131,7 +131,7 @@ def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     xb = x.to(torch.bfloat16)
     if xb.shape[1] != q.shape[1]:
         xb = F.pad(xb, (0, q.shape[1] - xb.shape[1]))
-    if xb.shape[0] >= CPU_DENSE_MIN_ROWS:
+    if xb.shape[0] >= CPU_DENSE_MIN_ROWS and not batch_invariance.enabled():
         y = F.linear(xb, q.to(torch.bfloat16) * scales[:, None])
     else:
         y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), q, scales)

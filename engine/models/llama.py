@@ -23,6 +23,7 @@ from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
 from engine.token_embedding import TokenEmbedding
 from engine.weights import QuantizedTensor, to_float
+from kernels import batch_invariance
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
 from kernels.layout_choice import model_weights
@@ -171,8 +172,8 @@ class LlamaForCausalLM:
         """The copy a pass runs in (see the class docstring). A batch that does not say
         whether it holds decode tokens (has_decode None, e.g. built by hand) counts a
         one-token sequence as one."""
-        if self.prefill_copy is None or batch is None:
-            return self.main
+        if self.prefill_copy is None or batch is None or batch_invariance.enabled():
+            return self.main  # the mode: one copy, whatever the pass holds (engine/llm_engine.py)
         has_decode = batch.has_decode
         if has_decode is None:
             has_decode = bool(((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]) == 1).any())
