@@ -129,7 +129,7 @@ def _local_answerer(args: argparse.Namespace, history: list[dict]):
     config = EngineConfig.for_role("colocated", args.decode_quant, args.prefill_quant,
                                    cache=CacheConfig(kv_dtype=args.kv_dtype), device=args.device,
                                    cuda_graphs=not args.no_cuda_graphs, speculative=speculative)
-    configure_process(args.threads)
+    configure_process(args.threads, batch_invariant=args.batch_invariant)
     options = _options(args)
     path = resolve_or_pull(args.model)
     defaults = store().defaults_for(args.model, path)

@@ -129,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             speculative=args.speculative,
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,
+                            batch_invariant=args.batch_invariant,
                             coordinator_args=("--grpc-port", str(args.grpc_port),
                                               *_chat_template_args(args.chat_template, models),
                                               *_response_cache(args.response_cache),

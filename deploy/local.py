@@ -48,7 +48,8 @@ Engine flags, each to the processes that use it (None leaves that process's own 
 prefill_quant to prefill workers, decode_quant to decode workers (each packs only its own
 format), both to a colocated worker; speculative to decode and colocated workers only; threads and num_blocks to every worker; kv_dtype to every
 worker, always (prefill and decode must agree on it: one value for the whole topology);
-device (and --no-cuda-graphs when cuda_graphs is False) to every worker, always;
+device (and --no-cuda-graphs when cuda_graphs is False, --batch-invariant when batch_invariant
+is True) to every worker, always;
 chunk_size (the per-pass token budget) to every worker as --max-batched-tokens and to the
 coordinator as --chunk-size (the largest chunk of its plan for a prefill worker); local_chunk_size
 and max_streams to the coordinator, which sends the chunk plan with each request. worker_args
@@ -119,6 +120,8 @@ class Topology:
     speculative: str | None = None  # --speculative of decode and colocated workers (None = off)
     device: str = DEFAULT_DEVICE  # every worker's --device (engine/device.py); each worker resolves it
     cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
+    # True: every worker gets --batch-invariant, and the coordinator --prefill-threshold 0
+    batch_invariant: bool = False
     max_streams: int | None = None  # requests open at once on the coordinator (429 above)
     coordinator_args: tuple[str, ...] = ()  # more flags for `python -m coordinator`
     worker_args: tuple[str, ...] = ()  # more flags for every worker, after the ones above
@@ -207,6 +210,11 @@ class Topology:
                              f"memory-bound: weight-only formats), got {self.decode_quant!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.batch_invariant and self.prefill_threshold:
+            raise ValueError(f"prefill_threshold {self.prefill_threshold} prefills short prompts on "
+                             "decode workers, in the decode format: with batch_invariant a "
+                             "prompt's rows must run in one format wherever it is placed (give 0 "
+                             "or leave it out)")
         check_device_spec(self.device)
         parse_speculative(self.speculative)  # ValueError naming what is wrong
         if self.otlp_traces_endpoint:
@@ -260,7 +268,10 @@ class Topology:
         flags = ["--chunk-size", str(self.chunk_size), *self.log_flags()]
         if not self.access_log:
             flags.append("--no-access-log")
-        for flag, value in (("--prefill-threshold", self.prefill_threshold),
+        # Batch-invariant: every prompt goes to a prefill worker, whose format is the prompt's
+        # wherever its prefix is cached (a short uncached part would run on the decode worker).
+        threshold = 0 if self.batch_invariant and not self.colocated else self.prefill_threshold
+        for flag, value in (("--prefill-threshold", threshold),
                             ("--local-chunk-size", self.local_chunk_size),
                             ("--max-streams", self.max_streams)):
             if value is not None:
@@ -278,7 +289,9 @@ class Topology:
     def worker_flags(self, role: str) -> list[str]:
         """The engine flags a worker of `role` ("prefill", "decode", "colocated") uses."""
         flags = ["--max-batched-tokens", str(self.chunk_size), "--kv-dtype", self.kv_dtype,
-                 *self.log_flags(), "--device", self.device] + ([] if self.cuda_graphs else ["--no-cuda-graphs"])
+                 *self.log_flags(), "--device", self.device]
+        flags += ([] if self.cuda_graphs else ["--no-cuda-graphs"]) + (
+            ["--batch-invariant"] if self.batch_invariant else [])
         # Speculation is decoding's: prefill workers never get --speculative.
         quants = {"prefill": [("--prefill-quant", self.prefill_quant)],
                   "decode": [("--decode-quant", self.decode_quant),

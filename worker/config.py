@@ -70,6 +70,7 @@ class WorkerConfig:
     # dist_backend.py), so the operator must say the network is trusted.
     insecure_dist: bool = False
     threads: int = 1  # threads of this process: torch's and the native kernels' pool (worker/runtime.py)
+    batch_invariant: bool = False  # kernels/batch_invariance.py's mode, set by configure_process
     # The host's core lease its launcher made (common/core_lease.py) and this worker's slot in
     # it; None: the worker uses its --threads alone (worker/core_share.py).
     core_lease: str | None = None
@@ -144,7 +145,8 @@ class WorkerConfig:
                    kv_backend=args.kv_backend, kv_port=args.kv_port,
                    kv_advertise=args.kv_advertise, kv_deadline_s=args.kv_deadline,
                    insecure_dist=args.insecure_dist,
-                   threads=args.threads, core_lease=args.core_lease,
+                   threads=args.threads, batch_invariant=args.batch_invariant,
+                   core_lease=args.core_lease,
                    core_lease_slot=args.core_lease_slot, log_level=args.log_level,
                    cluster_auth=auth)
 

@@ -2,8 +2,8 @@
 with its default taken from one place (worker/config.py, engine/config.py). Torch-free at
 import: the CLI and deploy/local.py read it.
 
-    add_engine_flags     --prefill-quant --decode-quant --kv-dtype --speculative --device
-                         --no-cuda-graphs
+    add_engine_flags     --prefill-quant --decode-quant --kv-dtype --speculative
+                         --batch-invariant --device --no-cuda-graphs
     add_worker_flags     --threads --num-blocks      (serve: per worker; worker: its own)
     add_kv_backend_flag  --kv-backend
     worker_arg_parser    a worker's whole command line (prefill_node, decode_node)
@@ -47,6 +47,8 @@ _QUANT_HELP = {
 # goes to every worker of a topology) and ignores it.
 _SPECULATIVE_WHERE = {"run": "", "serve": " (passed to decode and colocated workers only)",
                       "worker": " (a prefill worker ignores it)"}
+_BATCH_INVARIANT_WHERE = {"run": "in this process", "serve": "in every worker",
+                          "worker": "in this worker"}
 _KV_DTYPE_WHERE = {"run": "of this process's engine",
                    "serve": "of every worker (prefill and decode must agree)",
                    "worker": "of this worker (its KV peers must agree)"}
@@ -67,6 +69,11 @@ def add_engine_flags(p: argparse.ArgumentParser, scope: str) -> None:
                         f"cache and the KV transfers (default {CacheConfig.kv_dtype})")
     p.add_argument("--speculative", default=None, metavar="ngram:k=N",
                    help=f"{SPECULATIVE_HELP}{_SPECULATIVE_WHERE[scope]}")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help=f"batch-invariant kernels {_BATCH_INVARIANT_WHERE[scope]}: a request's "
+                        "logits, bit for bit, whatever it shares a pass with (other requests, "
+                        "chunking, a prefix-cache hit); costs prefill speed "
+                        "(kernels/batch_invariance.py; also TANDEM_BATCH_INVARIANT=1)")
     add_device_flags(p)
 
 

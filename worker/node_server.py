@@ -69,7 +69,8 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
     lease (`cores`) a decode worker's native pool is made as large as the lease can make it
     and limited to its own share until the engine loop's first step says otherwise."""
     # A decode worker's --threads go to the native pool; torch keeps one (configure_process).
-    configure_process(config.threads, torch_threads=1 if config.role == "decode" else None)
+    configure_process(config.threads, torch_threads=1 if config.role == "decode" else None,
+                      batch_invariant=config.batch_invariant)
     if cores is not None:
         cores.size_pool()
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,

@@ -25,12 +25,14 @@ from common.malloc_policy import keep_freed_memory, release_freed_memory
 __all__ = ["configure_process", "keep_freed_memory", "release_freed_memory", "worker_env"]
 
 
-def configure_process(threads: int = 1, torch_threads: int | None = None) -> None:
+def configure_process(threads: int = 1, torch_threads: int | None = None,
+                      batch_invariant: bool = False) -> None:
     """`threads` for the native kernels' pool, and for torch unless `torch_threads` is given:
     a decode worker passes 1 (its steps are the native GEMVs and attention; aten's part is
     small tensors, where a second OpenMP thread cost more than it gave and took the core the
     pool needed: measured, SmolLM2-135M int4 decode 18.0 ms/token at 1 thread, 19.8 at 2+2,
-    13.3 at torch 1 + native 2)."""
+    13.3 at torch 1 + native 2). batch_invariant: switch kernels/batch_invariance.py's mode
+    on (it is on already where the environment has TANDEM_BATCH_INVARIANT=1)."""
     import torch
 
     from kernels import native
@@ -41,6 +43,10 @@ def configure_process(threads: int = 1, torch_threads: int | None = None) -> Non
         raise ValueError(f"torch_threads must be >= 1, got {torch_threads}")
     torch.set_num_threads(torch_threads or threads)
     native.set_threads(threads)
+    if batch_invariant:
+        from kernels import batch_invariance
+
+        batch_invariance.set_enabled(True)
     keep_freed_memory()
 
 

@@ -49,7 +49,7 @@ def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", pre
                     start_timeout_s: float = 120.0, cluster_secret: str | None = None,
                     auth_args: tuple[str, ...] = (),
                     more_models: tuple[tuple[str, Path], ...] = (),
-                    store_name: str | None = None):
+                    store_name: str | None = None, batch_invariant: bool = False):
     """more_models: (name clients use, path) of more models served by the same cluster, each
     with workers of its own (deploy/local.py), as `tandem serve --model A --model B` runs.
     store_name: what the coordinator is given as --model (a name it resolves in its stores to
@@ -61,7 +61,8 @@ def running_cluster(model_path: Path, log_dir: Path, *, model: str = "tiny", pre
                         colocated=colocated, kv_backend=kv_backend, chunk_size=chunk_size,
                         prefill_threshold=prefill_threshold, worker_args=worker_args,
                         coordinator_args=("--model-name", model, *names, *coordinator_args),
-                        cluster_secret=cluster_secret, auth_args=auth_args)
+                        cluster_secret=cluster_secret, auth_args=auth_args,
+                        batch_invariant=batch_invariant)
     log_dir.mkdir(parents=True, exist_ok=True)
     specs, ready = plan(topology)
     handle = LocalCluster(specs, ready, start_timeout_s=start_timeout_s)
