@@ -19,12 +19,15 @@ dependency, imported only then) and the hub is reachable. Torch-free.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from common.errors import ModelNotFoundError
 from common.model_name import DEFAULT_HOST, DEFAULT_TAG, ModelName
 
 HUB_HOSTS = ("hf.co", "huggingface.co")
+# The quantization tag in a GGUF file's name (model-Q4_K_M.gguf, model.q8_0.gguf, -IQ4_XS-).
+_QUANT_TAG = re.compile(r"[-_.]((?:I?Q\d(?:_[0-9A-Z]+)*)|F16|F32|BF16)(?=[-_.])", re.IGNORECASE)
 
 
 class HFCache:
@@ -43,6 +46,26 @@ class HFCache:
     def where(self, text: str) -> str:
         repo = self.repo_dir(text)
         return str(repo if repo is not None else self.root)
+
+    def names(self) -> list[str]:
+        """A name for each model the cache holds, as find() takes it: `org/name` for a Hugging
+        Face model (config.json) or a lone GGUF file, `org/name:TAG` for each GGUF file with a
+        quantization tag in its name. From folder listings alone."""
+        names = []
+        for repo in sorted(self.root.glob("models--*--*")):
+            org, _, model = repo.name.removeprefix("models--").partition("--")
+            try:
+                snapshot = _snapshot(repo)
+            except ModelNotFoundError:
+                continue
+            if (snapshot / "config.json").is_file():
+                names.append(f"{org}/{model}")
+                continue
+            ggufs = sorted(p for p in snapshot.rglob("*.gguf") if p.is_file())
+            tags = [m.group(1) for m in map(_QUANT_TAG.search, (p.name for p in ggufs)) if m]
+            names += ([f"{org}/{model}"] if len(ggufs) == 1 and not tags
+                      else [f"{org}/{model}:{tag}" for tag in dict.fromkeys(tags)])
+        return names
 
     def find(self, text: str) -> Path | None:
         """The snapshot directory or GGUF file `text` names; None if the cache has no such

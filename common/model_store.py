@@ -335,6 +335,17 @@ class ModelStore:
             return ollama.gguf
         return self.hf.find(name) if self.hf is not None else None
 
+    def held_names(self) -> list[str]:
+        """A name for each model the stores hold, as a client asks for it: tandem's own (pulled,
+        made, dropped in), then Ollama's store, then the Hugging Face cache. From folder
+        listings and manifests only: nothing is hashed, no model file is opened."""
+        names = [f.name for f in self._present()]
+        if self.ollama is not None:
+            names += [n.display for n in self.ollama.names()]
+        if self.hf is not None:
+            names += self.hf.names()
+        return names
+
     def defaults_for(self, name: str, path: Path,
                      warn: Callable[[str], None] | None = None) -> ModelDefaults:
         """The default options and system prompt of the model `name` resolved to `path`: its

@@ -59,6 +59,15 @@ class OllamaStore:
         parsed = ModelName.parse(text)
         return str(self.manifest_path(parsed) if parsed else self.root / "manifests")
 
+    def names(self) -> list[ModelName]:
+        """Every name a manifest is stored under, from the folder listing alone (find() reads
+        and checks the manifest and its blobs)."""
+        top = self.root / "manifests"
+        if not top.is_dir():
+            return []
+        return [ModelName(*tag.parts[-4:-1], tag.name)
+                for tag in sorted(top.glob("*/*/*/*")) if tag.is_file()]
+
     def find(self, text: str) -> OllamaModel | None:
         """The model Ollama's store holds under the name `text`; None if it holds no such name.
         ModelFormatError for a manifest or model blob that is there but unusable."""

@@ -95,7 +95,7 @@ class OllamaRoutes:
 
     async def tags(self) -> JSONResponse:
         return JSONResponse({"models": [model_info.tags_entry(self.info(m))
-                                        for m in self.coordinator.models]})
+                                        for m in await self.coordinator.listed_models()]})
 
     async def ps(self) -> JSONResponse:
         # A model is loaded while a worker of it is alive and keep_alive has not unloaded it.
@@ -109,7 +109,7 @@ class OllamaRoutes:
 
     async def show(self, request: Request) -> JSONResponse:
         name = parse_show(await read_json_body(request, self.limits.max_body_bytes))
-        model = self.coordinator.models.get(name)  # a 404 for a model not loaded (not loaded here)
+        model = await self.coordinator.described_model(name)
         return JSONResponse(model_info.show_body(model, self.info(model)))
 
     async def _unload(self, name: str) -> str:

@@ -14,7 +14,8 @@ Life of one model, all on the coordinator's event loop:
                 go, reserve its share -> add its pool (the registry accepts its workers) ->
                 supervisor.start -> wait until every worker it started is live, failing at
                 the first exit the supervisor reports or after start_timeout_s -> into the
-                catalog (/api/ps, /api/tags list it from here on).
+                catalog (/api/ps lists it from here on; /api/tags and /v1/models list every
+                model the stores hold, loaded or not: held()).
     unload      keep_alive expiry or 0 (Residency.on_expire), or room for another: the pool is
                 retired and the model leaves the catalog at once (synchronously, so no request
                 starts there again), then its workers are stopped and the registry forgets
@@ -33,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.errors import ModelNotFoundError, TandemError
 from common.model_name import display_name, name_key
@@ -44,6 +46,12 @@ from coordinator.prompts import off_loop
 from coordinator.worker_supervisor import WorkerSupervisor
 
 log = logging.getLogger(__name__)
+
+
+def _stamp(path: Path) -> tuple:
+    """What changes when the model at `path` does (a file rewritten, a snapshot's files)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
 
 
 class ModelLoadError(TandemError):
@@ -75,7 +83,10 @@ class OnDemandModels:
         self._loads: dict[str, asyncio.Task[ServedModel]] = {}  # name_key -> its load
         self._stops: dict[str, asyncio.Task[None]] = {}  # fingerprint -> its workers' stop
         self._budget_lock = asyncio.Lock()  # one choice of what to unload at a time
-        # A 404 of a route that does not load (/api/show) says how the model gets served.
+        # name -> (its file's stamp, the model read from it): what /api/tags lists of the
+        # stores, read again only when the file changes.
+        self._listed: dict[str, tuple[tuple, ServedModel]] = {}
+        # A 404 of a route that does not load (/tokenize) says how the model gets served.
         coordinator.models.missing_hint = self._missing_hint
 
     def _missing_hint(self, name: str) -> str:
@@ -118,6 +129,36 @@ class OnDemandModels:
             return await self._read(name)
         except ModelNotFoundError:
             return None
+
+    async def held(self) -> list[ServedModel]:
+        """The models the stores hold that are not loaded, read (not loaded) for the listings
+        (/api/tags, /v1/models), as Ollama lists every model of its store: one entry per name,
+        none for a file that is served (under any name). A model that cannot be read is left
+        out; a request for it names the problem."""
+        found: dict[str, ServedModel] = {}
+        for name in await off_loop(self.store.held_names):
+            if self.coordinator.models.find(name) is not None:
+                continue
+            model = await self._listed_model(name)
+            if (model is not None and model.fingerprint not in self.coordinator.models.fingerprints
+                    and model.listed_name not in found):
+                found[model.listed_name] = model
+        return list(found.values())
+
+    async def _listed_model(self, name: str) -> ServedModel | None:
+        try:
+            path = await off_loop(self.store.resolve, name, False)
+            stamp = await off_loop(_stamp, path)
+            cached = self._listed.get(name)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+            model = await off_loop(load_from_store, self.store, name, name, None,
+                                   lambda message: None, path)
+        except (TandemError, OSError, ValueError) as e:
+            log.debug("not listing %s: %s", name, e)
+            return None
+        self._listed[name] = (stamp, model)
+        return model
 
     async def _read(self, name: str) -> ServedModel:
         try:

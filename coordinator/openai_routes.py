@@ -70,10 +70,10 @@ class OpenAIRoutes:
 
     async def models(self) -> JSONResponse:
         return JSONResponse(oa.models_list([(m.listed_name, self.created(m))
-                                            for m in self.coordinator.models]))
+                                            for m in await self.coordinator.listed_models()]))
 
     async def one_model(self, name: str) -> JSONResponse:
-        model = self.coordinator.models.get(name)
+        model = await self.coordinator.described_model(name)
         return JSONResponse(oa.model_entry(model.listed_name, self.created(model)))
 
     async def chat_completions(self, request: Request) -> Response:

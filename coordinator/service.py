@@ -96,6 +96,21 @@ class Coordinator:
             timings.load_wait += time.monotonic() - start
         return model
 
+    async def described_model(self, name: str) -> ServedModel:
+        """The model a route that never loads names (/api/show, /v1/models/NAME): a served
+        one, else (models loaded on request) one the stores hold, read but not loaded, as
+        Ollama shows any model of its store; ModelNotFoundError (404) otherwise."""
+        model = self.models.find(name)
+        if model is None and self.on_demand is not None:
+            model = await self.on_demand.describe(name)
+        return model if model is not None else self.models.get(name)
+
+    async def listed_models(self) -> list[ServedModel]:
+        """What the model listings show: the served models, then (models loaded on request)
+        those the stores hold, read but not loaded."""
+        held = await self.on_demand.held() if self.on_demand is not None else []
+        return [*self.models, *held]
+
     async def _live_pool(self, model: ServedModel) -> tuple[ServedModel, ModelPool]:
         """The model and its pool; a model loaded on request that was unloaded since the
         request looked it up is loaded again (the same file: the same tokenizer)."""

@@ -77,6 +77,23 @@ def test_names_resolve_in_place_and_nothing_is_copied(tmp_path, stores):
     assert not (tmp_path / "home" / "models").exists()  # nothing landed in tandem's store
 
 
+def test_the_stores_list_what_they_hold_by_names_that_resolve(tmp_path, stores):
+    ollama, hf = stores
+    store = _store(tmp_path, stores)
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    dropped = tmp_path / "home" / "models" / "dropped.gguf"
+    dropped.write_bytes(store.resolve("tiny").read_bytes())
+    names = store.held_names()
+    # tandem's own first, then Ollama's (by its display name), then the hub cache: a
+    # Hugging Face model by its repo, a GGUF repo by each file's quantization tag.
+    assert names == ["dropped", "tiny:latest", "org/tiny", "org/tiny-GGUF:F32",
+                     "org/tiny-GGUF:Q8_0"]
+    resolved = [store.resolve(n, paths=False) for n in names]
+    assert resolved[0] == dropped and resolved[1].parent == ollama / "blobs"
+    assert resolved[3].name == "tiny-F32.gguf" and resolved[4].name == "tiny-Q8_0.gguf"
+    assert ModelStore(tmp_path / "empty").held_names() == []  # no folders yet: none
+
+
 def test_ollama_layers_are_read(stores):
     found = OllamaStore(stores[0]).find("tiny")
     assert found.params == PARAMS and found.template == GO_TEMPLATE

@@ -170,6 +170,46 @@ def test_keep_alive_zero_stops_the_workers_and_a_later_request_loads_it_again(st
     run(main())
 
 
+def test_the_listings_and_show_read_the_stores_models_without_loading_them(stores):
+    """As Ollama lists and shows every model of its store: /api/tags and /v1/models list the
+    models the stores hold beside the served one, /api/show and /v1/models/NAME describe one
+    that is not loaded, and none of it starts a worker; a loaded model is listed once."""
+    import ollama
+    import openai
+
+    pinned, store, sizes = stores
+
+    async def main() -> None:
+        async with coordinator_harness(pinned) as h:
+            _, sup = _on_demand(h, store, ModelBudget())
+            client = ollama.AsyncClient(host=h.url)
+            oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0)
+            everything = ["pinned:latest", "alpha:latest", "beta:latest", "gamma:latest"]
+            tags = (await client.list()).models
+            assert [m.model for m in tags] == everything
+            assert {m.model: m.size for m in tags[1:]} == {f"{n}:latest": s
+                                                          for n, s in sizes.items()}
+            assert all(m.details.format == "gguf" for m in tags[1:])
+            assert [m.id for m in (await oai.models.list()).data] == everything
+            shown = await client.show("beta")
+            assert shown.modelinfo["general.architecture"] == "llama"
+            assert shown.details.family == "llama" and "<|im_start|>" in shown.template
+            assert (await oai.models.retrieve("gamma:latest")).id == "gamma:latest"
+            assert sup.started == [] and _listed(h) == ["pinned"]  # nothing was loaded
+
+            await h.coordinator.find_model("alpha")
+            assert [m.model for m in (await client.list()).models] == [
+                "pinned:latest", "alpha:latest", "beta:latest", "gamma:latest"]
+            assert sup.started == ["alpha"]
+            with pytest.raises(ollama.ResponseError) as missing:
+                await client.show("delta")
+            assert missing.value.status_code == 404
+            with pytest.raises(openai.NotFoundError):
+                await oai.models.retrieve("delta")
+
+    run(main())
+
+
 def test_names_no_store_holds_and_paths_are_not_found(stores, tmp_path):
     pinned, store, _ = stores
     path = make_tiny_gguf(tmp_path / "here.gguf").path
