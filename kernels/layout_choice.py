@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -49,6 +50,7 @@ def model_weights(count: int):
         _model_weights.reset(token)
 
 
+@functools.cache  # asked once per matrix packed; the host's caches do not change under us
 def last_level_cache_bytes() -> int:
     """The largest CPU cache of cpu0 (sysfs), or 32 MiB where it is not listed."""
     sizes = []
