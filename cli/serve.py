@@ -49,8 +49,9 @@ def register(subparsers) -> None:
                    help="prefill workers of each model (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers of each model (default 1)")
     p.add_argument("--workers", action="append", default=[], metavar="MODEL=P:D",
-                   help="P prefill and D decode workers for MODEL (a --model, as given), "
-                        "instead of --prefill/--decode; repeatable, e.g. --workers qwen3:8b=2:3")
+                   help="P prefill and D decode workers for MODEL (a --model, as given, or with "
+                        "--load-on-request a model a request may load), instead of "
+                        "--prefill/--decode; repeatable, e.g. --workers qwen3:8b=2:3")
     p.add_argument("--colocated", action="store_true",
                    help="one worker doing prefill and decode instead")
     p.add_argument("--load-on-request", action="store_true",

@@ -80,6 +80,7 @@ from engine.config import DECODE_FORMATS, KV_DTYPES, PREFILL_FORMATS, CacheConfi
 from engine.device import DEFAULT_DEVICE, check_device_spec
 from engine.speculative_config import parse_speculative
 from common.errors import TandemError
+from common.model_name import name_key
 from common.internal_http import get_internal
 from common.lifeline import Lifeline, death_signal
 from common.log_format import LOG_FORMATS
@@ -141,6 +142,8 @@ class Topology:
     more_models: tuple[tuple[str, Path], ...] = ()
     # (model name as in `models`, prefill, decode): that model's worker counts instead of
     # `prefill` and `decode` (tandem serve --workers MODEL=P:D). Disaggregated topologies only.
+    # With load_on_request a name may also be a model the stores hold, not among `models`:
+    # its workers are started with these counts when a request loads it (any spelling).
     model_workers: tuple[tuple[str, int, int], ...] = ()
     log_format: str = "text"  # every process's --log-format (common/log_format.py)
     access_log: bool = True  # False: the coordinator gets --no-access-log
@@ -149,8 +152,9 @@ class Topology:
     # idle prefill workers' cores. Only where both roles run (shares_cores).
     core_lease: bool = True
     # A request may name a model the stores hold that is not among `models`: `serve` then
-    # starts its workers on the coordinator's request (deploy/model_supervisor.py), with the
-    # counts and flags of `prefill`/`decode`/`colocated`, and no core lease slot.
+    # starts its workers on the coordinator's request (deploy/model_supervisor.py), with its
+    # `model_workers` counts or those of `prefill`/`decode`/`colocated`, the engine flags
+    # of all, and no core lease slot.
     load_on_request: bool = False
 
     @property
@@ -162,6 +166,14 @@ class Topology:
         """(prefill, decode) workers of the `index`-th model."""
         name = self.models[index][0]
         return next(((p, d) for n, p, d in self.model_workers if n == name),
+                    (self.prefill, self.decode))
+
+    def counts_for(self, model: str) -> tuple[int, int]:
+        """(prefill, decode) workers of a model loaded on request: the `model_workers` counts
+        of an entry that names it in any spelling (`qwen3` is `qwen3:latest`), else
+        `prefill` and `decode`."""
+        key = name_key(model)
+        return next(((p, d) for n, p, d in self.model_workers if name_key(n) == key),
                     (self.prefill, self.decode))
 
     def worker_prefix(self, index: int) -> str:
@@ -183,15 +195,18 @@ class Topology:
             raise ValueError("worker counts per model are prefill:decode counts; a colocated "
                              "topology has one colocated worker per model")
         for name, _, _ in self.model_workers:
-            if name not in names:
+            if name not in names and not self.load_on_request:
                 raise ValueError(f"worker counts are given for {name!r}, which is not a served "
-                                 f"model (models: {', '.join(names)})")
-        given = [n for n, _, _ in self.model_workers]
+                                 f"model (models: {', '.join(names)}); with load_on_request "
+                                 "they may name a model a request loads")
+        given = [name_key(n) if n not in names else n for n, _, _ in self.model_workers]
         if len(set(given)) != len(given):
             raise ValueError(f"worker counts are given twice for a model: {', '.join(given)}")
         if not self.colocated:
-            for index, (name, _) in enumerate(self.models):
-                prefill, decode = self.counts(index)
+            on_request = [(n, p, d) for n, p, d in self.model_workers if n not in names]
+            for name, prefill, decode in [(name, *self.counts(index))
+                                          for index, (name, _) in enumerate(self.models)
+                                          ] + on_request:
                 of = f" of {name!r}" if self.model_workers else ""
                 if decode < 1:
                     raise ValueError(f"a disaggregated topology needs at least one decode "

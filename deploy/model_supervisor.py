@@ -8,7 +8,8 @@ coordinator asks (coordinator/on_demand.py decides what and when; this only does
     supervisor.cluster = LocalCluster(specs, ...); spawn; supervisor.serve_in_background()
 
 A model's workers are as a model given with --model gets them: `prefill`/`decode` of them (or
-one colocated), the topology's engine flags, named after the model (`qwen3-0-6b-decode-0`);
+one colocated; `--workers MODEL=P:D` counts where one names it), the topology's engine flags,
+named after the model (`qwen3-0-6b-decode-0`);
 no core lease slot (the lease's slots are fixed at start). They are children of the cluster
 like the others, restarted when they exit; one given up on is left down and reported, its
 model unloaded by its coordinator rather than the whole cluster stopped.
@@ -116,8 +117,9 @@ class ModelSupervisor:
     def specs(self, model: str, path: Path) -> list[ProcessSpec]:
         """The model's workers, with names no running process of the cluster has."""
         t = self.topology
+        prefill, decode = t.counts_for(model)
         roles = ([("colocated", "decode_node")] if t.colocated else
-                 [("prefill", "prefill_node")] * t.prefill + [("decode", "decode_node")] * t.decode)
+                 [("prefill", "prefill_node")] * prefill + [("decode", "decode_node")] * decode)
         with self.cluster.children_lock:
             taken = {c.spec.name for c in self.cluster.children}
         for n in range(1, len(taken) + 2):  # a free prefix exists among these

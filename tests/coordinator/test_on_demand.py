@@ -278,3 +278,35 @@ def test_the_launcher_names_a_model_s_workers_apart_from_the_running_ones(tmp_pa
 
     Cluster.children = [Running("qwen3-0-6b-decode-0")]  # another model with this slug
     assert [s.name for s in supervisor.specs("qwen3-0.6b", tmp_path)][0] == "qwen3-0-6b-2-prefill-0"
+
+
+def test_worker_counts_given_for_a_model_loaded_on_request_are_its_own(tmp_path):
+    """--workers MODEL=P:D with --load-on-request: MODEL may be a store's model no --model
+    names; a request that loads it by any spelling gets those counts, others the defaults."""
+    from deploy.local import Topology
+    from deploy.model_supervisor import ModelSupervisor
+
+    class Cluster:
+        children_lock = __import__("threading").RLock()
+        children = []
+
+    def roles(topology, model):
+        supervisor = ModelSupervisor(topology, 5555)
+        supervisor.cluster = Cluster()
+        return [s.name.rsplit("-", 2)[-2] for s in supervisor.specs(model, tmp_path)]
+
+    topology = Topology(model="a", model_path=tmp_path, log_dir=tmp_path, prefill=1, decode=1,
+                        load_on_request=True, model_workers=(("qwen3:0.6b", 2, 3),
+                                                             ("library/beta", 0, 2)))
+    assert roles(topology, "qwen3:0.6b") == ["prefill"] * 2 + ["decode"] * 3
+    assert roles(topology, "beta") == roles(topology, "beta:latest") == ["decode"] * 2
+    assert roles(topology, "gamma") == ["prefill", "decode"]  # the --prefill/--decode counts
+    with pytest.raises(ValueError, match="not a served model.*load_on_request"):
+        Topology(model="a", model_path=tmp_path, log_dir=tmp_path,
+                 model_workers=(("qwen3:0.6b", 2, 3),))
+    with pytest.raises(ValueError, match="decode worker of 'beta'"):
+        Topology(model="a", model_path=tmp_path, log_dir=tmp_path, load_on_request=True,
+                 model_workers=(("beta", 1, 0),))
+    with pytest.raises(ValueError, match="given twice"):
+        Topology(model="a", model_path=tmp_path, log_dir=tmp_path, load_on_request=True,
+                 model_workers=(("beta", 1, 1), ("beta:latest", 1, 2)))

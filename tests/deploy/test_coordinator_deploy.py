@@ -432,11 +432,17 @@ def test_tandem_serve_takes_worker_counts_per_model(tmp_path, monkeypatch):
     one, two = make_tiny_model_dir(tmp_path / "one"), make_tiny_model_dir(tmp_path / "two")
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
     seen = {}
-    monkeypatch.setattr(deploy.local, "serve", lambda topology, **kw: seen.setdefault("t", topology) and 0)
+    monkeypatch.setattr(deploy.local, "serve", lambda topology, **kw: seen.__setitem__("t", topology) or 0)
     assert cli.main.main(["serve", "--model", str(one), "--model", str(two), "--decode", "2",
                           "--workers", f"{two}=0:3", "--log-dir", str(tmp_path / "logs")]) == 0
     t = seen["t"]
     assert (t.counts(0), t.counts(1)) == ((1, 2), (0, 3))
+    # With --load-on-request a name no --model serves is kept for the load of that model.
+    assert cli.main.main(["serve", "--model", str(one), "--load-on-request", "--workers",
+                          "qwen3:0.6b=2:1", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert seen["t"].counts_for("registry.ollama.ai/library/qwen3:0.6b") == (2, 1)
+    assert cli.main.main(["serve", "--model", str(one), "--workers", "qwen3:0.6b=2:1",
+                          "--log-dir", str(tmp_path / "logs")]) != 0  # not served, not on request
     assert model_workers(["/m=x/y=1:2"]) == (("/m=x/y", 1, 2),)
     for bad in ("qwen3=1", "qwen3=a:2", "=1:2", "qwen3=1:-2"):
         with pytest.raises(TandemError, match="expected MODEL=PREFILL:DECODE"):
