@@ -34,6 +34,10 @@ def register(subparsers) -> None:
                    help="a Jinja chat template file the n-th --model renders instead of its "
                         "own, e.g. one that reads `tools` (repeatable; default: the model's, "
                         "or the tools template tandem ships for its family)")
+    p.add_argument("--chat-template-for", action="append", default=[], metavar="MODEL=FILE",
+                   help="a Jinja chat template file MODEL renders instead of its own: a "
+                        "--model by name, or with --load-on-request a model a request may "
+                        "load (repeatable)")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--host", help="HTTP address of the coordinator (default: $OLLAMA_HOST's, "
                                   "as `ollama serve`, else 127.0.0.1)")
@@ -133,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             batch_invariant=args.batch_invariant,
                             coordinator_args=("--grpc-port", str(args.grpc_port),
                                               *_chat_template_args(args.chat_template, models),
+                                              *_templates_for_args(args, models),
                                               *_response_cache(args.response_cache),
                                               *_on_request_args(args)),
                             load_on_request=args.load_on_request,
@@ -204,6 +209,22 @@ def _chat_template_args(files: list[str] | None, models: list[str]) -> tuple[str
         except TandemError as exc:
             raise ValueError(str(exc)) from None
     return tuple(a for f in files or () for a in ("--chat-template", str(Path(f).resolve())))
+
+
+def _templates_for_args(args: argparse.Namespace, models: list[str]) -> tuple[str, ...]:
+    """--chat-template-for for the coordinator, each file checked to parse here, and each
+    MODEL a --model unless models load on request."""
+    from common.chat_template_choice import templates_by_model
+    from common.model_name import name_key
+
+    templates = templates_by_model(args.chat_template_for)  # ChatTemplateError naming it
+    unserved = [k for k in templates if k not in {name_key(m) for m in models}]
+    if unserved and not args.load_on_request:
+        raise ValueError(f"--chat-template-for names {unserved[0]!r}, which no --model "
+                         "serves (give --load-on-request for a model a request loads)")
+    named = (value.partition("=")[0].strip() for value in args.chat_template_for)
+    return tuple(a for model in named
+                 for a in ("--chat-template-for", f"{model}={templates[name_key(model)]}"))
 
 
 def _response_cache(spec: str | None) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common.chat_template import check_template
 from common.errors import ChatTemplateError
+from common.model_name import name_key
 from common.model_store import REGISTRY
 
 SHIPPED_FOLDER = "chat_templates"  # under common/, package data (pyproject.toml)
@@ -63,6 +64,24 @@ def read_template_file(path: str | Path) -> str:
         return check_template(text)
     except ChatTemplateError as exc:
         raise ChatTemplateError(f"--chat-template {path}: {exc}") from None
+
+
+def templates_by_model(values: list[str]) -> dict[str, str]:
+    """`--chat-template-for MODEL=FILE` values as {name_key(MODEL): absolute FILE}, each file
+    checked to parse; the first "=" splits (a file path may hold one, a model name never
+    does). ChatTemplateError naming the value otherwise, or a model given twice."""
+    found: dict[str, str] = {}
+    for value in values:
+        model, eq, file = value.partition("=")
+        if not (model.strip() and eq and file):
+            raise ChatTemplateError(f"--chat-template-for {value!r}: expected MODEL=FILE, "
+                                    "e.g. qwen3:0.6b=tools.jinja")
+        key = name_key(model.strip())
+        if key in found:
+            raise ChatTemplateError(f"--chat-template-for gives {model!r} a template twice")
+        read_template_file(file)
+        found[key] = str(Path(file).expanduser().resolve())
+    return found
 
 
 def choose_template(own: str | None, flag_file: str | Path | None = None,

@@ -30,7 +30,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.response_cache_config import ResponseCacheConfig
 from common.cluster_auth import add_auth_args, auth_from_args
 from common.addresses import is_loopback
+from common.chat_template_choice import templates_by_model
 from common.errors import TandemError
+from common.model_name import name_key
 from common.lifeline import watch_launcher
 from common.log_format import add_log_flags, setup_logging
 from common.tracing import add_tracing_flag, endpoint_from, setup_tracing
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", action="append", default=[], metavar="FILE",
                    help="a Jinja chat template file the n-th --model renders instead of its "
                         "own (Hugging Face's template language; e.g. one that reads `tools`)")
+    p.add_argument("--chat-template-for", action="append", default=[], metavar="MODEL=FILE",
+                   help="a Jinja chat template file MODEL renders instead of its own: a --model "
+                        "(by name, any spelling) or, with --load-on-request, a model a request "
+                        "loads; repeatable")
     p.add_argument("--host", default=DEFAULTS.host)
     p.add_argument("--port", type=int, default=DEFAULTS.port)
     p.add_argument("--registry-host", default=DEFAULTS.registry_host,
@@ -163,7 +169,20 @@ def _default_keep_alive() -> float:
     return DEFAULTS.keep_alive_s if seconds is None else seconds
 
 
-def _on_demand(args: argparse.Namespace, store):
+def _template_of(index: int, given: str, args: argparse.Namespace,
+                 templates: dict[str, str]) -> str | None:
+    """The chat template file of the `index`-th --model: its --chat-template, else the
+    --chat-template-for that names it (or its --model-name); ValueError for both."""
+    names = [given, *args.model_name[index:index + 1]]
+    named = next((templates[name_key(n)] for n in names if name_key(n) in templates), None)
+    positional = args.chat_template[index] if index < len(args.chat_template) else None
+    if positional and named:
+        raise ValueError(f"{given!r} is given a chat template twice: --chat-template "
+                         f"{positional} and --chat-template-for ...={named}")
+    return positional or named
+
+
+def _on_demand(args: argparse.Namespace, store, templates: dict[str, str]):
     """What attaches models loaded on request to the coordinator (None without
     --load-on-request); a ValueError for bounds without it, or without a launcher."""
     from coordinator.model_budget import ModelBudget, parse_size
@@ -187,7 +206,7 @@ def _on_demand(args: argparse.Namespace, store):
         from coordinator.worker_supervisor import SupervisorChannel
 
         coordinator.on_demand = OnDemandModels(coordinator, SupervisorChannel(fd), budget, store,
-                                               args.model_start_timeout)
+                                               args.model_start_timeout, templates=templates)
         logging.getLogger("coordinator").info(
             "models the stores hold load on request (budget: %s)", budget.describe())
 
@@ -236,15 +255,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{len(given)} {flag} for {len(args.model)} --model: give "
                                  "at most one per model")
         store = default_store()
+        templates = templates_by_model(args.chat_template_for)
+        served = {name_key(n) for n in (*args.model, *args.model_name)}
+        unserved = [k for k in templates if k not in served]
+        if unserved and not args.load_on_request:
+            raise ValueError(f"--chat-template-for names {unserved[0]!r}, which no --model "
+                             "serves (give --load-on-request for a model a request loads)")
         models = [load_from_store(
             store, given, args.model_name[i] if i < len(args.model_name) else given,
-            args.chat_template[i] if i < len(args.chat_template) else None,
-            logging.getLogger("coordinator").warning)
+            _template_of(i, given, args, templates), logging.getLogger("coordinator").warning)
             for i, given in enumerate(args.model)]
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models
-        attach = _on_demand(args, store)
+        attach = _on_demand(args, store, templates)
     except (TandemError, ValueError) as exc:
         sys.stderr.write(f"Error: {exc}\n")
         return 1

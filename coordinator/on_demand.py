@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +69,15 @@ class _Entry:
 class OnDemandModels:
     def __init__(self, coordinator, supervisor: WorkerSupervisor, budget: ModelBudget,
                  store: ModelStore, start_timeout_s: float = 300.0,
-                 poll_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+                 poll_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 templates: Mapping[str, str] | None = None) -> None:
+        """templates: {name_key(model): chat template file} (--chat-template-for): what a
+        model loaded on request renders instead of its own."""
         self.coordinator = coordinator  # coordinator/service.py's Coordinator
         self.supervisor = supervisor
         self.budget = budget
         self.store = store
+        self.templates = dict(templates or {})
         self.start_timeout_s = start_timeout_s
         self.poll_s = poll_s
         self._clock = clock
@@ -152,8 +156,8 @@ class OnDemandModels:
             cached = self._listed.get(name)
             if cached is not None and cached[0] == stamp:
                 return cached[1]
-            model = await off_loop(load_from_store, self.store, name, name, None,
-                                   lambda message: None, path)
+            model = await off_loop(load_from_store, self.store, name, name,
+                                   self._template(name), lambda message: None, path)
         except (TandemError, OSError, ValueError) as e:
             log.debug("not listing %s: %s", name, e)
             return None
@@ -167,8 +171,11 @@ class OnDemandModels:
         except ModelNotFoundError:
             # As for any name not served: the store's message would show the server's paths.
             raise ModelNotFoundError(f"model '{shown(name)}' not found") from None
-        return await off_loop(load_from_store, self.store, name, name, None,
+        return await off_loop(load_from_store, self.store, name, name, self._template(name),
                               logging.getLogger("coordinator").warning, path)
+
+    def _template(self, name: str) -> str | None:
+        return self.templates.get(name_key(name))
 
     def loaded(self) -> list[str]:
         """Names of the models loaded on request and ready, least recently used first."""

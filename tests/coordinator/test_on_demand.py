@@ -210,6 +210,36 @@ def test_the_listings_and_show_read_the_stores_models_without_loading_them(store
     run(main())
 
 
+def test_a_template_given_for_a_store_model_is_what_it_renders_loaded_or_not(stores, tmp_path):
+    """--chat-template-for beta=FILE: beta, not served at start, renders FILE when a request
+    loads it, and /api/show shows FILE's template before that; other models keep their own."""
+    import ollama
+
+    from common.model_name import name_key
+
+    pinned, store, _ = stores
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    async def main() -> None:
+        async with coordinator_harness(pinned) as h:
+            supervisor = FakeSupervisor(h)
+            h.coordinator.on_demand = OnDemandModels(
+                h.coordinator, supervisor, ModelBudget(), store, start_timeout_s=30.0,
+                poll_s=0.05, templates={name_key("beta"): str(template)})
+            client = ollama.AsyncClient(host=h.url)
+            assert (await client.show("beta:latest")).template == template.read_text()
+            assert "<|im_start|>" in (await client.show("alpha")).template
+            assert supervisor.started == []
+            beta = await h.coordinator.find_model("library/beta")
+            assert beta.tokenizer.chat_template == template.read_text()
+            alpha = await h.coordinator.find_model("alpha")
+            assert alpha.tokenizer.chat_template != template.read_text()
+
+    run(main())
+
+
 def test_names_no_store_holds_and_paths_are_not_found(stores, tmp_path):
     pinned, store, _ = stores
     path = make_tiny_gguf(tmp_path / "here.gguf").path
