@@ -147,7 +147,7 @@ def test_tandem_serve_and_run_pass_the_device(tmp_path, monkeypatch, capsys):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(engine.llm_engine.LLMEngine, "from_path", staticmethod(fake_from_path))
-    monkeypatch.setattr("worker.runtime.configure_process", lambda threads: None)
+    monkeypatch.setattr("worker.runtime.configure_process", lambda threads, **kw: None)
     with pytest.raises(RuntimeError, match="stop here"):
         cli.main.main(["run", str(model_dir), "hi", "--local", "--device", "cpu"])
     assert (seen["config"].device, seen["config"].cuda_graphs) == ("cpu", True)

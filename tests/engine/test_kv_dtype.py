@@ -173,7 +173,7 @@ def test_tandem_run_builds_its_engine_with_the_kv_dtype(model_dir, tmp_path, mon
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(engine.llm_engine.LLMEngine, "from_path", staticmethod(fake_from_path))
-    monkeypatch.setattr("worker.runtime.configure_process", lambda threads: None)
+    monkeypatch.setattr("worker.runtime.configure_process", lambda threads, **kw: None)
     for argv, want in ((["--kv-dtype", "bf16"], "bf16"), ([], "fp32")):
         with pytest.raises(RuntimeError, match="stop here"):
             cli.main.main(["run", str(model_dir), "hi", "--local", *argv])
