@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from coordinator.config import CoordinatorConfig
 from reliability.chaos_cluster import ChaosCluster, Stream
 
 WORDS = "the of and to in is was for on that with as by it at from his an were are which this".split()
@@ -154,6 +155,8 @@ def changed(before: dict[str, int], now: dict[str, int]) -> str | None:
 
 PROMPT_WORDS = 1500  # ~3,300 tokens: a prefill long enough to land a kill inside it
 LONG_ANSWER = 1500  # tokens: a few seconds of decoding
+# The coordinator's default heartbeat deadline, which the chaos cluster keeps.
+DEFAULT_HEARTBEAT_DEADLINE_S = CoordinatorConfig().heartbeat_deadline_s
 SLOW_LINK_BPS = 4e6  # kv-landing: 13 MB of KV takes ~3 s, the prefill under 1 s
 
 
@@ -296,7 +299,10 @@ def registry_link_cut(ctx: Ctx, seconds: float = 8.0) -> Started:
     tracker = Tracker(c)
     tracker.start()
     out = Started(faults=1)
-    prepared = ctx.prepare(100, LONG_ANSWER, long=True)
+    # Long enough to outlive the heartbeat deadline inside the cut on a fast host: the chaos
+    # model decodes ~650 tokens/s on an AMD EPYC (Zen 4 class) VM, where LONG_ANSWER's 1500
+    # ended ~4 s into the cut; 3500 fit its 4096-token context beside the prompt.
+    prepared = ctx.prepare(100, 3500, long=True)
     during = ctx.prepare(60, 8)
     before = landed(c)
     out.streams = [ctx.start(prepared)]
@@ -307,13 +313,14 @@ def registry_link_cut(ctx: Ctx, seconds: float = 8.0) -> Started:
     tracker.halt.set()
     out.fault_at = time.monotonic()
     c.cut_registry_link(victim, True)
-    time.sleep(seconds / 2)
     # The stream outlived the coordinator's heartbeat deadline (heartbeat_misses intervals, 3 s
-    # by default) inside the cut: checked here, not at the cut's end, which a fast host's
-    # stream of LONG_ANSWER tokens may not reach (it ran ~8 s on a Sapphire Rapids class VM).
+    # by default, from the last heartbeat before the cut) inside the cut: checked just past it,
+    # not at the cut's end, which a fast host's stream may not reach.
+    check_s = min(seconds, DEFAULT_HEARTBEAT_DEADLINE_S + 0.3)
+    time.sleep(check_s)
     out.phase_hit = not reply.finished.is_set()
     out.streams.append(ctx.start(during))
-    time.sleep(seconds / 2)
+    time.sleep(seconds - check_s)
     kept = [w["alive"] for w in c.workers() if w["worker_id"] == victim]
     c.cut_registry_link(victim, False)
     out.notes.append(f"cut {victim}'s Registry link for {seconds:g} s; "

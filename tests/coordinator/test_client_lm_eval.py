@@ -8,6 +8,7 @@ reports must equal the one a single-prompt request gets, and its accuracy the on
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -74,6 +75,11 @@ def test_local_completions_with_batch_size_4_scores_as_single_requests_do(cluste
                 scores.append(expected)
             correct += scores.index(max(scores)) == item["answer"]
     assert result["results"]["tandem_capitals"]["acc,none"] == pytest.approx(correct / len(items))
-    # Batched: 32 loglikelihood requests went out as 8 POSTs of four prompts each.
-    log = (cluster.log_dir / "coordinator.log").read_text()
-    assert log.count('"POST /v1/completions HTTP/1.1" 200') == 8 + 32
+    # Batched: 32 loglikelihood requests went out as 8 POSTs of four prompts each. The access
+    # line is written after the response is sent, so the last one may trail the last answer.
+    line, deadline = '"POST /v1/completions HTTP/1.1" 200', time.monotonic() + 30  # a hang guard
+    while (cluster.log_dir / "coordinator.log").read_text().count(line) < 8 + 32:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert (cluster.log_dir / "coordinator.log").read_text().count(line) == 8 + 32
