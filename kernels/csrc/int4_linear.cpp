@@ -128,46 +128,140 @@ static inline void fp16_row_to_float(const uint16_t* h, int64_t n, float* out) {
     for (; i < n; i++) out[i] = fp16_to_float(h[i]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Run t (0..7) of a chunk's bytes (the 32 that hold byte pair t of each of its 16 groups). A
+// whole chunk (tail 0) has them at 32 t; a row's last chunk of `tail` < 16 groups is stored
+// compactly, 2 tail bytes a run (to_chunk_order), and is read where it lies: a masked load
+// gives the run's bytes and zeros for the absent groups, and touches no byte past them (so
+// no per-row copy into a padded chunk, which cost 8 small memcpy calls a weight row).
+static inline __m256i chunk_run(const uint8_t* w, int t, int tail) {
+    return tail ? _mm256_maskz_loadu_epi8((__mmask32)((1ull << (2 * tail)) - 1), w + 2 * tail * t)
+                : _mm256_loadu_si256((const __m256i*)(w + 32 * t));
+}
+
+// The first 16 bytes of run t of a tail of 1..8 groups (groups 0..7), read in place.
+static inline __m128i tail_run_half(const uint8_t* w, int t, int tail) {
+    return _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * tail)) - 1), w + 2 * tail * t);
+}
+
+// One chunk's integer dots for R rows of int16 x (row_tile): A independent chains per row (the
+// lo half of load t into chain 2t mod A, the hi half into 2t+1 mod A), summed by the caller:
+// one vpdpwssd depends on the last (5 cycles), so a lone row's 16 in one chain ran at a fifth
+// of the unit's rate. Integer sums are exact: the chunk's dot does not depend on A.
+// Masked: the chunk is a stored tail of `tail` groups (chunk_run); a separate instantiation,
+// so whole chunks keep plain loads and no branch (at M = 8 a per-load choice cost ~10%).
+template <int R, int A, bool Masked>
+static inline void chunk_dots16(const uint8_t* w, int tail, const int16_t* xc, int64_t kq, __m512i (&dot)[R][A]) {
+    const __m512i mask = _mm512_set1_epi16(0x000f);
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t++) {
+        const __m256i raw = Masked ? chunk_run(w, t, tail) : _mm256_loadu_si256((const __m256i*)(w + 32 * t));
+        const __m512i v = _mm512_cvtepu8_epi16(raw);
+        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi16(v, 4);
+        for (int r = 0; r < R; r++) {
+            const int16_t* xt = xc + r * kq + 64 * t;
+            __m512i& d0 = dot[r][(2 * t) % A];
+            __m512i& d1 = dot[r][(2 * t + 1) % A];
+#if defined(__AVX512VNNI__)
+            d0 = _mm512_dpwssd_epi32(d0, lo, _mm512_loadu_si512((const void*)xt));
+            d1 = _mm512_dpwssd_epi32(d1, hi, _mm512_loadu_si512((const void*)(xt + 32)));
+#else
+            d0 = _mm512_add_epi32(d0, _mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)xt)));
+            d1 = _mm512_add_epi32(d1, _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(xt + 32))));
+#endif
+        }
+    }
+}
+
+// The same for int8 x (row_tile_a8): load t into chain t mod A.
+template <int R, int A, bool Masked>
+static inline void chunk_dots8(const uint8_t* w, int tail, const int8_t* xc, int64_t kq, __m512i (&dot)[R][A]) {
+    const __m512i mask = _mm512_set1_epi32(0x0f0f);
+#if !defined(__AVX512VNNI__)
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t++) {
+        // lane g: group g's bytes 2t, 2t+1 -> [lo, lo, hi, hi] nibbles as u8
+        const __m256i raw = Masked ? chunk_run(w, t, tail) : _mm256_loadu_si256((const __m256i*)(w + 32 * t));
+        const __m512i v = _mm512_cvtepu16_epi32(raw);
+        const __m512i q = _mm512_or_si512(_mm512_and_si512(v, mask),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), mask), 16));
+        for (int r = 0; r < R; r++) {
+            const __m512i xv = _mm512_loadu_si512((const void*)(xc + r * kq + 64 * t));
+            __m512i& dt = dot[r][t % A];
+#if defined(__AVX512VNNI__)
+            dt = _mm512_dpbusd_epi32(dt, q, xv);
+#else
+            dt = _mm512_add_epi32(dt, _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), ones));
+#endif
+        }
+    }
+}
+#endif
+
 // out[r] = sum_g (d_g dx_r) * (q_g . xq[r, g]) + m_g * S[r, g] over the row's chunks. chunk(c):
-// the 256 bytes of chunk c in the full-chunk order (the tail is passed zero-padded); d, mn:
-// per group, S: per row (stride ldd) and group, all zero-padded to whole chunks; dx: per row.
+// the 256 bytes of chunk c in the full-chunk order; the last one, of `tail` groups when that
+// is not 0, as stored (AVX-512 builds, chunk_run) or copied into a zero-padded chunk (the
+// others); d, mn: per group, S: per row (stride ldd) and group, all zero-padded to whole
+// chunks; dx: per row.
 // The m term joins the chunk's accumulator, as row_tile_a8's does: a separate 64-float dot per
 // output cost ~a quarter of the integer work at K = 2048 and M = 1.
 template <int R, class ChunkPtr>
 static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* mn, int64_t chunks,
-                            const int16_t* xq, int64_t kq, const float* dx, const float* S, int64_t ldd,
-                            float* out) {
+                            int tail, const int16_t* xq, int64_t kq, const float* dx, const float* S,
+                            int64_t ldd, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     constexpr int A = dot_chains(R);
     __m512 acc[R], vdx[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), vdx[r] = _mm512_set1_ps(dx[r]);
-    const __m512i mask = _mm512_set1_epi16(0x000f);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
         const int16_t* xc = xq + c * CHUNK_XQ;
-        // A independent integer chains per row (the lo half of load t into chain 2t mod A, the
-        // hi half into 2t+1 mod A), summed at the chunk's end: one vpdpwssd depends on the last
-        // (5 cycles), so a lone row's 16 in one chain ran at a fifth of the unit's rate.
-        // Integer sums are exact: the chunk's dot, and every bit after it, do not depend on A.
-        __m512i dot[R][A];
-        for (int r = 0; r < R; r++)
-            for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t++) {
-            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
-            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi16(v, 4);
-            for (int r = 0; r < R; r++) {
-                const int16_t* xt = xc + r * kq + 64 * t;
-                __m512i& d0 = dot[r][(2 * t) % A];
-                __m512i& d1 = dot[r][(2 * t + 1) % A];
+        const int part = c == chunks - 1 ? tail : 0;  // groups of this chunk when it is short
+        if (part && part <= CHUNK_GROUPS / 2) {
+            // A tail of <= 8 groups (K = 576: 18 groups, a tail of 2): groups 8..15 are padding
+            // (q, d, m, x all 0) whose lanes would add exactly 0, so the groups 0..7 run at half
+            // width, lane for lane the same integer and float operations as the full chunk's
+            // lanes 0..7 (the result is bit-identical). The full width cost the tail a whole
+            // chunk: 2 chunks of work for 18 groups.
+            const __m256i mask8 = _mm256_set1_epi16(0x000f);
+            __m256i dh[R][A];
+            for (int r = 0; r < R; r++)
+                for (int a = 0; a < A; a++) dh[r][a] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_cvtepu8_epi16(tail_run_half(w, t, part));
+                const __m256i lo = _mm256_and_si256(v, mask8), hi = _mm256_srli_epi16(v, 4);
+                for (int r = 0; r < R; r++) {
+                    const int16_t* xt = xc + r * kq + 64 * t;
+                    __m256i& d0 = dh[r][(2 * t) % A];
+                    __m256i& d1 = dh[r][(2 * t + 1) % A];
 #if defined(__AVX512VNNI__)
-                d0 = _mm512_dpwssd_epi32(d0, lo, _mm512_loadu_si512((const void*)xt));
-                d1 = _mm512_dpwssd_epi32(d1, hi, _mm512_loadu_si512((const void*)(xt + 32)));
+                    d0 = _mm256_dpwssd_epi32(d0, lo, _mm256_loadu_si256((const __m256i*)xt));
+                    d1 = _mm256_dpwssd_epi32(d1, hi, _mm256_loadu_si256((const __m256i*)(xt + 32)));
 #else
-                d0 = _mm512_add_epi32(d0, _mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)xt)));
-                d1 = _mm512_add_epi32(d1, _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(xt + 32))));
+                    d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xt)));
+                    d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xt + 32))));
 #endif
+                }
             }
+            const __m256 vd = _mm256_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm256_loadu_ps(mn + c * CHUNK_GROUPS);
+            for (int r = 0; r < R; r++) {
+                __m256 a = _mm512_castps512_ps256(acc[r]);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_chains256<A>(dh[r])),
+                                    _mm256_mul_ps(vd, _mm512_castps512_ps256(vdx[r])), a);
+                a = _mm256_fmadd_ps(vm, _mm256_loadu_ps(S + r * ldd + c * CHUNK_GROUPS), a);
+                acc[r] = _mm512_insertf32x8(acc[r], a, 0);
+            }
+            continue;
         }
+        __m512i dot[R][A];
+        if (part)  // a tail of 9..15 groups, at full width
+            chunk_dots16<R, A, true>(w, part, xc, kq, dot);
+        else
+            chunk_dots16<R, A, false>(w, 0, xc, kq, dot);
         // lane g: group g's d and m
         const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm512_loadu_ps(mn + c * CHUNK_GROUPS);
         for (int r = 0; r < R; r++) {
@@ -182,7 +276,9 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* 
     const __m256i mask = _mm256_set1_epi16(0x000f);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        for (int h = 0; h < 2; h++) {  // groups 8 h .. 8 h + 7
+        // A tail of <= 8 groups (zero-padded here) holds nothing in its upper half.
+        const int halves = c == chunks - 1 && tail && tail <= CHUNK_GROUPS / 2 ? 1 : 2;
+        for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int16_t* xc = xq + c * CHUNK_XQ + 16 * h;
             __m256i dot[R];
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
@@ -303,37 +399,53 @@ static void quantize_rows_i8(const float* x, int64_t m, int64_t k, int64_t ldx, 
 // of m and S per output cost a third as much as the integer work at K = 2048.
 template <int R, class ChunkPtr>
 static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const float* mn, int64_t chunks,
-                               const int8_t* xq, int64_t kq, const float* dx, const float* S, int64_t ldd,
-                               float* out) {
+                               int tail, const int8_t* xq, int64_t kq, const float* dx, const float* S,
+                               int64_t ldd, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     constexpr int A = dot_chains(R);  // of the chunk's 8 loads
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi32(0x0f0f);
-#if !defined(__AVX512VNNI__)
-    const __m512i ones = _mm512_set1_epi16(1);
-#endif
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
         const int8_t* xc = xq + c * CHUNK_XQ;
-        __m512i dot[R][A];  // load t into chain t mod A (as row_tile)
-        for (int r = 0; r < R; r++)
-            for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t++) {
-            // lane g: group g's bytes 2t, 2t+1 -> [lo, lo, hi, hi] nibbles as u8
-            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + 32 * t)));
-            const __m512i q = _mm512_or_si512(_mm512_and_si512(v, mask),
-                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 4), mask), 16));
-            for (int r = 0; r < R; r++) {
-                const __m512i xv = _mm512_loadu_si512((const void*)(xc + r * kq + 64 * t));
-                __m512i& dt = dot[r][t % A];
-#if defined(__AVX512VNNI__)
-                dt = _mm512_dpbusd_epi32(dt, q, xv);
-#else
-                dt = _mm512_add_epi32(dt, _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), ones));
+        const int part = c == chunks - 1 ? tail : 0;
+        if (part && part <= CHUNK_GROUPS / 2) {  // a tail of <= 8 groups at half width (row_tile's)
+            const __m256i mask8 = _mm256_set1_epi32(0x0f0f);
+#if !defined(__AVX512VNNI__)
+            const __m256i ones8 = _mm256_set1_epi16(1);
 #endif
+            __m256i dh[R][A];
+            for (int r = 0; r < R; r++)
+                for (int a = 0; a < A; a++) dh[r][a] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_cvtepu16_epi32(tail_run_half(w, t, part));
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(v, mask8),
+                                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 4), mask8), 16));
+                for (int r = 0; r < R; r++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xc + r * kq + 64 * t));
+                    __m256i& dt = dh[r][t % A];
+#if defined(__AVX512VNNI__)
+                    dt = _mm256_dpbusd_epi32(dt, q, xv);
+#else
+                    dt = _mm256_add_epi32(dt, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones8));
+#endif
+                }
             }
+            const __m256 vd = _mm256_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm256_loadu_ps(mn + c * CHUNK_GROUPS);
+            for (int r = 0; r < R; r++) {
+                __m256 a = _mm512_castps512_ps256(acc[r]);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_chains256<A>(dh[r])),
+                                    _mm256_mul_ps(vd, _mm256_loadu_ps(dx + r * ldd + c * CHUNK_GROUPS)), a);
+                a = _mm256_fmadd_ps(vm, _mm256_loadu_ps(S + r * ldd + c * CHUNK_GROUPS), a);
+                acc[r] = _mm512_insertf32x8(acc[r], a, 0);
+            }
+            continue;
         }
+        __m512i dot[R][A];
+        if (part)  // a tail of 9..15 groups, at full width
+            chunk_dots8<R, A, true>(w, part, xc, kq, dot);
+        else
+            chunk_dots8<R, A, false>(w, 0, xc, kq, dot);
         const __m512 vd = _mm512_loadu_ps(d + c * CHUNK_GROUPS), vm = _mm512_loadu_ps(mn + c * CHUNK_GROUPS);
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_chains<A>(dot[r])),
@@ -348,7 +460,8 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     const __m256i mask = _mm256_set1_epi32(0x0f0f), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        for (int h = 0; h < 2; h++) {  // groups 8 h .. 8 h + 7
+        const int halves = c == chunks - 1 && tail && tail <= CHUNK_GROUPS / 2 ? 1 : 2;
+        for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int8_t* xc = xq + c * CHUNK_XQ + 32 * h;
             __m256i dot[R];
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
@@ -393,8 +506,8 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
 }
 
 // Output rows [j0, j1) of y from the quantized activations: the serial kernel over a slice of N.
-// Tile(r, chunk, d, m, chunks, m0, out) writes out[0..r) for rows m0.. of x: one weight row's
-// outputs before the bias.
+// Tile(r, chunk, d, m, chunks, tail, m0, out) writes out[0..r) for rows m0.. of x: one weight
+// row's outputs before the bias; tail: groups of the row's last chunk when it is short, else 0.
 template <class Tile>
 static void int4_rows(const Tile& tile, int64_t m, int64_t k, const uint8_t* qs, const uint16_t* d16,
                       const uint16_t* m16, int64_t n, const float* bias, float* y, int64_t ldy, int64_t j0,
@@ -417,14 +530,19 @@ static void int4_rows(const Tile& tile, int64_t m, int64_t k, const uint8_t* qs,
             if ((const char*)row + PREFETCH_BYTES + off < end) __builtin_prefetch((const char*)row + PREFETCH_BYTES + off, 0, 3);
         fp16_row_to_float(d16 + j * groups, groups, d.data());
         fp16_row_to_float(m16 + j * groups, groups, mn.data());
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        (void)tail_chunk;  // the tail is read in place (chunk_run)
+        const auto chunk = [&](int64_t c) { return row + c * CHUNK_BYTES; };
+#else
         if (tail)  // the tail chunk's 2 C bytes per t, spread to the full chunk's 32
             for (int t = 0; t < 8; t++)
                 memcpy(tail_chunk + 32 * t, row + full * CHUNK_BYTES + 2 * tail * t, (size_t)(2 * tail));
         const auto chunk = [&](int64_t c) { return c < full ? row + c * CHUNK_BYTES : tail_chunk; };
+#endif
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
             const int64_t r = m - m0 < MB ? m - m0 : MB;
-            tile(r, chunk, d.data(), mn.data(), chunks, m0, out);
+            tile(r, chunk, d.data(), mn.data(), chunks, (int)tail, m0, out);
             for (int64_t i = 0; i < r; i++)
                 y[(m0 + i) * ldy + j] = out[i] + b;
         }
@@ -457,9 +575,10 @@ TANDEM_API int tandem_int4_linear(const float* x, int64_t m, int64_t k, int64_t 
     quantize_rows(x, m, k, ldx, xq.get(), kq, dx.get(), sums.get(), ldd);
     const int16_t* xqp = xq.get();
     const float *dxp = dx.get(), *sp = sums.get();
-    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks, int64_t m0,
-                          float* out) {
-#define TANDEM_TILE16(R) row_tile<R>(chunk, d, mn, nchunks, xqp + m0 * kq, kq, dxp + m0, sp + m0 * ldd, ldd, out)
+    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks,
+                          int tail, int64_t m0, float* out) {
+#define TANDEM_TILE16(R) \
+    row_tile<R>(chunk, d, mn, nchunks, tail, xqp + m0 * kq, kq, dxp + m0, sp + m0 * ldd, ldd, out)
         TANDEM_TILE_SWITCH(r, TANDEM_TILE16)
 #undef TANDEM_TILE16
     };
@@ -484,10 +603,10 @@ TANDEM_API int tandem_int4a8_linear(const float* x, int64_t m, int64_t k, int64_
     quantize_rows_i8(x, m, k, ldx, xq.get(), kq, dx.get(), ldd, sums.get());
     const int8_t* xqp = xq.get();
     const float *dxp = dx.get(), *sp = sums.get();
-    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks, int64_t m0,
-                          float* out) {
+    const auto tile = [&](int64_t r, const auto& chunk, const float* d, const float* mn, int64_t nchunks,
+                          int tail, int64_t m0, float* out) {
 #define TANDEM_TILE8(R) \
-    row_tile_a8<R>(chunk, d, mn, nchunks, xqp + m0 * kq, kq, dxp + m0 * ldd, sp + m0 * ldd, ldd, out)
+    row_tile_a8<R>(chunk, d, mn, nchunks, tail, xqp + m0 * kq, kq, dxp + m0 * ldd, sp + m0 * ldd, ldd, out)
         TANDEM_TILE_SWITCH(r, TANDEM_TILE8)
 #undef TANDEM_TILE8
     };

@@ -115,6 +115,16 @@ static inline __m512i sum_chains(const __m512i* c) {
     }
 }
 
+// The same for 256-bit chains (a half-width tail chunk, int4_linear.cpp).
+template <int A>
+static inline __m256i sum_chains256(const __m256i* c) {
+    if constexpr (A == 1) {
+        return c[0];
+    } else {
+        return _mm256_add_epi32(sum_chains256<A / 2>(c), sum_chains256<A / 2>(c + A / 2));
+    }
+}
+
 static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
     const vf vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);

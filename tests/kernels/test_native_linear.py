@@ -22,7 +22,9 @@ LEVELS = host_levels()
 # M: one row, every remainder of the 8-row tile, several tiles; (N, K): K not a multiple of 32
 # (padded), the model's shapes, a long K.
 ROWS = [1, 2, 3, 5, 7, 8, 9, 16, 33, 64]
-SHAPES = [(40, 64), (17, 80), (96, 576), (64, 1536)]
+# Tails of the last 16-group chunk: 2 groups alone (64), 3 (80, padded), 16 + 2 (576), 16 + 8
+# (768) at half width; 16 + 9 (800) at full width; none (1536).
+SHAPES = [(40, 64), (17, 80), (96, 576), (24, 768), (24, 800), (64, 1536)]
 
 
 def test_this_host_runs_at_least_the_portable_and_its_own_level():
@@ -104,6 +106,28 @@ def test_int4_native_equals_its_reference(level, n, k, layout):
         y = quant_int4.int4_linear_native(x, packed, level)
         ref = packed_linear_reference(x, packed)
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", quant_int4.Q4_1_LAYOUTS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("k", [64, 576, 768])
+def test_a_short_tail_chunk_at_half_width_equals_the_full_width_chunk_bit_for_bit(level, k, layout):
+    """A last chunk of <= 8 groups runs at half width (int4_linear.cpp row_tile): the layer
+    padded with zero groups to whole chunks, which runs every chunk at full width, gives the
+    same bits."""
+    gen = torch.Generator().manual_seed(k)
+    n, padded = 40, -(-k // 512) * 512
+    w = torch.randn(n, k, generator=gen)
+    short = quant_int4.pack(w, None, torch.device("cpu"), layout=layout)
+    blocks = quant_int4.q4_1_blocks(w).reshape(n, k // 32, 20)
+    zero_groups = np.zeros((n, (padded - k) // 32, 20), dtype=np.uint8)  # d = m = 0, q = 0
+    full = quant_int4.pack_q4_1(np.concatenate([blocks, zero_groups], axis=1).reshape(n, -1),
+                                padded, None, layout)
+    for m in (1, 3, 8, 9):
+        x = torch.randn(m, k, generator=gen) * 3
+        xp = torch.nn.functional.pad(x, (0, padded - k))
+        assert torch.equal(quant_int4.int4_linear_native(x, short, level),
+                           quant_int4.int4_linear_native(xp, full, level))
 
 
 @pytest.mark.parametrize("level", LEVELS)
