@@ -135,7 +135,15 @@ def decode_step_s(runner: ModelRunner, tables: list[list[int]], context: int, st
 def bench_format(loaded, fmt: str, args) -> dict:
     config = loaded.config
     device = getattr(args, "device", "cpu")
-    model = model_class(config.architecture)(config, loaded.weights, fmt, device=device)
+    # Packed as a decode worker packs it, torch at one thread (worker/runtime.py): the int4
+    # layout is chosen by timing aten's kernel on torch's threads against the native pool, and
+    # the decode steps below run with torch at one thread too.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = model_class(config.architecture)(config, loaded.weights, fmt, device=device)
+    finally:
+        torch.set_num_threads(torch_threads)
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = (max(args.prompt_len, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
     kv_dtype = KV_TORCH_DTYPES[args.kv_dtype]

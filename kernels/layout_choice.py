@@ -82,9 +82,14 @@ def host_key(fmt: str) -> str:
     except OSError:
         flags = ""
     digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    # The thread count only where it is not 1: a threaded native kernel may beat aten's where a
-    # serial one did not, and the serial choices already recorded stay valid.
-    threads = f"|threads {native.threads()}" if native.threads() != 1 else ""
+    # The thread counts only where one is not 1 (the serial choices already recorded stay
+    # valid): a threaded native kernel may beat aten's where a serial one did not, and aten's
+    # kernel runs on torch's threads, which a decode worker keeps at 1 while its pool has more
+    # (worker/runtime.py). A choice measured with torch at 2 (aten's kernel on both cores) had
+    # been reused by such a worker: aten's kernel then ran on one core, 0.52x llama.cpp's
+    # 2-thread decode on an AMD EPYC host.
+    native_n, torch_n = native.threads(), torch.get_num_threads()
+    threads = f"|threads {native_n} torch {torch_n}" if (native_n, torch_n) != (1, 1) else ""
     # The native sources' digest: a changed kernel is measured again rather than losing to a
     # choice made against its predecessor.
     kernels = f"native {native.source_digest()[:12]}"

@@ -38,15 +38,22 @@ def test_unwritable_cache_still_chooses(tmp_path, monkeypatch):
 
 
 def test_a_threaded_process_measures_its_own_choice(monkeypatch):
-    """A threaded native kernel may beat aten's where the serial one did not: the thread count
-    is part of the key above 1, and the serial key (and the choices recorded under it) stays."""
+    """A threaded native kernel may beat aten's where the serial one did not: the thread counts
+    (the pool's and torch's, which aten's kernel runs on) are part of the key where one is
+    above 1, and the serial key (and the choices recorded under it) stays."""
+    import torch
+
     from kernels import native
 
     monkeypatch.setattr(native, "_threads", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     serial = layout_choice.host_key("int4")
     assert "threads" not in serial
     monkeypatch.setattr(native, "_threads", 2)
-    assert layout_choice.host_key("int4") == serial + "|threads 2"
+    assert layout_choice.host_key("int4") == serial + "|threads 2 torch 1"
+    # aten's kernel runs on torch's threads: a choice made with them is not a decode worker's.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert layout_choice.host_key("int4") == serial + "|threads 2 torch 2"
 
 
 def test_a_changed_native_kernel_is_measured_again(monkeypatch):
