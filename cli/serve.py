@@ -214,14 +214,11 @@ def _chat_template_args(files: list[str] | None, models: list[str]) -> tuple[str
 def _templates_for_args(args: argparse.Namespace, models: list[str]) -> tuple[str, ...]:
     """--chat-template-for for the coordinator, each file checked to parse here, and each
     MODEL a --model unless models load on request."""
-    from common.chat_template_choice import templates_by_model
+    from common.chat_template_choice import check_templates_served, templates_by_model
     from common.model_name import name_key
 
     templates = templates_by_model(args.chat_template_for)  # ChatTemplateError naming it
-    unserved = [k for k in templates if k not in {name_key(m) for m in models}]
-    if unserved and not args.load_on_request:
-        raise ValueError(f"--chat-template-for names {unserved[0]!r}, which no --model "
-                         "serves (give --load-on-request for a model a request loads)")
+    check_templates_served(templates, models, args.load_on_request)
     named = (value.partition("=")[0].strip() for value in args.chat_template_for)
     return tuple(a for model in named
                  for a in ("--chat-template-for", f"{model}={templates[name_key(model)]}"))

@@ -84,6 +84,17 @@ def templates_by_model(values: list[str]) -> dict[str, str]:
     return found
 
 
+def check_templates_served(templates: dict[str, str], models: list[str],
+                           load_on_request: bool) -> None:
+    """ValueError where --chat-template-for names a model no --model (`models`: given names
+    and --model-name ones) serves and no request may load (without --load-on-request)."""
+    served = {name_key(m) for m in models}
+    unserved = [k for k in templates if k not in served]
+    if unserved and not load_on_request:
+        raise ValueError(f"--chat-template-for names {unserved[0]!r}, which no --model "
+                         "serves (give --load-on-request for a model a request loads)")
+
+
 def choose_template(own: str | None, flag_file: str | Path | None = None,
                     stored: str | None = None) -> TemplateChoice:
     """The module docstring's order."""

@@ -30,7 +30,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.response_cache_config import ResponseCacheConfig
 from common.cluster_auth import add_auth_args, auth_from_args
 from common.addresses import is_loopback
-from common.chat_template_choice import templates_by_model
+from common.chat_template_choice import check_templates_served, templates_by_model
 from common.errors import TandemError
 from common.model_name import name_key
 from common.lifeline import watch_launcher
@@ -256,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "at most one per model")
         store = default_store()
         templates = templates_by_model(args.chat_template_for)
-        served = {name_key(n) for n in (*args.model, *args.model_name)}
-        unserved = [k for k in templates if k not in served]
-        if unserved and not args.load_on_request:
-            raise ValueError(f"--chat-template-for names {unserved[0]!r}, which no --model "
-                             "serves (give --load-on-request for a model a request loads)")
+        check_templates_served(templates, [*args.model, *args.model_name], args.load_on_request)
         models = [load_from_store(
             store, given, args.model_name[i] if i < len(args.model_name) else given,
             _template_of(i, given, args, templates), logging.getLogger("coordinator").warning)

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def _stamp(path: Path) -> tuple:
     """What changes when the model at `path` does (a file rewritten, a snapshot's files)."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    return tuple((str(f), s.st_mtime_ns, s.st_size) for f, s in ((f, f.stat()) for f in files))
 
 
 class ModelLoadError(TandemError):

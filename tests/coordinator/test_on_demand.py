@@ -210,6 +210,39 @@ def test_the_listings_and_show_read_the_stores_models_without_loading_them(store
     run(main())
 
 
+def test_a_store_model_that_cannot_be_read_is_left_out_of_the_listing_and_not_shown(stores,
+                                                                                   tmp_path):
+    """A manifest whose model blob is gone (an interrupted `ollama rm`): /api/tags lists the
+    models that can be read, without it, and /api/show of it is a 404; nothing is started."""
+    import json
+
+    import ollama
+
+    pinned, _, _ = stores
+    root = tmp_path / "ollama"
+    make_ollama_store(root, make_tiny_gguf(tmp_path / "ok.gguf", seed=5).path, name="library/ok",
+                      params={}, system=None)
+    make_ollama_store(root, make_tiny_gguf(tmp_path / "gone.gguf", seed=6).path,
+                      name="library/gone", params={}, system=None)
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "gone" / "latest"
+    model_layer = next(layer for layer in json.loads(manifest.read_text())["layers"]
+                       if layer["mediaType"].endswith(".model"))
+    (root / "blobs" / model_layer["digest"].replace(":", "-")).unlink()
+    store = ModelStore(tmp_path / "home", ollama_models=root)
+
+    async def main() -> None:
+        async with coordinator_harness(pinned) as h:
+            _, sup = _on_demand(h, store, ModelBudget())
+            client = ollama.AsyncClient(host=h.url)
+            assert [m.model for m in (await client.list()).models] == ["pinned:latest", "ok:latest"]
+            with pytest.raises(ollama.ResponseError) as missing:
+                await client.show("gone")
+            assert missing.value.status_code == 404
+            assert sup.started == []
+
+    run(main())
+
+
 def test_a_template_given_for_a_store_model_is_what_it_renders_loaded_or_not(stores, tmp_path):
     """--chat-template-for beta=FILE: beta, not served at start, renders FILE when a request
     loads it, and /api/show shows FILE's template before that; other models keep their own."""
