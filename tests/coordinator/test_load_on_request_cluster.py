@@ -177,8 +177,10 @@ def test_models_load_on_request_within_the_budget_and_unload(served):
     assert len(beta_pids) == 1
     done = client.generate(model="beta", keep_alive=0)
     assert done.done_reason == "unload"
-    deadline = time.monotonic() + 60  # a hang guard: the stop runs after the answer
-    while _worker_pids(serve.pid, "beta-colocated-0") and time.monotonic() < deadline:
+    # The stop runs after the answer; a worker that has exited is a zombie until the launcher's
+    # wait() reaps it, so wait for its /proc entry itself (60 s: a hang guard).
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in beta_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in beta_pids)
     assert _ps(url) == ["pinned:latest"]
