@@ -14,6 +14,12 @@ from collections import Counter
 
 import httpx
 import pytest
+# Imported here, at collection, not lazily inside a test: pytest rewrites the asserts of the
+# schemathesis plugin's modules as they are first imported, with ast.parse, and CPython 3.11
+# keeps the AST constructor's recursion depth in state shared by every thread, so a parse
+# that runs beside another thread's (the live server's) can fail spuriously with "SystemError:
+# AST constructor recursion depth mismatch" (cpython gh-106905; seen once in CI).
+import schemathesis.specs.openapi.schemas  # noqa: F401
 
 from coordinator.request_schemas import REQUEST_BODIES
 from reliability.fuzz_http import fuzz_http
