@@ -52,20 +52,17 @@ from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_b
 from engine.models import model_class
 from worker.runtime import configure_process, worker_env
 from kernels import native
+from kernels.linear import packed_nbytes
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
 BLOCK_SIZE = 16
 
 
-def packed_bytes(lin) -> int:
-    return sum(t.numel() * t.element_size() for t in (lin.weight, lin.scales, lin.zeros) if t is not None)
-
-
 def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every projection and the lm_head."""
-    layers = sum(packed_bytes(lin) for layer in model.layers
+    layers = sum(packed_nbytes(lin) for layer in model.layers
                  for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-    return layers + packed_bytes(model.lm_head)
+    return layers + packed_nbytes(model.lm_head)
 
 
 def synchronize(device: torch.device | str = "cpu") -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kernels.activation import silu_and_mul
-from kernels.linear import PackedLinear, linear, pack_linear
+from kernels.linear import PackedLinear, linear, pack_linear, packed_nbytes
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary
 from worker.runtime import configure_process
@@ -65,11 +65,6 @@ def machine_limits(quick: bool) -> dict[str, float]:
     return limits
 
 
-def packed_bytes(p: PackedLinear) -> int:
-    return sum(t.numel() * t.element_size() for t in (p.weight, p.scales, p.zeros, p.bias, p.act_scale)
-               if t is not None)
-
-
 def bench_linear(limits: dict[str, float], ms: list[int]) -> None:
     """One row per (shape, M); one weight matrix per shape, so small ones are cache-resident
     (GB/s above the DRAM copy bandwidth means the weights came from cache)."""
@@ -88,7 +83,7 @@ def bench_linear(limits: dict[str, float], ms: list[int]) -> None:
             for f in FMTS:
                 t = bench(lambda: linear(x, packs[f]))
                 if m <= 8:  # bandwidth-bound: weights + activations in and out
-                    rate = (packed_bytes(packs[f]) + 4 * m * (n + k)) / t / 1e9
+                    rate = (packed_nbytes(packs[f]) + 4 * m * (n + k)) / t / 1e9
                     pct = 100 * rate / limits["GB/s"]
                 else:  # compute-bound
                     rate = 2 * m * n * k / t / 1e9
@@ -108,7 +103,7 @@ def bench_decode_step(limits: dict[str, float], ms: list[int]) -> None:
         for name, n, k, count in SHAPES:
             for _ in range(count):
                 layers.append(pack_linear(torch.randn(n, k, generator=g) / k**0.5, None, f))
-        nbytes = sum(packed_bytes(p) for p in layers)
+        nbytes = sum(packed_nbytes(p) for p in layers)
         for m in ms:
             xs = {k: torch.randn(m, k, generator=g) for k in (HIDDEN, INTER)}
 

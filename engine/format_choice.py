@@ -2,6 +2,7 @@
 of each matrix under the int4 decode format.
 
     matrix_format(fmt, parts) -> str
+    packs_parts_apart(fmt, parts) -> bool
 
 int4 repacks Q4_0, Q4_1 and Q4_K blocks exactly (their 16 levels per group of 32 are int4's). A
 matrix the file stores wider (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) is packed int8 instead: the file's
@@ -11,8 +12,11 @@ what the file had kept. Measured on SmolLM2-135M quantized by llama-quantize to 
 and Q8_0 for most matrices, its 576-wide rows), against the F16 it was made from
 (`python -m benchmarks.quality Q4_K_M --reference F16 --formats fp32,int4,int8`): the file's own
 fp32 +3.83% perplexity; every matrix in int4 +6.00%; int8 +3.66%. Float matrices (an F16 file)
-stay in the format asked for: quantizing them is the operator's choice. A concatenation (q|k|v)
-mixing types takes the widest part's format, since it is packed as one matrix.
+stay in the format asked for: quantizing them is the operator's choice. A fused projection
+(q|k|v, gate|up) whose parts the file stores in different types is packed part by part under
+the decode formats (packs_parts_apart; kernels/linear.py stack_linear), each part in its own
+format and exact layout: Q4_K_M's q and k stay Q4_K beside a Q6_K v. Elsewhere (a prefill
+format) the parts are joined as floats and take the widest part's format.
 
 The prefill weight format `auto` stands for (the default `--prefill-quant`): picked by how much
 of the host's memory the model's matrices take in each format, once the model's config is read.
@@ -46,6 +50,7 @@ from common.model_config import ModelConfig
 
 AUTO_FORMAT = "auto"
 _WIDE_GGUF_TYPES = frozenset(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"))
+_DECODE_QUANTIZED = ("int8", "int4", "int4a8")  # formats that read GGUF blocks as stored
 _FRACTIONS = (("fp32", 4, 12), ("bf16", 2, 3))  # (format, bytes per weight, 1/fraction of memory)
 
 
@@ -112,3 +117,10 @@ def matrix_format(fmt: str, parts: list) -> str:
     if fmt in ("int4", "int4a8") and any(getattr(p, "ggml_type", None) in _WIDE_GGUF_TYPES for p in parts):
         return "int8"
     return fmt
+
+
+def packs_parts_apart(fmt: str, parts: list) -> bool:
+    """Whether a fused projection's parts (GGUF QuantizedTensors of more than one type) are
+    packed one by one under `fmt` rather than joined (module docstring)."""
+    types = {getattr(p, "ggml_type", None) for p in parts}
+    return fmt in _DECODE_QUANTIZED and len(types) > 1 and None not in types

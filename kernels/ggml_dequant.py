@@ -91,11 +91,17 @@ def _q8_0(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32) * _f16(b[:, 0:2])
 
 
-def _k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K scales[12] [n, 12] -> (sc, mn), each fp32 [n, 8, 1] (module docstring)."""
+def k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K scales[12] [n, 12] -> (sc, mn), each uint8 [n, 8] in 0..63 (module docstring)."""
     lo, hi, mixed = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = np.concatenate([lo & 63, (mixed & 15) | (lo >> 6 << 4)], axis=-1)
     mn = np.concatenate([hi & 63, (mixed >> 4) | (hi >> 6 << 4)], axis=-1)
+    return sc, mn
+
+
+def _k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """k4_scales_mins as fp32 [n, 8, 1] each."""
+    sc, mn = k4_scales_mins(s)
     return sc.astype(np.float32)[..., None], mn.astype(np.float32)[..., None]
 
 
@@ -109,12 +115,13 @@ def _k_quant(b: np.ndarray, q: np.ndarray) -> np.ndarray:
     return q.reshape(len(b), QK_K)
 
 
-def _q4_k_q(b: np.ndarray) -> np.ndarray:
+def q4_k_q(b: np.ndarray) -> np.ndarray:
+    """Q4_K blocks [n, 144] -> q uint8 [n, 8, 32] (0..15) per group of 32."""
     return _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
 
 
 def _q4_k(b: np.ndarray) -> np.ndarray:
-    return _k_quant(b, _q4_k_q(b).astype(np.float32))
+    return _k_quant(b, q4_k_q(b).astype(np.float32))
 
 
 def q4_k_groups(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,7 +133,7 @@ def q4_k_groups(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sc, mn = _k4_scales_mins(b[:, 4:16])
     scale = (_f16(b[:, 0:2]) * sc[..., 0]).reshape(rows, -1)
     minus = (_f16(b[:, 2:4]) * mn[..., 0]).reshape(rows, -1)
-    return _q4_k_q(b).reshape(rows, -1), scale, minus
+    return q4_k_q(b).reshape(rows, -1), scale, minus
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
@@ -136,13 +143,19 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
     return _k_quant(b, q.astype(np.float32))
 
 
-def _q6_k(b: np.ndarray) -> np.ndarray:
+def q6_k_q(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [n, 210] -> q uint8 [n, 256] in 0..63 (w = d * scales[i // 16] * (q - 32))."""
     n = len(b)
     ql = b[:, 0:128].reshape(n, 2, 64)
     qh = b[:, 128:192].reshape(n, 2, 32)
     low = _nibbles(ql)  # [n, 2, 128]: ql[0:64] & 15 at 0..63, ql[0:64] >> 4 at 64..127
     high = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3
-    q = (low | (high.reshape(n, 2, 128) << 4)).astype(np.int8) - np.int8(32)
+    return (low | (high.reshape(n, 2, 128) << 4)).reshape(n, QK_K)
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+    n = len(b)
+    q = q6_k_q(b).astype(np.int8) - np.int8(32)
     scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
     ds = (_f16(b[:, 208:210]) * scales)[..., None]  # [n, 16, 1]
     w = q.reshape(n, 16, 16).astype(np.float32)

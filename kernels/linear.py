@@ -89,6 +89,29 @@ class PackedLinear:
     layout: str = "dense"  # how `weight` is laid out; which kernel can read it (see the format module)
     group_size: int = 0  # int4: input features per scale/zero group
     act_scale: torch.Tensor | None = None  # w8a8 SmoothQuant: fp32 [in], x is multiplied by it first
+    # A row stack (stack_linear, fmt STACK): each part computes its own rows of the output, in
+    # order; the stack's own tensors are empty.
+    parts: tuple[PackedLinear, ...] = ()
+
+
+STACK = "stack"
+
+
+def stack_linear(parts: list[PackedLinear]) -> PackedLinear:
+    """One layer whose output rows are those of `parts` in turn (a fused q|k|v whose parts a GGUF
+    stores in different types, e.g. Q4_K_M's Q4_K q and k beside a Q6_K v: each keeps the
+    layout that reads its own blocks exactly, rather than all of them being requantized to one
+    format). Each part is its own kernel call."""
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError(f"stacked parts must share in_features, got {[p.in_features for p in parts]}")
+    return PackedLinear(STACK, parts[0].in_features, sum(p.out_features for p in parts), torch.empty(0),
+                        layout=STACK, parts=tuple(parts))
+
+
+def packed_nbytes(p: PackedLinear) -> int:
+    """Bytes a pass reads for the layer: its payload, scales, zeros, bias and activation scale."""
+    return sum(t.numel() * t.element_size() for t in (p.weight, p.scales, p.zeros, p.bias, p.act_scale)
+               if t is not None) + sum(packed_nbytes(q) for q in p.parts)
 
 
 def _format_module(fmt: str) -> ModuleType:
@@ -107,6 +130,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def dequantize_packed(packed: PackedLinear) -> torch.Tensor:
     """The fp32 [out, in] weights a packed layer actually multiplies by."""
+    if packed.parts:
+        return torch.cat([dequantize_packed(p) for p in packed.parts], dim=0)
     if packed.fmt in DENSE_FORMATS:
         return packed.weight.float()
     return _format_module(packed.fmt).dequantize(packed)
@@ -115,7 +140,9 @@ def dequantize_packed(packed: PackedLinear) -> torch.Tensor:
 def packed_linear_reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """Plain fp32 torch for any format (w8a8 includes its activation quantization)."""
     x2 = x.reshape(-1, packed.in_features)
-    if packed.fmt in DENSE_FORMATS:
+    if packed.parts:
+        y = torch.cat([packed_linear_reference(x2, p) for p in packed.parts], dim=-1)
+    elif packed.fmt in DENSE_FORMATS:
         y = linear_reference(x2, packed.weight, packed.bias)
     else:
         y = _format_module(packed.fmt).reference(x2, packed)
@@ -159,6 +186,8 @@ def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [..., in] -> [..., out] in x's dtype."""
     if x.shape[-1] != packed.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, layer expects {packed.in_features}")
+    if packed.parts:
+        return torch.cat([linear(x, p) for p in packed.parts], dim=-1)
     if packed.fmt in DENSE_FORMATS:
         xw = x.to(packed.weight.dtype)
         if xw.device.type == "cpu" and batch_invariance.enabled():

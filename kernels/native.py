@@ -54,8 +54,8 @@ import torch
 from kernels import native_cache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("copy_crc32c.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "rms_norm.cpp",
-           "rotary_kv_write.cpp", "thread_pool.cpp")
+SOURCES = ("copy_crc32c.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "q6k_linear.cpp",
+           "rms_norm.cpp", "rotary_kv_write.cpp", "thread_pool.cpp")
 HEADERS = ("simd.h", "thread_pool.h")
 MAX_THREADS = 256  # thread_pool.cpp kMaxThreads
 LEVELS = ("default", "avx2", "avx512", "avx512vnni")
@@ -72,7 +72,10 @@ _SIGNATURES = {
     # name: argument types (every function returns int: 0 = ok, else a shape error code)
     "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_int4a8_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_q4k_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                          ctypes.c_int],
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+    "tandem_q6k_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "tandem_rotary_kv_write": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
                                _ptr, _ptr, ctypes.c_int, _i64, _ptr],

@@ -30,6 +30,13 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
                split with its bytes unchanged, Q4_0 with m = -8 d (exact); float weights are quantized
                with fp16 d and m. Read by the native CPU kernel (kernels/csrc/int4_linear.cpp,
                fp32 activations rounded to int16 per row inside the kernel).
+    "q4_k":    a GGUF Q4_K matrix (K % 256 == 0) for the same native kernel: its nibbles in the
+               "q4_1" layout's chunk order and its own scales, uint8 [2, N, K / 32] (6-bit sc
+               and mn per group) and fp16 (d, dmin) [N, K / 256, 2], w = (d sc) q - dmin mn,
+               decoded per weight row by the kernel (tandem_q4k_linear). Exact: the "q4_1"
+               layout would round d sc and dmin mn to fp16; and 4.625 bits a weight, not 5.
+               ("q4_ka8": the same arrays under int4a8.) Where "q4_1" would be chosen, a Q4_K
+               matrix takes it.
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
                aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
                with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
@@ -54,7 +61,7 @@ import torch.nn.functional as F
 from kernels import batch_invariance, native
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
-from kernels.ggml_dequant import q4_k_groups
+from kernels.ggml_dequant import k4_scales_mins, q4_k_groups, q4_k_q
 from kernels.linear import PackedLinear, linear_reference, to_float
 from kernels.quantized_tensor import QuantizedTensor
 
@@ -193,9 +200,14 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
     run; elsewhere (a GPU, no compiler) int4's own layout, weight-only, as the format's
     weights are int4's either way."""
     out_features, in_features = weight.shape
-    if layout is None and int8_activations and device.type == "cpu" and native.available():
-        layout = "q4_1a8"
-    layout = layout or default_layout(device)
+    if layout is None:
+        if int8_activations and device.type == "cpu" and native.available():
+            layout = "q4_1a8"
+        layout = layout or default_layout(device)
+        if (layout in Q4_1_LAYOUTS and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K"):
+            layout = Q4_K_LAYOUTS[Q4_1_LAYOUTS.index(layout)]  # its own scales, exactly
+    if layout in Q4_K_LAYOUTS:
+        return pack_q4_k(weight, bias, layout)
     if layout in Q4_1_LAYOUTS:
         return pack_q4_1(q4_1_blocks(weight), in_features, bias, layout)
     return pack_groups(to_int4_groups(weight), in_features, bias, device, layout)
@@ -205,6 +217,12 @@ BLOCK_BYTES = 20  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
 # Layouts of the same three Q4_1 arrays, read by kernels/csrc/int4_linear.cpp with int16
 # activations per row ("q4_1") or int8 per group of 32 ("q4_1a8", llama.cpp's arithmetic).
 Q4_1_LAYOUTS = ("q4_1", "q4_1a8")
+# A Q4_K matrix's nibbles in the same chunk order with its own scales (pack_q4_k), for the
+# same tiles: int16 activations ("q4_k") or int8 per group ("q4_ka8").
+Q4_K_LAYOUTS = ("q4_k", "q4_ka8")
+NATIVE_LAYOUTS = Q4_1_LAYOUTS + Q4_K_LAYOUTS
+A8_LAYOUTS = ("q4_1a8", "q4_ka8")
+_Q4_K_ROWS_PER_PASS = 1024  # rows repacked at a time: a large matrix's temporaries stay small
 CHUNK_GROUPS = 16  # groups per chunk of the "q4_1" layout's nibbles (kernels/csrc/int4_linear.cpp)
 
 
@@ -226,12 +244,37 @@ def q4_1_blocks(weight: torch.Tensor | QuantizedTensor) -> np.ndarray:
     return _q4_1_from_groups(q, scales.to(torch.float16), (zeros - 8.0 * scales).to(torch.float16))
 
 
+def _group_bytes(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, Kp] (0..15) -> ggml's group bytes [N, Kp / 32, 16]: byte i = q_i | q_{16+i} << 4."""
+    qg = q.reshape(q.shape[0], -1, GROUP_SIZE)
+    return qg[..., :16] | (qg[..., 16:] << 4)
+
+
 def _q4_1_from_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> np.ndarray:
     """q uint8 [N, Kp], fp16 d and m [N, Kp / 32] (w = q * d + m) -> Q4_1 blocks [N, G * 20]."""
-    qg = q.reshape(q.shape[0], -1, GROUP_SIZE)
-    nibbles = qg[..., :16] | (qg[..., 16:] << 4)  # [N, G, 16]
-    out = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nibbles], dim=-1)
+    out = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), _group_bytes(q)], dim=-1)
     return out.reshape(q.shape[0], -1).numpy()
+
+
+def pack_q4_k(weight: QuantizedTensor, bias: torch.Tensor | None, layout: str = "q4_k") -> PackedLinear:
+    """A Q4_K GGUF matrix -> the "q4_k" (or "q4_ka8") layout (module docstring): the integer q,
+    sc and mn as the file has them, moved, never rounded."""
+    if not isinstance(weight, QuantizedTensor) or weight.ggml_type != "Q4_K":
+        raise ValueError(f"the {layout} layout takes Q4_K GGUF blocks, got "
+                         f"{getattr(weight, 'ggml_type', type(weight).__name__)}")
+    n, k = weight.shape
+    supers = k // 256
+    data = np.asarray(weight.data).reshape(n, supers, 144)
+    qs = torch.empty(n, k // 2, dtype=torch.uint8)
+    for r0 in range(0, n, _Q4_K_ROWS_PER_PASS):
+        part = np.ascontiguousarray(data[r0:r0 + _Q4_K_ROWS_PER_PASS]).reshape(-1, 144)
+        q = torch.from_numpy(q4_k_q(part)).reshape(-1, k)  # [rows, K] in 0..15
+        qs[r0:r0 + q.shape[0]] = to_chunk_order(_group_bytes(q))
+    sc, mn = k4_scales_mins(np.ascontiguousarray(data[..., 4:16]).reshape(-1, 12))
+    scales = torch.from_numpy(np.stack([sc.reshape(n, -1), mn.reshape(n, -1)]))  # [2, N, G]
+    dm = torch.from_numpy(np.ascontiguousarray(data[..., 0:4]).view(np.float16).reshape(n, supers, 2).copy())
+    return PackedLinear("int4", k, n, qs, bias, scales=scales.contiguous(), zeros=dm, layout=layout,
+                        group_size=GROUP_SIZE)
 
 
 def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None,
@@ -269,9 +312,14 @@ def from_chunk_order(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" layer."""
+    """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" or "q4_k" layer: w = q d + m, d
+    and m the fp32 values the kernel forms (for "q4_k": d sc and -(dmin mn), exact)."""
     qs = from_chunk_order(packed.weight)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    if packed.layout in Q4_K_LAYOUTS:
+        dm = packed.zeros.float()  # [N, G / 8, 2]
+        sc, mn = packed.scales.float().reshape(2, packed.out_features, -1, 8)
+        return q, (dm[..., 0:1] * sc).flatten(1), -(dm[..., 1:2] * mn).flatten(1)
     return q, packed.scales.float(), packed.zeros.float()
 
 
@@ -316,7 +364,7 @@ def unpack_q(packed: PackedLinear) -> torch.Tensor:
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
-    if packed.layout in Q4_1_LAYOUTS:
+    if packed.layout in NATIVE_LAYOUTS:
         return _q4_1_dequantize(packed)[:packed.out_features, :packed.in_features]
     q = unpack_q(packed).float()
     sz = packed.scales.float().transpose(0, 1)  # [N, G, 2]
@@ -351,7 +399,7 @@ def quantize_activations_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    if packed.layout not in Q4_1_LAYOUTS:
+    if packed.layout not in NATIVE_LAYOUTS:
         return linear_reference(x, dequantize(packed), packed.bias)
     # The native kernel's definition (kernels/csrc/int4_linear.cpp): x rounded to int16 per row
     # ("q4_1": y = dx sum_g d_g (q_g . xq_g) + m_g S_g) or to int8 per group ("q4_1a8":
@@ -359,7 +407,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     kp = packed.weight.shape[1] * 2
     q, d, m = _q4_1_parts(packed)
     xp = F.pad(x.float(), (0, kp - x.shape[1]))
-    a8 = packed.layout == "q4_1a8"
+    a8 = packed.layout in A8_LAYOUTS
     xq, dx, sums = quantize_activations_i8(xp) if a8 else quantize_activations(xp)
     xg = xq.reshape(x.shape[0], -1, GROUP_SIZE)  # [M, G, 32]
     dots = torch.einsum("mgi,ngi->mng", xg.double(), q.double())  # exact integers
@@ -375,7 +423,7 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout in Q4_1_LAYOUTS:
+    if packed.layout in NATIVE_LAYOUTS:
         if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             # Prefill-sized passes: dequantize, fp32 GEMM; exact weights, unrounded activations.
             return linear_reference(x, dequantize(packed), packed.bias)
@@ -398,10 +446,16 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
     m, n = xf.shape[0], packed.out_features
     y = torch.empty(m, n)
     lib = native.library(level)
-    kernel = lib.tandem_int4a8_linear if packed.layout == "q4_1a8" else lib.tandem_int4_linear
-    native.check(kernel(
-        xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
-        packed.zeros.data_ptr(), n, native.ptr(packed.bias), y.data_ptr(), n), "int4 linear")
+    if packed.layout in Q4_K_LAYOUTS:
+        native.check(lib.tandem_q4k_linear(
+            xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales[0].data_ptr(),
+            packed.scales[1].data_ptr(), packed.zeros.data_ptr(), n, native.ptr(packed.bias),
+            y.data_ptr(), n, int(packed.layout in A8_LAYOUTS)), "q4_k linear")
+    else:
+        kernel = lib.tandem_int4a8_linear if packed.layout == "q4_1a8" else lib.tandem_int4_linear
+        native.check(kernel(
+            xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
+            packed.zeros.data_ptr(), n, native.ptr(packed.bias), y.data_ptr(), n), "int4 linear")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

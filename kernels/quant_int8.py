@@ -18,6 +18,10 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
               computed against them (q absorbs the rounding).
     "triton": q int8 [N, Kp], scales fp32 [N], read by the Triton kernel below. Without Triton
               on the device, falls back to dequantize-on-the-fly + a dense bf16 matmul.
+    "q6_k":   a GGUF Q6_K matrix's own blocks (6-bit q, a scale per 16 weights), reordered for
+              the native kernel (kernels/quant_q6_k.py, kernels/csrc/q6k_linear.cpp): where
+              the "native" layout would be chosen, a Q6_K matrix takes this one instead, so
+              it is read at 6.5625 bits a weight and never requantized.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import batch_invariance, native
+from kernels import batch_invariance, native, quant_q6_k
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, float_row_chunks, linear_reference
@@ -59,7 +63,12 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
          layout: str | None = None) -> PackedLinear:
     """layout: "native", "cpu" or "triton"; default by device (module docstring)."""
     out_features, in_features = weight.shape
-    layout = layout or default_layout(device)
+    if layout is None:
+        layout = default_layout(device)
+        if layout == "native" and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q6_K":
+            layout = quant_q6_k.LAYOUT
+    if layout == quant_q6_k.LAYOUT:
+        return quant_q6_k.pack(weight, bias)
     if layout not in ("native", "cpu", "triton"):
         raise ValueError(f"unknown int8 layout {layout!r}")
     scale_dtype = torch.bfloat16 if layout == "cpu" else torch.float32
@@ -80,10 +89,14 @@ def default_layout(device: torch.device) -> str:
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
+    if packed.layout == quant_q6_k.LAYOUT:
+        return quant_q6_k.dequantize(packed)
     return packed.weight[:, :packed.in_features].float() * packed.scales.float()[:, None]
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    if packed.layout == quant_q6_k.LAYOUT:
+        return quant_q6_k.reference(x, packed)
     if packed.layout != "native":
         return linear_reference(x, dequantize(packed), packed.bias)
     # The native kernel's definition: y = dx[r] * scale[n] * (q[n] . xq[r]), x rounded to int16
@@ -99,9 +112,11 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout == "native":
+    if packed.layout in ("native", quant_q6_k.LAYOUT):
         if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             return linear_reference(x, dequantize(packed), packed.bias)
+        if packed.layout == quant_q6_k.LAYOUT:
+            return quant_q6_k.q6k_linear_native(x, packed)
         return int8_linear_native(x, packed)
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)

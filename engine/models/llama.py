@@ -18,7 +18,7 @@ import torch
 
 from common.model_config import ModelConfig
 from common.errors import ModelFormatError
-from engine.format_choice import matrix_format
+from engine.format_choice import matrix_format, packs_parts_apart
 from engine.forward_batch import ForwardBatch
 from engine.rope import rope_tables
 from engine.token_embedding import TokenEmbedding
@@ -27,7 +27,7 @@ from kernels import batch_invariance
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
 from kernels.layout_choice import model_weights
-from kernels.linear import PackedLinear, linear, pack_linear
+from kernels.linear import PackedLinear, linear, pack_linear, stack_linear
 from kernels.rms_norm import rms_norm
 from kernels.rotary_kv_write import rotary_kv_write
 
@@ -193,6 +193,10 @@ class LlamaForCausalLM:
         dev = self.device
 
         def pack(parts: list, bias: torch.Tensor | None = None) -> PackedLinear:
+            if packs_parts_apart(fmt, parts):  # each part keeps the layout that reads it exactly
+                biases = bias.split([p.shape[0] for p in parts]) if bias is not None else [None] * len(parts)
+                return stack_linear([pack_linear(p, b, matrix_format(fmt, [p]), device=dev)
+                                     for p, b in zip(parts, biases)])
             return pack_linear(concat_rows(parts), bias, matrix_format(fmt, parts), device=dev)
 
         qkv_bias = None

@@ -128,8 +128,10 @@ def test_mixed_file_packs_into_every_role_format(mixed_pair, fmt):
 
 def test_int4_keeps_the_matrices_a_file_stores_wider_in_int8(mixed_pair):
     """engine/format_choice.py matrix_format: int4 repacks the 4-bit blocks as they are; Q5_*,
-    Q6_K and Q8_0 matrices go int8 (q|k|v takes its widest part's), and each int8 matrix
-    multiplies by weights within half an int8 step of the file's own."""
+    Q6_K and Q8_0 matrices go int8, and each int8 matrix multiplies by weights within half an
+    int8 step of the file's own. A fused projection whose parts differ in type (Q4_K_M's q|k|v
+    beside a Q6_K v) is a stack of its parts, each in its own type's format
+    (packs_parts_apart)."""
     mix, _, loaded, _ = mixed_pair
     base, types = MIXES[mix]
     model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, "int4")
@@ -141,14 +143,20 @@ def test_int4_keeps_the_matrices_a_file_stores_wider_in_int8(mixed_pair):
                  "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                  "down": [p + "mlp.down_proj.weight"]}
         for attr, names in parts.items():
-            wide = any(w[n].ggml_type not in ("Q4_0", "Q4_1", "Q4_K") for n in names)
             packed = getattr(layer, attr)
-            assert packed.fmt == ("int8" if wide else "int4"), (mix, i, attr)
+            kinds = ["int8" if w[n].ggml_type not in ("Q4_0", "Q4_1", "Q4_K") else "int4" for n in names]
+            if len({w[n].ggml_type for n in names}) > 1:
+                assert packed.fmt == "stack" and [q.fmt for q in packed.parts] == kinds, (mix, i, attr)
+                assert torch.equal(dequantize_packed(packed), torch.cat([dequantize_packed(q) for q in packed.parts]))
+            else:
+                assert packed.fmt == kinds[0], (mix, i, attr)
             if attr == "down":
                 exact, got = w[names[0]].dequantize(), dequantize_packed(packed)
                 step = exact.abs().amax(dim=1, keepdim=True) / 127
                 assert ((got - exact).abs() <= step / 2 + 1e-6).all()
     assert any(getattr(layer, a).fmt == "int8" for layer in model.layers for a in ("qkv", "down"))
+    if mix.startswith("q4_k_m"):
+        assert any(layer.qkv.fmt == "stack" for layer in model.layers)
 
 
 # --- refusals ----------------------------------------------------------------------------
