@@ -13,6 +13,10 @@ the dispatch level (and so the kernels) being judged.
 --reference F16_MODEL: the baseline is that file's fp32 instead (another file of the same model
 and vocabulary, e.g. the F16 GGUF a K-quant was made from), and every listed format of MODEL,
 fp32 included, is judged against it: what the file's quantization costs, not only tandem's.
+
+--text FILE [--max-tokens N]: judge on that text (its first N tokens) instead of the built-in
+one, e.g. the text given to llama.cpp's `llama-perplexity` for the same two files, so that
+the file's own cost (measured by llama.cpp) and tandem's can be told apart.
 """
 
 from __future__ import annotations
@@ -86,13 +90,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="KV cache element type of every format but the fp32 baseline's")
     parser.add_argument("--chunk", type=int, default=16, help="tokens per pass (decode-sized: < 48)")
     parser.add_argument("--reference", help="a file of the same model whose fp32 is the baseline")
+    parser.add_argument("--text", help="a UTF-8 text file to judge on instead of the built-in text")
+    parser.add_argument("--max-tokens", type=int, default=0, help="use the text's first N tokens (0: all)")
     args = parser.parse_args(argv)
     if args.chunk < 1:
         parser.error("--chunk must be >= 1")
+    if args.max_tokens < 0:
+        parser.error("--max-tokens must be >= 0")
+    text = TEXT
+    if args.text:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"--text {args.text}: {e}")
     configure_process(1)
     path = default_store().resolve(args.model)
     loaded = load_model(path)
-    ids = Tokenizer.from_path(path).encode(TEXT, add_special_tokens=True)
+    ids = Tokenizer.from_path(path).encode(text, add_special_tokens=True)
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    if len(ids) > loaded.config.max_position:
+        parser.error(f"the text has {len(ids)} tokens, more than the model's context of "
+                     f"{loaded.config.max_position}: pass --max-tokens")
     targets = torch.tensor(ids[1:])
     print(f"model {loaded.config.name}; text of {len(ids)} tokens in passes of {args.chunk}; "
           f"KV {args.kv_dtype} (the fp32 baseline: fp32 KV); aten level "

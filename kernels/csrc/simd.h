@@ -90,6 +90,8 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vmax_lanes(vf a) { return _mm512_reduce_max_ps(a); }
 static inline vf vload_bf16(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256((const __m256i*)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -97,6 +99,21 @@ static inline vf vload_bf16(const uint16_t* p) {
 // 16 int8 -> 16 floats
 static inline vf vload_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// VL vectors -> one whose lane i is the sum of v[i]'s lanes: a transpose-and-add tree of 45
+// instructions for 16 vectors, where 16 separate reductions take ~10 each and serialize.
+static inline vf vsum_lanes(const vf* v) {
+    __m512 u[8], w[4], z[2];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: x0+x2, y0+y2, x1+x3, y1+y3
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per 128-bit lane: the lane's sums of vectors 4i .. 4i+3
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  // 128-bit lanes 0+1 and 2+3 of w[2i], then of w[2i+1]
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 // One 32-weight group of 4-bit values, ggml order (element i < 16: low nibble of byte i,
 // element 16 + i: its high nibble), dequantized as q * d + m into out[0..32/VL).
@@ -142,6 +159,12 @@ static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vmax_lanes(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 static inline float vsum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -154,6 +177,16 @@ static inline vf vload_bf16(const uint16_t* p) {
 }
 static inline vf vload_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+// 8 vectors -> one whose lane i is the sum of v[i]'s lanes (a transpose-and-add tree).
+static inline vf vsum_lanes(const vf* v) {
+    __m256 u[4], w[2];
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
 }
 static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
@@ -176,6 +209,12 @@ static inline void vstore(float* p, vf a) { memcpy(p, a.v, sizeof a.v); }
 static inline vf vadd(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] += b.v[i]; return a; }
 static inline vf vmul(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] *= b.v[i]; return a; }
 static inline vf vfma(vf a, vf b, vf c) { for (int i = 0; i < 8; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+static inline vf vmax(vf a, vf b) { for (int i = 0; i < 8; i++) a.v[i] = b.v[i] > a.v[i] ? b.v[i] : a.v[i]; return a; }
+static inline float vmax_lanes(vf a) {
+    float m = a.v[0];
+    for (int i = 1; i < 8; i++) m = a.v[i] > m ? a.v[i] : m;
+    return m;
+}
 static inline float vsum(vf a) {
     float s = 0.f;
     for (int i = 0; i < 8; i++) s += a.v[i];
@@ -183,6 +222,7 @@ static inline float vsum(vf a) {
 }
 static inline vf vload_bf16(const uint16_t* p) { vf r; for (int i = 0; i < 8; i++) r.v[i] = bf16_to_float(p[i]); return r; }
 static inline vf vload_i8(const int8_t* p) { vf r; for (int i = 0; i < 8; i++) r.v[i] = (float)p[i]; return r; }
+static inline vf vsum_lanes(const vf* v) { vf r; for (int i = 0; i < 8; i++) r.v[i] = vsum(v[i]); return r; }
 static inline void vdequant_q4(const uint8_t* qs, float d, float m, vf* out) {
     for (int i = 0; i < 16; i++) {
         out[i / 8].v[i % 8] = (float)(qs[i] & 0x0f) * d + m;
