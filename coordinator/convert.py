@@ -21,6 +21,8 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet prefilled
     max_num_batched_tokens: int = 0  # per-forward-pass token budget; 0 = not reported
     block_size: int = 16
+    # Seconds one prompt token costs its passes (engine/prefill_cost.py); 0 = not reported.
+    prefill_token_seconds: float = 0.0
     # Chain hashes of the full blocks its prefix cache holds (engine.block_manager.block_hashes),
     # for prefix-aware placement. A new frozenset per heartbeat, never mutated, so a snapshot
     # taken for one placement stays consistent while the next heartbeat lands.
@@ -70,6 +72,7 @@ def load_from_status(status: pb.WorkerStatus) -> WorkerLoad:
         queued_prefill_tokens=status.queued_prefill_tokens,
         max_num_batched_tokens=status.max_num_batched_tokens,
         block_size=status.block_size or 16,
+        prefill_token_seconds=max(0.0, status.prefill_token_seconds),
         cached_hashes=frozenset(status.cached_block_hashes),
     )
 

@@ -17,10 +17,15 @@ compare):
                     remote_prefill=false) when:
                       - the decode worker is colocated (it prefills everything), or
                       - no live prefill worker can write into its KV layout, or
+                      (and never else for a request scoring its prompt, `scored`), or
                       - the prompt's part the decode worker has not cached is short
-                        (<= prefill_threshold tokens) and its token budget has room for that
-                        beside its running decodes (conditional disaggregation: moving KV
-                        costs more than it saves)
+                        (<= prefill_threshold tokens), its token budget has room for that
+                        beside its running decodes, and it would compute them, behind its
+                        queue, within LOCAL_PREFILL_SLOWDOWN times the time the prefill
+                        worker would, behind its own, each at its measured cost per prompt
+                        token (conditional disaggregation: moving KV costs more than it
+                        saves, unless the decode format is much slower at prompts;
+                        local_prefill_pays)
 
 The terms, per worker (block size `bs` its own):
     uncached     the prompt's blocks minus the overlap: computed, and moved to a decode worker
@@ -57,6 +62,13 @@ from coordinator.registry import WorkerSnapshot
 from common.block_hash import block_hashes
 
 OVERLAP_WEIGHT = 1.0
+# How much slower per prompt token a decode worker's local prefill may be than the prefill
+# worker's and still be chosen: it saves the KV transfer and a round trip between workers.
+# Each worker measures its own cost (engine/prefill_cost.py). Measured, Sapphire Rapids class,
+# one thread per worker: SmolLM2-135M 3.8 ms a token in int4 on the decode worker against 3.9
+# in fp32 on the prefill worker (local); a 1.07B LLaMA 20 ms in int4 against 8 in bf16
+# (remote: 8 short chats prefilled locally had kept its decode worker busy for ~5 s).
+LOCAL_PREFILL_SLOWDOWN = 1.5
 
 
 @dataclass(frozen=True)
@@ -188,10 +200,31 @@ def has_spare_budget(decode: WorkerSnapshot, prompt_tokens: int, default_budget:
     return used + prompt_tokens <= budget
 
 
+def local_prefill_pays(decode: WorkerSnapshot, prefill: WorkerSnapshot, tokens: int) -> bool:
+    """Whether the prompt's `tokens` would be computed on the decode worker within
+    LOCAL_PREFILL_SLOWDOWN times the time the prefill worker would take, each behind its own
+    queue of prompt tokens (reported, plus what this coordinator sent since) at its own
+    measured cost per token. Unknown costs (a worker that has not reported one) leave the
+    choice to the token rule alone."""
+    local, remote = decode.load.prefill_token_seconds, prefill.load.prefill_token_seconds
+    if local <= 0.0 or remote <= 0.0:
+        return True
+    return (_queued_prompt(decode) + tokens) * local <= LOCAL_PREFILL_SLOWDOWN * (
+        _queued_prompt(prefill) + tokens) * remote
+
+
+def _queued_prompt(w: WorkerSnapshot) -> int:
+    return w.load.queued_prefill_tokens + w.assigned_prefill_tokens
+
+
 def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
           prefill_threshold: int, default_budget: int,
-          overlap_weight: float = OVERLAP_WEIGHT, cache_salt: bytes = b"") -> Placement | None:
-    """None when no decode-capable worker is alive."""
+          overlap_weight: float = OVERLAP_WEIGHT, cache_salt: bytes = b"",
+          scored: bool = False) -> Placement | None:
+    """None when no decode-capable worker is alive. scored: the request wants its prompt
+    tokens' logprobs (echo, lm-eval's loglikelihood): prefilled on a prefill worker whenever one
+    is compatible, in the prefill format, whatever the queues, so that a prompt scores the same
+    alone or in a batch (a local prefill would score it in the decode format)."""
     prompt = Prompt(prompt_ids, cache_salt)
     chosen = choose_decode(workers, prompt, overlap_weight)
     if chosen is None:
@@ -206,11 +239,12 @@ def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
     if remote is None:
         return Placement(decode, None, "no compatible prefill worker", overlap)
     uncached_tokens = n - overlap * bs
-    if uncached_tokens <= prefill_threshold and has_spare_budget(decode, uncached_tokens,
-                                                                 default_budget):
+    prefill, prefill_overlap = remote
+    if (not scored and uncached_tokens <= prefill_threshold
+            and has_spare_budget(decode, uncached_tokens, default_budget)
+            and local_prefill_pays(decode, prefill, uncached_tokens)):
         return Placement(decode, None, f"short uncached part ({uncached_tokens} tokens), decode "
                          f"worker has spare budget; {cached}", overlap)
-    prefill, prefill_overlap = remote
     return Placement(decode, prefill, f"remote prefill on {prefill.worker_id} ({prefill_overlap} "
                      f"blocks cached there), {cached}", overlap, prefill_overlap)
 

@@ -123,6 +123,7 @@ class WorkerRecord:
             "num_blocks": load.num_blocks, "num_free_blocks": load.num_free_blocks,
             "num_running": load.num_running, "num_waiting": load.num_waiting,
             "queued_prefill_tokens": load.queued_prefill_tokens,
+            "prefill_token_seconds": load.prefill_token_seconds,
             "cached_blocks": len(load.cached_hashes),
             "assigned_requests": self.assigned_requests,
             "assigned_prefill_tokens": self.assigned_prefill_tokens, "resident": self.resident,

@@ -122,15 +122,17 @@ class RequestFlow:
         self.config = config
 
     def place(self, prompt_ids: list[int], exclude: Collection[str] = (),
-              cache_salt: bytes = b"", prefer_decode: str = "") -> Placement:
+              cache_salt: bytes = b"", prefer_decode: str = "", scored: bool = False) -> Placement:
         """prefer_decode: the decode-capable worker to use when it is live and not excluded
-        (a sibling choice's); the prefill worker is still chosen as for any request."""
+        (a sibling choice's); the prefill worker is still chosen as for any request. scored:
+        the request wants its prompt's logprobs (placement.place)."""
         workers = [w for w in self.registry.snapshots() if w.worker_id not in exclude]
         if prefer_decode and any(w.worker_id == prefer_decode for w in workers):
             workers = [w for w in workers if w.role == "prefill" or w.worker_id == prefer_decode]
         placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
-                          default_budget=self.config.chunk_size, cache_salt=cache_salt)
+                          default_budget=self.config.chunk_size, cache_salt=cache_salt,
+                          scored=scored)
         if placement is None:
             raise NoWorkers("no live decode worker is registered; retry once workers are up")
         return placement
@@ -171,7 +173,8 @@ class RequestFlow:
         params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
         siblings = req.siblings
         placement = self.place(prompt_ids, dead, req.cache_salt,
-                               siblings.decode_worker if siblings is not None else "")
+                               siblings.decode_worker if siblings is not None else "",
+                               scored=params.prompt_logprobs is not None)
         if siblings is not None and not siblings.decode_worker:
             siblings.decode_worker = placement.decode.worker_id
         decode = self.registry.get(placement.decode.worker_id)

@@ -34,6 +34,7 @@ from engine.kv_connector import ConnectorEvents, KVConnector
 from common.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
+from engine.prefill_cost import CALIBRATION_TOKENS, PrefillCost
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
 from common.sampling_params import SamplingParams
@@ -193,6 +194,9 @@ class LLMEngine:
         self.load_duration_s = 0.0
         self.last_step_ran = False  # whether the last step() ran a forward pass
         self._reload_model = None  # from_path: rebuilds the model for load_weights
+        # What a prompt token costs this engine's passes (engine/prefill_cost.py), reported in
+        # a worker's heartbeats for the coordinator's local-or-remote prefill choice.
+        self.prefill_cost = PrefillCost()
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None, *,
@@ -302,6 +306,26 @@ class LLMEngine:
         request that could never fit would otherwise wait (or preempt itself) forever."""
         cache = self.config.cache
         return min(self.config.context_length, cache.num_blocks * cache.block_size)
+
+    def calibrate_prefill(self, tokens: int = CALIBRATION_TOKENS) -> float:
+        """Time one prompt pass of `tokens` tokens (after an untimed one, which pays the first
+        call's one-time costs) and record it in prefill_cost: a worker's first heartbeat then
+        tells the coordinator what its prompt tokens cost before any request has shown it.
+        The passes write KV into the first blocks of the pool, which must all be free (a
+        worker calls this before it takes requests); no block is taken or cached. Returns the
+        seconds per token."""
+        if self.block_manager.num_free_blocks != self.block_manager.num_blocks:
+            raise RuntimeError("calibrate_prefill needs an idle engine (every KV block free)")
+        bs = self.config.cache.block_size
+        tokens = min(tokens, self.block_manager.num_blocks * bs, self.context_length - 1)
+        table = list(range(-(-tokens // bs)))
+        ids = [(7 * i + 1) % self.config.model.vocab_size for i in range(tokens)]
+        with torch.inference_mode():
+            self.runner.execute([SequenceChunk(ids[:min(tokens, 8)], 0, table, True, is_decode=False)])
+            started = time.perf_counter()
+            self.runner.execute([SequenceChunk(ids, 0, table, True, is_decode=False)])
+            self.prefill_cost.observe(tokens, tokens, time.perf_counter() - started)
+        return self.prefill_cost.seconds_per_token
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -434,7 +458,10 @@ class LLMEngine:
             self._pooled.pop(request_id, None)
         save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
         pooled: dict[int, torch.Tensor] | None = {} if any(c.pool_hidden for c in chunks) else None
+        started = time.perf_counter()
         logits = self.runner.execute(chunks, save_kv_layer, pooled)
+        self.prefill_cost.observe(sum(len(c.token_ids) for c in chunks if not c.decodes),
+                                  sum(len(c.token_ids) for c in chunks), time.perf_counter() - started)
         for index, total in (pooled or {}).items():
             request_id = plan.chunks[index].request_id
             self._pooled[request_id] = self._pooled.get(request_id, 0) + total

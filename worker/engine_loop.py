@@ -68,6 +68,7 @@ class LoadSnapshot:
     # Speculative decoding's counters (SpecDecodeStats, copied), None when the engine does not
     # speculate.
     spec_decode: SpecDecodeStats | None = None
+    prefill_token_seconds: float = 0.0  # engine/prefill_cost.py; 0 while unknown
 
     @classmethod
     def of(cls, engine: LLMEngine, previous: "LoadSnapshot | None" = None) -> "LoadSnapshot":
@@ -85,7 +86,7 @@ class LoadSnapshot:
         spec = engine.spec_stats
         return cls(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting), queued,
                    version, hashes, engine.resident, at,
-                   None if spec is None else replace(spec))
+                   None if spec is None else replace(spec), engine.prefill_cost.seconds_per_token)
 
 
 class EngineLoop:

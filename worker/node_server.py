@@ -27,6 +27,7 @@ from worker.core_share import CoreShare
 from worker.engine_loop import EngineLoop
 from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
+from engine.prefill_cost import CALIBRATION_TOKENS
 from engine.llm_engine import LLMEngine
 from kernels import native
 from common.rpc import worker_pb2 as pb
@@ -75,6 +76,12 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
         cores.size_pool()
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)  # trims the heap after loading
+    if config.role in ("prefill", "decode"):
+        # What a prompt token costs here, before the first heartbeat: the coordinator weighs a
+        # decode worker's local prefill against a prefill worker's by it (placement.py).
+        seconds = engine.calibrate_prefill()
+        log.info("%s engine: a prompt token costs %.2f ms (a %d-token pass)", config.role,
+                 seconds * 1e3, CALIBRATION_TOKENS)
     log.info("%s engine: weight formats %s, %d %s KV blocks, %d threads (torch %d, native kernels %d%s), "
              "on %s%s", config.role, "+".join(engine.model.formats), engine.config.cache.num_blocks,
              engine.config.cache.kv_dtype, config.threads, torch.get_num_threads(), native.threads(),
@@ -109,7 +116,7 @@ def worker_status(worker_id: str, role: str, loop: EngineLoop,
         queued_prefill_tokens=snap.queued_prefill_tokens,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         block_size=config.cache.block_size, cached_block_hashes=snap.cached_hashes, kv=kv,
-        unloaded=not snap.resident,
+        unloaded=not snap.resident, prefill_token_seconds=snap.prefill_token_seconds,
         spec_decode=None if snap.spec_decode is None else pb.SpecDecodeCounters(
             num_steps=snap.spec_decode.num_steps,
             num_draft_tokens=snap.spec_decode.num_draft_tokens,

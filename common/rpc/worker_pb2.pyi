@@ -172,7 +172,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded", "refused_calls", "spec_decode")
+    __slots__ = ("worker_id", "role", "num_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prefill_tokens", "max_num_batched_tokens", "block_size", "cached_block_hashes", "kv", "unloaded", "refused_calls", "spec_decode", "prefill_token_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class WorkerStatus(_message.Message):
     UNLOADED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CALLS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -201,19 +202,22 @@ class WorkerStatus(_message.Message):
     unloaded: bool
     refused_calls: _containers.RepeatedCompositeFieldContainer[RefusedCalls]
     spec_decode: SpecDecodeCounters
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ..., refused_calls: _Optional[_Iterable[_Union[RefusedCalls, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeCounters, _Mapping]] = ...) -> None: ...
+    prefill_token_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., kv: _Optional[_Union[KVTransferCounters, _Mapping]] = ..., unloaded: _Optional[bool] = ..., refused_calls: _Optional[_Iterable[_Union[RefusedCalls, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeCounters, _Mapping]] = ..., prefill_token_seconds: _Optional[float] = ...) -> None: ...
 
 class SpecDecodeCounters(_message.Message):
-    __slots__ = ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+    __slots__ = ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "method")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
     num_emitted_tokens: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ...) -> None: ...
+    method: str
+    def __init__(self, num_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., method: _Optional[str] = ...) -> None: ...
 
 class RefusedCalls(_message.Message):
     __slots__ = ("method", "reason", "count")

@@ -22,10 +22,11 @@ def cached(prompt, blocks, block_size=BS):
 
 
 def worker(wid, role="decode", blocks=1000, used=0, running=0, queued=0, hashes=frozenset(),
-           layout="L", backend="zmq", assigned=0, assigned_tokens=0, block_size=BS, budget=512):
+           layout="L", backend="zmq", assigned=0, assigned_tokens=0, block_size=BS, budget=512,
+           token_s=0.0):
     load = WorkerLoad(num_blocks=blocks, num_free_blocks=blocks - used, num_running=running,
                       queued_prefill_tokens=queued, max_num_batched_tokens=budget,
-                      block_size=block_size, cached_hashes=hashes)
+                      block_size=block_size, prefill_token_seconds=token_s, cached_hashes=hashes)
     return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens)
 
 
@@ -185,6 +186,41 @@ def test_the_uncached_part_decides_local_or_remote():
     # The uncached part must also fit the decode worker's spare budget.
     busy = worker("d1", running=490, hashes=cached(PROMPT, 38))
     assert place([busy] + ws, PROMPT, **SHORT).prefill.worker_id == "p1"
+
+
+def test_measured_prompt_costs_send_a_short_prompt_where_it_is_cheaper():
+    """local_prefill_pays: a decode worker whose format is much slower at prompts than the
+    prefill worker's (a 1B model: int4 20 ms a token against bf16 8) sends even a short prompt
+    remote; one about as fast (the 135M: 3.8 against 3.9) keeps it; each side's queue of
+    prompt tokens counts at its own cost; an unreported cost leaves the token rule alone."""
+    short = dict(hashes=cached(PROMPT, 38))  # 32 tokens to compute
+    assert place([worker("d1", token_s=0.020, **short), worker("p1", "prefill", token_s=0.008)],
+                 PROMPT, **SHORT).prefill.worker_id == "p1"
+    assert place([worker("d1", token_s=0.0038, **short), worker("p1", "prefill", token_s=0.0039)],
+                 PROMPT, **SHORT).prefill is None
+    # 1.5x the prefill worker's time still pays; more does not.
+    assert place([worker("d1", token_s=0.012, **short), worker("p1", "prefill", token_s=0.008)],
+                 PROMPT, **SHORT).prefill is None
+    # (0 + 32) * 20 <= 1.5 * (64 + 32) * 8: behind 64 queued tokens (reported, or sent by
+    # this coordinator since), the prefill worker is the slower way.
+    for queue in (dict(queued=64), dict(assigned_tokens=64)):
+        assert place([worker("d1", token_s=0.020, **short), worker("p1", "prefill", token_s=0.008, **queue)],
+                     PROMPT, **SHORT).prefill is None
+    # The decode worker's own queue of local prefills counts too: (32 + 32) * 12 > 1.5 * 32 * 8.
+    assert place([worker("d1", token_s=0.012, assigned_tokens=32, **short),
+                  worker("p1", "prefill", token_s=0.008)], PROMPT, **SHORT).prefill.worker_id == "p1"
+    for unknown in ((0.0, 0.008), (0.020, 0.0)):
+        got = place([worker("d1", token_s=unknown[0], **short),
+                     worker("p1", "prefill", token_s=unknown[1])], PROMPT, **SHORT)
+        assert got.prefill is None
+
+
+def test_a_request_scoring_its_prompt_is_prefilled_remotely_whenever_it_can_be():
+    short = dict(hashes=cached(PROMPT, 38))  # 32 tokens: local by the token rule
+    ws = [worker("d1", **short), worker("p1", "prefill")]
+    assert place(ws, PROMPT, **SHORT).prefill is None
+    assert place(ws, PROMPT, **SHORT, scored=True).prefill.worker_id == "p1"
+    assert place(ws[:1], PROMPT, **SHORT, scored=True).prefill is None  # no prefill worker
 
 
 def test_colocated_reason_names_the_cache():
