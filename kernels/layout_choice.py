@@ -37,6 +37,7 @@ _memo: dict[str, str] = {}
 # Weights of the model whose layers are being packed (model_weights); 0: none known.
 _model_weights: contextvars.ContextVar[int] = contextvars.ContextVar("tandem_model_weights", default=0)
 _FALLBACK_CACHE_BYTES = 32 << 20  # where sysfs does not say
+ROUNDS = 3  # alternations of the candidates when timing them
 
 
 @contextlib.contextmanager
@@ -126,7 +127,15 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
         table = {}
     choice = table.get(key)
     if choice not in candidates:
-        times = {c: time_layout(c) for c in candidates}
+        # Candidates in turn, ROUNDS times, each keeping its best: a burst of load from another
+        # process then costs every candidate a round rather than deciding the choice. (Timed
+        # once each, in sequence, a native kernel at 2 threads lost to aten's at 1 while tests
+        # ran beside it on a 2-core host, and the slower kernel was remembered for every later
+        # decode worker: a lone stream's TPOT 11 -> 20 ms.)
+        times = dict.fromkeys(candidates, float("inf"))
+        for _ in range(ROUNDS):
+            for c in candidates:
+                times[c] = min(times[c], time_layout(c))
         choice = min(times, key=times.get)
         log.info("%s layout on this host: %s (measured %s)", fmt, choice,
                  ", ".join(f"{c} {t * 1e6:.0f} us" for c, t in times.items()))

@@ -157,7 +157,7 @@ def default_layout(device: torch.device) -> str:
 def _time_layout(layout: str) -> float:
     """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8), its
     weights in cache after the first."""
-    return _time_passes(layout, 1536, 576, copies=1, reps=7)
+    return _time_passes(layout, 1536, 576, copies=1, reps=3)
 
 
 def _time_streamed(layout: str) -> float:
@@ -166,7 +166,7 @@ def _time_streamed(layout: str) -> float:
     from kernels.layout_choice import last_level_cache_bytes
 
     copies = -(-2 * last_level_cache_bytes() // int(2048 * 2048 * 0.5625))
-    return _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=3)
+    return _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=1)
 
 
 def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> float:
