@@ -92,18 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     gguf = str(default_store().resolve(args.model))
     peer_port, tandem_port = free_port(), free_port()
     procs = []
+    servers = {"llama.cpp": f"http://127.0.0.1:{peer_port}", "tandem": f"http://127.0.0.1:{tandem_port}"}
     try:
-        procs.append(subprocess.Popen(
-            [args.peer_server, "-m", gguf, "-t", str(args.threads), "-np", "8", "-c", "16384",
-             "--host", "127.0.0.1", "--port", str(peer_port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        # One server at a time, each ready (its workers registered) before the next starts: a
+        # server's start-up times kernels on this host (kernels/layout_choice.py), which the
+        # other's model load beside it would skew.
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "cli.main", "serve", "--model", args.model, "--port", str(tandem_port),
              "--grpc-port", "0", *shlex.split(args.tandem_args)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        servers = {"llama.cpp": f"http://127.0.0.1:{peer_port}", "tandem": f"http://127.0.0.1:{tandem_port}"}
-        wait_ready(servers["llama.cpp"] + "/health", procs[0], 120)
-        wait_ready(servers["tandem"] + "/api/version", procs[1], 300)
+        wait_ready(servers["tandem"] + "/health", procs[0], 300)
+        procs.append(subprocess.Popen(
+            [args.peer_server, "-m", gguf, "-t", str(args.threads), "-np", "8", "-c", "16384",
+             "--host", "127.0.0.1", "--port", str(peer_port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        wait_ready(servers["llama.cpp"] + "/health", procs[1], 120)
         model_names = {"llama.cpp": "model", "tandem": args.model}
         results: dict[str, dict[str, list[dict]]] = {}
         for name in args.workloads.split(","):

@@ -20,9 +20,11 @@ words, each by its own worker):
         u32 busy (1 while a prefill worker has a pass to run), u32 0
 
 Invariants: a slot's pid and busy words are written only by the process in that slot (each an
-aligned 4-byte store, which every reader sees whole); the rest never changes after creation.
-A prefill slot counts as busy only while its busy word is 1 and its pid is alive, so a worker
-killed mid-pass lends its cores again, and its restart (same slot) writes busy 0 first.
+aligned 4-byte store, which every reader sees whole), and by the launcher that creates the
+file, which may start the prefill slots busy under its own pid (their workers are about to
+load); the rest never changes after creation. A prefill slot counts as busy only while its
+busy word is 1 and its pid is alive, so a worker killed mid-pass lends its cores again; its
+restart (same slot) claims it busy, as every prefill worker starts: loading its model.
 Decode workers share out the idle prefill workers' threads evenly (floor), never beyond the
 host's cores.
 """
@@ -103,9 +105,12 @@ class CoreLease:
         return Slot(_ROLE_NAMES[role], threads)
 
     @classmethod
-    def create(cls, path: Path, slots: Sequence[Slot], cores: int | None = None) -> CoreLease:
+    def create(cls, path: Path, slots: Sequence[Slot], cores: int | None = None,
+               loading_pid: int | None = None) -> CoreLease:
         """Write a new lease at `path` (replacing any file there), every slot unclaimed. The
-        file appears whole (written aside, then renamed), so a worker never maps half of one."""
+        file appears whole (written aside, then renamed), so a worker never maps half of one.
+        loading_pid: the prefill slots start busy under that (live) pid, the launcher's, until
+        their workers claim them: their cores are taken by the workers' start-up from the first."""
         if not 0 < len(slots) <= MAX_SLOTS:
             raise ValueError(f"a core lease needs 1..{MAX_SLOTS} slots, got {len(slots)}")
         for s in slots:
@@ -113,8 +118,10 @@ class CoreLease:
                 raise ValueError(f"a core lease slot needs a role in {', '.join(ROLES)} and 1..65535 "
                                  f"threads, got {s}")
         cores = host_cores() if cores is None else cores
+        loading = (loading_pid or 0, 1)
         data = HEADER.pack(MAGIC, len(slots), cores) + b"".join(
-            SLOT.pack(ROLES[s.role], 0, s.threads, 0, 0, 0) for s in slots)
+            SLOT.pack(ROLES[s.role], 0, s.threads, *(loading if loading_pid and s.role == "prefill"
+                                                     else (0, 0)), 0) for s in slots)
         tmp = path.with_name(f".{path.name}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -147,9 +154,11 @@ class CoreLease:
                              f"worker's, not a {role} worker's")
 
     def claim(self, slot: int, role: str) -> None:
-        """This process takes `slot` (a restart takes its slot again): idle, then its pid."""
+        """This process takes `slot` (a restart takes its slot again): a prefill worker busy
+        (it is loading its model: its cores are not free to lend until its engine loop first
+        finds nothing to do), a decode worker idle; then its pid."""
         self._check(slot, role)
-        self._words[4 + 4 * slot + 2] = 0
+        self._words[4 + 4 * slot + 2] = 1 if role == "prefill" else 0
         self._words[4 + 4 * slot + 1] = os.getpid()
 
     def set_busy(self, slot: int, busy: bool) -> None:

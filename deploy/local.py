@@ -779,7 +779,7 @@ def make_core_lease(topology: Topology, out: Callable[[str], None] = print) -> C
     stale = reclaim_stale_leases()
     if stale:
         out(f"removed the core leases of gone launchers: {', '.join(stale)}")
-    return CoreLease.create(lease_path(str(topology.port)), topology.core_slots())
+    return CoreLease.create(lease_path(str(topology.port)), topology.core_slots(), loading_pid=os.getpid())
 
 
 def _serve(topology: Topology, start_timeout_s: float, out: Callable[[str], None],

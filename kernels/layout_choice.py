@@ -38,6 +38,19 @@ _memo: dict[str, str] = {}
 _model_weights: contextvars.ContextVar[int] = contextvars.ContextVar("tandem_model_weights", default=0)
 _FALLBACK_CACHE_BYTES = 32 << 20  # where sysfs does not say
 ROUNDS = 3  # alternations of the candidates when timing them
+# Entered around each timing (set_timing_guard): where the choice is made for more native
+# threads than the process may use right now (a decode worker borrowing an idle prefill
+# worker's core), the process's worker makes the measured conditions hold first.
+_timing_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def set_timing_guard(guard: Callable[[], contextlib.AbstractContextManager] | None) -> None:
+    """guard(): a context manager entered while layouts are timed, e.g. one that waits until
+    the cores this process's native pool counts on are free and lets the pool use them all
+    (worker/core_share.py CoreShare.timing_guard): the key names the pool's size, so the
+    measurement must use it. None restores the default (nothing)."""
+    global _timing_guard
+    _timing_guard = guard or contextlib.nullcontext
 
 
 @contextlib.contextmanager
@@ -133,9 +146,10 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
         # ran beside it on a 2-core host, and the slower kernel was remembered for every later
         # decode worker: a lone stream's TPOT 11 -> 20 ms.)
         times = dict.fromkeys(candidates, float("inf"))
-        for _ in range(ROUNDS):
-            for c in candidates:
-                times[c] = min(times[c], time_layout(c))
+        with _timing_guard():
+            for _ in range(ROUNDS):
+                for c in candidates:
+                    times[c] = min(times[c], time_layout(c))
         choice = min(times, key=times.get)
         log.info("%s layout on this host: %s (measured %s)", fmt, choice,
                  ", ".join(f"{c} {t * 1e6:.0f} us" for c, t in times.items()))

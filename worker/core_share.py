@@ -21,8 +21,10 @@ first tokens come from this very pass) and every one of their steps would wait o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 
 from common.core_lease import CoreLease
 
@@ -43,7 +45,7 @@ class CoreShare:
         lease.claim(slot, role)
         self.lease, self.slot, self.role = lease, slot, role
         self.own = lease.slots[slot].threads
-        self._busy = False
+        self._busy = role == "prefill"  # claim() marks a prefill worker busy: it is loading
         self._active = 0  # the limit last given to the native pool (0: not yet)
         self.changes = 0  # times the limit changed (status, tests)
 
@@ -71,6 +73,29 @@ class CoreShare:
             native.set_active(self.own)
             native.set_threads(self.pool_threads())
             self._active = self.own
+
+    @contextlib.contextmanager
+    def timing_guard(self, timeout_s: float = 120.0):
+        """While kernels are timed for this process (kernels/layout_choice.py, whose choice is
+        keyed by the pool's size): wait until every core the pool may borrow is free (the
+        prefill workers are loaded and idle; at most timeout_s), and let the pool use them all.
+        Without this a decode worker timed its threaded kernel with its own share only, at
+        start-up, beside the prefill worker's model load, and remembered aten's serial kernel
+        as the faster one for every later start (a lone stream's TPOT 11 -> 20 ms)."""
+        from kernels import native
+
+        if self.role != "decode" or self.pool_threads() == self.own:
+            yield
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.lease.threads_now(self.slot) < self.pool_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = native.active()
+        native.set_active(self.pool_threads())
+        try:
+            yield
+        finally:
+            native.set_active(before)
 
     def describe(self) -> str:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

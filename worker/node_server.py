@@ -29,7 +29,7 @@ from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
 from engine.prefill_cost import CALIBRATION_TOKENS
 from engine.llm_engine import LLMEngine
-from kernels import native
+from kernels import layout_choice, native
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
 from worker.runtime import configure_process
@@ -74,6 +74,7 @@ def build_engine(config: WorkerConfig, path: Path, sized: EngineConfig | None = 
                       batch_invariant=config.batch_invariant)
     if cores is not None:
         cores.size_pool()
+        layout_choice.set_timing_guard(cores.timing_guard)
     engine = LLMEngine.from_path(path, sized or config.engine, kv_cache=kv_cache,
                                  load_tokenizer=False)  # trims the heap after loading
     if config.role in ("prefill", "decode"):

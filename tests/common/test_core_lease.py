@@ -72,13 +72,25 @@ def test_a_lease_is_shared_by_two_processes_and_removed_by_its_maker(shm):
     assert not path.exists()
 
 
-def test_a_restarted_worker_takes_its_slot_idle(shm):
+def test_a_prefill_worker_claims_its_slot_busy_loading_and_its_restart_again(shm):
     lease = CoreLease.create(lease_path("c", directory=str(shm)), ONE_EACH, cores=2)
     lease.claim(0, "prefill")
-    lease.set_busy(0, True)
+    assert lease.busy(0) and lease.threads_now(1) == 1  # loading: its core is not lent yet
+    lease.set_busy(0, False)
+    assert lease.threads_now(1) == 2
+    lease.claim(0, "prefill")  # the same slot again, as a restart does: loading again
+    assert lease.busy(0) and lease.threads_now(1) == 1
+    lease.claim(1, "decode")
+    assert not lease.busy(1)
+    lease.unlink()
+
+
+def test_the_launcher_starts_the_prefill_slots_busy_under_its_own_pid(shm):
+    """Before a prefill worker has started far enough to claim its slot, its core is already
+    taken by its start-up: a decode worker timing its kernels then waits (CoreShare.timing_guard)."""
+    lease = CoreLease.create(lease_path("c", directory=str(shm)), ONE_EACH, cores=2, loading_pid=os.getpid())
+    assert lease.busy(0) and lease.pid(0) == os.getpid() and not lease.busy(1)
     assert lease.threads_now(1) == 1
-    lease.claim(0, "prefill")  # the same slot again, as a restart does
-    assert not lease.busy(0) and lease.threads_now(1) == 2
     lease.unlink()
 
 

@@ -104,6 +104,7 @@ def test_a_decode_worker_gives_back_lent_cores_from_the_next_step(engine, lease,
     share.size_pool()
     assert native.threads() == 2 and native.active() == 1  # made once, own share to start
     lease.claim(0, "prefill")
+    lease.set_busy(0, False)  # loaded and idle
     active = []
 
     def on_step():
@@ -119,6 +120,36 @@ def test_a_decode_worker_gives_back_lent_cores_from_the_next_step(engine, lease,
     assert active[3:6] == [1, 1, 1]  # busy: from the very next step, its own share only
     assert set(active[6:]) == {2}    # idle again: lent again
     assert native.threads() == 2     # no thread started or stopped on the way
+    share.close()
+
+
+def test_kernels_are_timed_with_every_core_the_pool_may_borrow(engine, lease, serial_afterwards):
+    """CoreShare.timing_guard (kernels/layout_choice.py's timing): it waits while the prefill
+    worker loads (its slot busy), then lets the pool use all its threads for the measurement,
+    whose key names them, and gives the pool its own share back after."""
+    import threading
+    import time
+
+    share = CoreShare(lease, 1, "decode", threads=1)
+    share.size_pool()
+    lease.claim(0, "prefill")  # loading
+    inside = []
+
+    def timed():
+        with share.timing_guard():
+            inside.append((time.monotonic(), native.active()))
+
+    t = threading.Thread(target=timed)
+    t.start()
+    time.sleep(0.3)
+    assert not inside  # still waiting for the prefill worker's core
+    freed = time.monotonic()
+    lease.set_busy(0, False)
+    t.join(10)
+    assert inside and inside[0][0] >= freed and inside[0][1] == 2
+    assert native.active() == 1
+    with CoreShare(lease, 0, "prefill", threads=1).timing_guard():  # a prefill worker: nothing
+        pass
     share.close()
 
 
