@@ -54,8 +54,8 @@ import torch
 from kernels import native_cache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("copy_crc32c.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp", "q6k_linear.cpp",
-           "rms_norm.cpp", "rotary_kv_write.cpp", "thread_pool.cpp")
+SOURCES = ("copy_crc32c.cpp", "decode_layers.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp",
+           "q6k_linear.cpp", "rms_norm.cpp", "rotary_kv_write.cpp", "silu_and_mul.cpp", "thread_pool.cpp")
 HEADERS = ("simd.h", "thread_pool.h")
 MAX_THREADS = 256  # thread_pool.cpp kMaxThreads
 LEVELS = ("default", "avx2", "avx512", "avx512vnni")
@@ -82,6 +82,8 @@ _SIGNATURES = {
     "tandem_paged_decode": [_ptr, _i64, _ptr, _ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _i64,
                             _ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr, _i64],
     "tandem_copy_crc32c": [_i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int, _i64, _ptr],
+    "tandem_silu_and_mul": [_ptr, _i64, _i64, _i64, _ptr],
+    "tandem_decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr],
     "tandem_set_threads": [_i64],
     "tandem_threads": [],
     "tandem_set_active": [_i64],

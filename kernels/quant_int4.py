@@ -135,10 +135,23 @@ def to_int4_groups(weight: torch.Tensor | QuantizedTensor) -> Int4Groups:
     return quantize_int4(to_float(weight))
 
 
+# What a whole decode step gains beyond the int4 kernel itself when its layers run in the
+# native layout: engine/native_decode.py then runs every op of a decode pass in one native
+# call, which aten's layout (a torch op) cannot join. Measured on a Sapphire Rapids class host,
+# SmolLM2-135M, one pass of the same kernels either way: 1.44x at one thread (17.2 -> 11.3 ms
+# a step, batch 1), 1.72x at two; the 1.07B LLaMA 1.10x. The layout choice divides the native
+# kernel's measured time by this (the smallest model's margin, conservatively rounded down),
+# so aten's kernel is chosen only where it is faster by more than the native path recovers:
+# on that host aten's kernel was 1.26x faster than the native one at one thread, and the step
+# with it 1.7x slower.
+NATIVE_STEP_GAIN = 1.4
+
+
 def default_layout(device: torch.device) -> str:
     """CUDA: "nibbles" (Triton). CPU: the faster of the native "q4_1" kernel and aten's
     "cpu" kernel on this host, measured once (kernels/layout_choice.py): aten's int4 GEMV is
-    fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones."""
+    fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones; the native kernel's time counts
+    NATIVE_STEP_GAIN less, for the native decode path it opens."""
     if device.type != "cpu" or triton_layouts(device):
         return "nibbles"
     candidates = [name for name, ok in (("q4_1", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
@@ -154,10 +167,15 @@ def default_layout(device: torch.device) -> str:
     return fastest_layout("int4", candidates, _time_layout)
 
 
+def _step_time(layout: str, seconds: float) -> float:
+    """A kernel's measured time as the layout choice weighs it (NATIVE_STEP_GAIN)."""
+    return seconds / NATIVE_STEP_GAIN if layout in Q4_1_LAYOUTS else seconds
+
+
 def _time_layout(layout: str) -> float:
     """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8), its
-    weights in cache after the first."""
-    return _time_passes(layout, 1536, 576, copies=1, reps=3)
+    weights in cache after the first (weighed by _step_time)."""
+    return _step_time(layout, _time_passes(layout, 1536, 576, copies=1, reps=3))
 
 
 def _time_streamed(layout: str) -> float:
@@ -166,7 +184,7 @@ def _time_streamed(layout: str) -> float:
     from kernels.layout_choice import last_level_cache_bytes
 
     copies = -(-2 * last_level_cache_bytes() // int(2048 * 2048 * 0.5625))
-    return _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=1)
+    return _step_time(layout, _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=1))
 
 
 def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> float:

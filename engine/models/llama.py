@@ -20,6 +20,7 @@ from common.model_config import ModelConfig
 from common.errors import ModelFormatError
 from engine.format_choice import matrix_format, packs_parts_apart
 from engine.forward_batch import ForwardBatch
+from engine.native_decode import NativeDecode
 from engine.rope import rope_tables
 from engine.token_embedding import TokenEmbedding
 from engine.weights import QuantizedTensor, to_float
@@ -142,6 +143,9 @@ class LlamaForCausalLM:
                                config.rope_scaling)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.scale = config.head_dim ** -0.5
+        # Decode passes through one native call where the decode copy's layers allow it
+        # (engine/native_decode.py): the same kernels and bits as the loop in forward().
+        self.native_decode = NativeDecode.build(self)
 
     @property
     def weight_format(self) -> str:
@@ -229,11 +233,17 @@ class LlamaForCausalLM:
         Returns the final hidden states [T, hidden] (fp32)."""
         cfg = self.config
         t = batch.num_tokens
+        plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
+        weights = self.weights_for(batch)
+        done = (self.native_decode.run(batch, kv_cache, plan)
+                if self.native_decode is not None and weights is self.main else None)
+        if done is not None:
+            hidden, residual = done
+            hidden, _ = rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
+            return hidden
         hidden = self.embed_tokens[batch.input_ids]
         residual = None
-        layers = self.weights_for(batch).layers
-        plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(weights.layers):
             x, residual = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             qkv = linear(x, layer.qkv)

@@ -55,9 +55,12 @@ def packed_formats(model) -> set[str]:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """The `fmt` of every linear the model runs, call by call."""
+    """The `fmt` of every linear the model runs, call by call, through the Python layer loop
+    (the native decode path is off: it runs the same copy's kernels in one call, equal bit for
+    bit, tests/engine/test_native_decode.py, but makes no call to record here)."""
     calls: list[str] = []
     original = llama_module.linear
+    monkeypatch.setattr(llama_module.NativeDecode, "build", classmethod(lambda cls, model: None))
 
     def recording(x, packed):
         calls.append(packed.fmt)

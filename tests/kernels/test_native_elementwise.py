@@ -1,5 +1,6 @@
-"""The native fused CPU ops (kernels/csrc/rms_norm.cpp, rotary_kv_write.cpp) against their torch
-references, at every instruction-set level this host runs, and the dispatchers that pick them."""
+"""The native fused CPU ops (kernels/csrc/rms_norm.cpp, rotary_kv_write.cpp, silu_and_mul.cpp)
+against their torch references, at every instruction-set level this host runs, and the
+dispatchers that pick them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kernels import native
+from kernels.activation import silu_and_mul, silu_and_mul_native, silu_and_mul_reference
 from kernels.rms_norm import rms_norm, rms_norm_native, rms_norm_reference
 from kernels.rotary_kv_write import (rotary_kv_write, rotary_kv_write_native,
                                      rotary_kv_write_reference)
@@ -90,3 +92,27 @@ def test_dispatchers_take_the_native_path_and_fall_back(monkeypatch):
         results.append((q, caches[0], rms_norm(x, torch.ones(16), 1e-6, x.clone())[0]))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("t,i", [(1, 1536), (3, 37), (8, 5632), (2, 16)])
+def test_silu_and_mul_native_equals_reference(level, t, i):
+    """Across the whole range of the gate (large negatives, where exp(-g) would overflow a
+    naive sigmoid, and the vector body's and scalar tail's columns alike)."""
+    gen = torch.Generator().manual_seed(t * i)
+    wide = torch.randn(t, 2 * i + 5, generator=gen) * 30  # a row stride past 2 I
+    x = wide[:, :2 * i]
+    y = silu_and_mul_native(x, level)
+    torch.testing.assert_close(y, silu_and_mul_reference(x), rtol=2e-6, atol=1e-6)
+    edge = torch.tensor([[0.0, -0.0, 1e-30, -200.0, 200.0, float("inf"), 3.0, 3.0, 3.0, 3.0, 3.0, -3.0]])
+    torch.testing.assert_close(silu_and_mul_native(edge, level), silu_and_mul_reference(edge),
+                               rtol=2e-6, atol=0)
+
+
+def test_silu_and_mul_takes_the_native_path_for_fp32_and_torch_otherwise(monkeypatch):
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    native_y = silu_and_mul(x)
+    assert torch.equal(native_y, silu_and_mul_native(x))
+    monkeypatch.setattr(native, "available", lambda: False)
+    torch.testing.assert_close(silu_and_mul(x), native_y, rtol=2e-6, atol=1e-6)
+    assert silu_and_mul(x.to(torch.bfloat16)).dtype == torch.bfloat16
