@@ -35,6 +35,37 @@ def gguf_dequantize(qt: QuantizedTensor) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(qt.data, GGMLQuantizationType[qt.ggml_type]).reshape(qt.shape))
 
 
+# Each K-quant layout: (ggml type, format module, layout, the native kernel's Python wrapper).
+LAYOUTS = [("Q4_K", quant_int4, "q4_k", quant_int4.int4_linear_native),
+           ("Q4_K", quant_int4, "q4_ka8", quant_int4.int4_linear_native),
+           ("Q6_K", quant_int8, "q6_k", quant_q6_k.q6k_linear_native)]
+
+
+@pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS, ids=[lay[2] for lay in LAYOUTS])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("k", KS)
+def test_native_kernel_equals_its_layouts_reference(level, k, ggml_type, module, layout, run):
+    n = 40
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen)
+    packed = module.pack(kquant(ggml_type, n, k, seed=k), bias, CPU, layout=layout)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen) * 3
+        ref = packed_linear_reference(x, packed)
+        torch.testing.assert_close(run(x, packed, level), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS[::2], ids=["q4_k", "q6_k"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_native_kernel_is_close_to_the_files_weights(level, ggml_type, module, layout, run):
+    """The int16 rounding of x keeps y within 1e-4 of x @ W^T, W the file's own weights."""
+    qt = kquant(ggml_type, 48, 2048, seed=5)
+    packed = module.pack(qt, None, CPU, layout=layout)
+    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(6))
+    exact = x.double() @ gguf_dequantize(qt).double().t()
+    assert ((run(x, packed, level).double() - exact).abs().max() / exact.abs().max()).item() < 1e-4
+
+
 # --- Q4_K --------------------------------------------------------------------------------------
 
 
@@ -54,32 +85,6 @@ def test_q4_k_layout_holds_the_files_integers_and_dequantizes_bit_for_bit(layout
     # 16 + 2 + 0.5 bytes per 32 weights: 4.625 bits a weight (Q4_K itself: 4.5)
     nbytes = sum(t.numel() * t.element_size() for t in (packed.weight, packed.scales, packed.zeros))
     assert nbytes * 8 == 4.625 * 24 * 768
-
-
-@pytest.mark.parametrize("layout", quant_int4.Q4_K_LAYOUTS)
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("k", KS)
-def test_q4_k_native_equals_its_reference(level, k, layout):
-    n = 40
-    gen = torch.Generator().manual_seed(k)
-    bias = torch.randn(n, generator=gen)
-    packed = quant_int4.pack(kquant("Q4_K", n, k, seed=k), bias, CPU, layout=layout)
-    for m in ROWS:
-        x = torch.randn(m, k, generator=gen) * 3
-        y = quant_int4.int4_linear_native(x, packed, level)
-        ref = packed_linear_reference(x, packed)
-        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("level", LEVELS)
-def test_q4_k_native_is_close_to_the_files_weights(level):
-    """The int16 rounding of x keeps y within 1e-4 of x @ W^T, W the file's own weights."""
-    qt = kquant("Q4_K", 48, 2048, seed=5)
-    packed = quant_int4.pack(qt, None, CPU, layout="q4_k")
-    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(6))
-    exact = x.double() @ gguf_dequantize(qt).double().t()
-    y = quant_int4.int4_linear_native(x, packed, level)
-    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-4
 
 
 def test_q4_k_takes_its_own_layout_where_the_native_one_is_chosen(monkeypatch):
@@ -137,30 +142,6 @@ def test_q6_k_layout_holds_the_files_blocks_and_dequantizes_bit_for_bit():
     assert torch.equal(quant_int8.dequantize(packed), gguf_dequantize(qt))
     nbytes = sum(t.numel() * t.element_size() for t in (packed.weight, packed.scales, packed.zeros))
     assert nbytes == qt.data.nbytes  # 6.5625 bits a weight, as the file
-
-
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("k", KS)
-def test_q6_k_native_equals_its_reference(level, k):
-    n = 40
-    gen = torch.Generator().manual_seed(k + 1)
-    bias = torch.randn(n, generator=gen)
-    packed = quant_int8.pack(kquant("Q6_K", n, k, seed=k), bias, CPU, layout="q6_k")
-    for m in ROWS:
-        x = torch.randn(m, k, generator=gen) * 3
-        y = quant_q6_k.q6k_linear_native(x, packed, level)
-        ref = packed_linear_reference(x, packed)
-        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("level", LEVELS)
-def test_q6_k_native_is_close_to_the_files_weights(level):
-    qt = kquant("Q6_K", 48, 2048, seed=7)
-    packed = quant_int8.pack(qt, None, CPU, layout="q6_k")
-    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(8))
-    exact = x.double() @ gguf_dequantize(qt).double().t()
-    y = quant_q6_k.q6k_linear_native(x, packed, level)
-    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-4
 
 
 def test_q6_k_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypatch):
