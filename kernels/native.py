@@ -22,8 +22,9 @@ vpdpbusd would be).
 
 Cache: $TANDEM_HOME/native (default ~/.cache/tandem/native), one shared library per hash of
 (sources, flags, compiler version), loaded only from a directory that only we can write and only
-if its manifest's hash of its bytes still holds (kernels/native_cache.py). Several processes may
-build at once: each writes its own temporary file and renames it into place, so a reader never
+if its manifest's hash of its bytes still holds (kernels/native_cache.py). Processes that would
+build the same library at once take turns on a lock file beside it (the second loads what the
+first installed); a build writes a temporary file and renames it into place, so a reader never
 sees half a library.
 Threads: one persistent pool per loaded library (csrc/thread_pool.h), sized by `set_threads`,
 which worker/runtime.py `configure_process` calls with the process's --threads; 1 (the
@@ -39,6 +40,7 @@ the aten kernels (kernels/quant_int4.py, quant_int8.py).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -174,15 +176,43 @@ def _build(level: str) -> Path:
     out = native_cache.trusted_dir(cache_root()) / f"tandem_{level}_{key[:16]}.so"
     if native_cache.verified(out, key):
         return out
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *flags, "-I", str(CSRC), *(str(CSRC / s) for s in SOURCES), "-o", tmp]
+    # One build per library at a time: processes starting together (a prefill and a decode
+    # worker on a fresh cache) each compiled the same sources on the same few cores, ~10 s of
+    # g++ apiece; the second now waits for the first and loads what it installed.
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if native_cache.verified(out, key):
+            return out
+        with tempfile.TemporaryDirectory(dir=out.parent) as work:
+            tmp = Path(work) / out.name
+            _compile(cxx, flags, Path(work), tmp)
+            native_cache.install(tmp, out, key)
+    return out
+
+
+def _compile(cxx: str, flags: list[str], work: Path, library: Path) -> None:
+    """Each source to an object, as many compilers at once as this process has cores (the
+    sources took ~10 s in one g++ run on one core), then one link."""
+    compile_flags = [f for f in flags if f != "-shared"]
+    jobs = [([cxx, *compile_flags, "-c", "-I", str(CSRC), str(CSRC / src), "-o", str(work / f"{src}.o")], src)
+            for src in SOURCES]
+    width = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    running: list[tuple[subprocess.Popen, list[str]]] = []
+    failures = []
+    while jobs or running:
+        while jobs and len(running) < width:
+            cmd, _ = jobs.pop(0)
+            running.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), cmd))
+        proc, cmd = running.pop(0)
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(f"{' '.join(cmd)}:\n{err[-2000:]}")
+    if failures:
+        raise NativeUnavailable("building the native kernels failed:\n" + "\n".join(failures))
+    cmd = [cxx, *flags, *(str(work / f"{src}.o") for src in SOURCES), "-o", str(library)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        os.unlink(tmp)
-        raise NativeUnavailable(f"building the native kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    native_cache.install(Path(tmp), out, key)
-    return out
+        raise NativeUnavailable(f"linking the native kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -194,12 +194,11 @@ static void decode_pairs(const float* q, int64_t q_stride, const void* k_cache, 
 #define TANDEM_PAIR(DV)                                                                              \
     decode_pair_tiled<BF16, DV>(qh, kc, vc, table, block_stride, bs, hkv, h, d, group, len, scale,  \
                                 scores.data(), lenp, acc.data(), oh)
-            switch (dv) {  // head sizes 32, 64, 128, 256 at either vector width
+            switch (dv) {  // head sizes 32-256 (AVX-512) or 16-128 (AVX2, portable)
                 case 2: TANDEM_PAIR(2); continue;
                 case 4: TANDEM_PAIR(4); continue;
                 case 8: TANDEM_PAIR(8); continue;
                 case 16: TANDEM_PAIR(16); continue;
-                case 32: TANDEM_PAIR(32); continue;
                 default: break;  // another head size: the generic loops below
             }
 #undef TANDEM_PAIR

@@ -220,6 +220,30 @@ def test_a_source_that_does_not_compile_is_a_clear_error(tmp_path, monkeypatch):
     assert not list((tmp_path / "home" / "native").glob("*.so"))  # no half-written library left
 
 
+def test_builds_of_one_library_take_turns_and_the_second_loads_the_first(tmp_path, monkeypatch):
+    """Two builders at once (a prefill and a decode worker starting on a fresh cache): one
+    compiles, the other waits on the lock and finds the installed library."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    real, compiles = native._compile, []
+
+    def slow_compile(*args):
+        compiles.append(threading.get_ident())
+        time.sleep(0.5)  # a window for the other builder to arrive
+        real(*args)
+
+    monkeypatch.setattr(native, "_compile", slow_compile)
+    built = []
+    threads = [threading.Thread(target=lambda: built.append(native._build("default"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(compiles) == 1 and len(built) == 2 and built[0] == built[1] and built[0].exists()
+
+
 def test_without_native_kernels_the_cpu_layouts_are_aten_s(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
     cpu = torch.device("cpu")
