@@ -34,7 +34,7 @@ from engine.kv_connector import ConnectorEvents, KVConnector
 from common.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
-from engine.prefill_cost import CALIBRATION_TOKENS, PrefillCost
+from engine.prefill_cost import CALIBRATION_TOKENS, MIN_PROMPT_TOKENS, PrefillCost
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
 from common.sampling_params import SamplingParams
@@ -318,6 +318,8 @@ class LLMEngine:
             raise RuntimeError("calibrate_prefill needs an idle engine (every KV block free)")
         bs = self.config.cache.block_size
         tokens = min(tokens, self.block_manager.num_blocks * bs, self.context_length - 1)
+        if tokens < MIN_PROMPT_TOKENS:  # a pool or context too small to say anything
+            return self.prefill_cost.seconds_per_token
         table = list(range(-(-tokens // bs)))
         ids = [(7 * i + 1) % self.config.model.vocab_size for i in range(tokens)]
         with torch.inference_mode():

@@ -35,12 +35,16 @@ def engine(tmp_path):
                                EngineConfig(cache=CacheConfig(num_blocks=32)))
 
 
-def test_calibration_measures_without_taking_or_caching_a_block(engine):
+def test_calibration_measures_without_taking_or_caching_a_block(engine, tmp_path):
     assert engine.prefill_cost.seconds_per_token == 0.0
     seconds = engine.calibrate_prefill(24)
     assert seconds > 0.0 and engine.prefill_cost.seconds_per_token == seconds
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not bm.cached_hashes()
+    # A pool too small for a pass of MIN_PROMPT_TOKENS measures nothing (and runs no pass).
+    tiny = LLMEngine.from_path(make_tiny_hf_model(tmp_path / "tiny", "llama"),
+                               EngineConfig(cache=CacheConfig(num_blocks=1, block_size=4)))
+    assert tiny.calibrate_prefill() == 0.0
     # An engine holding a request's blocks is refused (the pass would write into them).
     engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, num_predict=4))
     engine.step()
