@@ -192,6 +192,7 @@ class _Pair:
 
 class DistReceiver(ZmqReceiver):
     one_sided = False
+    multi_layer_units = False  # a unit is one group send of one layer's payload
 
     def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
                  group_timeout_s: float = GROUP_TIMEOUT_S, auth: KVAuth | None = None,
@@ -368,10 +369,14 @@ class DistSender(ZmqSender):
 
     # -- I/O thread -------------------------------------------------------------------------
 
+    def _io_unit_layers(self, layer_nbytes: int) -> int:
+        return 1  # one group send per layer (the receiver's handshake says 1 too)
+
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
+        (source,) = sources  # one layer a unit: this transport keeps _io_unit_layers' 1
         idx = torch.tensor(src_ids, dtype=torch.long, device=source.device)
         payload = source.index_select(1, idx).to(self._device).contiguous()
         on_host = payload if payload.device.type == "cpu" else payload.cpu()  # crc32c runs on the host

@@ -129,9 +129,10 @@ class FakeSender(IOSender):
             peer.table.ask(self.sender_id, t.transfer_id)  # the grant comes through the inbox
 
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
+        (source,) = sources  # one layer a unit: this transport keeps _io_unit_layers' 1
         payload = self.gather(source, src_ids)
         header = self.data_header(t, layer, dst_ids, payload, seq)
         data = bytes(tensor_bytes(payload))

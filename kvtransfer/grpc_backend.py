@@ -235,9 +235,10 @@ class GrpcSender(IOSender):
                     lambda reply: self.io.post(("grant", Grant.from_pb(reply))))
 
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
+        (source,) = sources  # one layer a unit: this transport keeps _io_unit_layers' 1
         payload = self.gather(source, src_ids)
         header = self.data_header(t, layer, dst_ids, payload, seq)
         self._push(t.transfer_id, header, _chunks(header, payload), f"push of layer {layer}")

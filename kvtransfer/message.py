@@ -61,10 +61,9 @@ def block_runs(src: Sequence[int], dst: Sequence[int] | None = None) -> Iterator
         i = j
 
 
-def checksum_blocks(layer: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """checksum(layer[:, block_ids]) without the gather: `layer` is [2, num_blocks, ...] and
-    contiguous; the CRC runs over K's blocks then V's, slice by slice."""
-    value = 0
+def checksum_blocks(layer: torch.Tensor, block_ids: Sequence[int], value: int = 0) -> int:
+    """checksum(layer[:, block_ids], value) without the gather: `layer` is [2, num_blocks, ...]
+    and contiguous; the CRC runs over K's blocks then V's, slice by slice."""
     runs = list(block_runs(block_ids))
     for kv in (0, 1):
         for start, _, length in runs:
@@ -81,13 +80,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True)
 class KVHeader:
-    """One unit of a transfer: data (block_ids non-empty), finish, or abort (sender_error)."""
+    """One unit of a transfer: data (block_ids non-empty), finish, or abort (sender_error).
+
+    A data unit covers layers [layer, layer + layer_count), the same blocks in each: its
+    payload is each layer's [2, len(block_ids), ...] in turn and its checksum runs over all of
+    them in that order. A sender packs several layers into one unit only when the receiver's
+    handshake allows it (HandshakeReply.max_unit_layers) and they are queued together: one
+    header, one ack and one pass of per-unit work instead of one per layer."""
 
     transfer_id: str
     layer: int = 0
     block_ids: tuple[int, ...] = ()  # destination blocks, in payload order
     dtype: str = ""
-    shape: tuple[int, ...] = ()  # [2, len(block_ids), block_size, num_kv_heads, head_dim]
+    shape: tuple[int, ...] = ()  # one layer's: [2, len(block_ids), block_size, num_kv_heads, head_dim]
     fingerprint: str = ""  # sender's KVLayout.fingerprint
     checksum: int = 0  # crc32c of the payload
     seq: int = 0  # per-sender sequence number, echoed by the ack
@@ -98,6 +103,12 @@ class KVHeader:
     first_token: int = 0  # finish only
     num_units: int = 0  # finish only: data units sent for this transfer
     auth_token: bytes = field(default=b"", repr=False)  # kvtransfer/auth.py; empty = none
+    layer_count: int = 1  # data: layers in the unit
+
+    @property
+    def layers(self) -> range:
+        """The layers a data unit writes."""
+        return range(self.layer, self.layer + self.layer_count)
 
     @property
     def is_abort(self) -> bool:
@@ -114,6 +125,7 @@ class KVHeader:
             checksum=self.checksum, seq=self.seq, payload_nbytes=self.payload_nbytes,
             sender_error=self.sender_error, sender_id=self.sender_id, finish=self.finish,
             first_token=self.first_token, num_units=self.num_units, auth_token=self.auth_token,
+            layer_count=self.layer_count,
         )
 
     def encode(self) -> bytes:
@@ -127,6 +139,7 @@ class KVHeader:
             checksum=m.checksum, seq=m.seq, payload_nbytes=m.payload_nbytes,
             sender_error=m.sender_error, sender_id=m.sender_id, finish=m.finish,
             first_token=m.first_token, num_units=m.num_units, auth_token=m.auth_token,
+            layer_count=m.layer_count or 1,
         )
 
     @classmethod
@@ -140,15 +153,15 @@ class KVHeader:
     def for_payload(
         cls, transfer_id: str, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor,
         layout: KVLayout, seq: int, sender_id: str = "", crc: int | None = None,
-        auth_token: bytes = b"",
+        auth_token: bytes = b"", layer_count: int = 1,
     ) -> KVHeader:
         """A data unit's header; `crc` when the caller computed it without a gathered payload."""
         return cls(
             transfer_id=transfer_id, layer=layer, block_ids=block_ids, dtype=layout.dtype,
             shape=layout.payload_shape(len(block_ids)), fingerprint=layout.fingerprint,
             checksum=checksum(payload) if crc is None else crc, seq=seq,
-            payload_nbytes=layout.payload_nbytes(len(block_ids)), sender_id=sender_id,
-            auth_token=auth_token,
+            payload_nbytes=layer_count * layout.payload_nbytes(len(block_ids)), sender_id=sender_id,
+            auth_token=auth_token, layer_count=layer_count,
         )
 
     def check_against(self, layout: KVLayout, num_cache_blocks: int) -> None:
@@ -161,6 +174,9 @@ class KVHeader:
             raise MessageError(f"dtype mismatch: payload {self.dtype!r} != receiver {layout.dtype!r}")
         if not 0 <= self.layer < layout.num_layers:
             raise MessageError(f"layer {self.layer} out of range [0, {layout.num_layers})")
+        if not 1 <= self.layer_count <= layout.num_layers - self.layer:
+            raise MessageError(f"layers [{self.layer}, {self.layer + self.layer_count}) out of "
+                               f"range [0, {layout.num_layers})")
         if not self.block_ids:
             raise MessageError("header names no blocks")
         if len(set(self.block_ids)) != len(self.block_ids):
@@ -171,7 +187,7 @@ class KVHeader:
         want = layout.payload_shape(len(self.block_ids))
         if self.shape != want:
             raise MessageError(f"shape mismatch: payload {list(self.shape)} != expected {list(want)}")
-        nbytes = layout.payload_nbytes(len(self.block_ids))
+        nbytes = self.layer_count * layout.payload_nbytes(len(self.block_ids))
         if self.payload_nbytes != nbytes:
             raise MessageError(f"payload_nbytes {self.payload_nbytes} != expected {nbytes}")
 
@@ -180,13 +196,14 @@ class KVHeader:
 
 
 def payload_tensor(header: KVHeader, data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """View received bytes as the header's payload tensor (no copy). Validate the header first."""
+    """View received bytes as the header's payload tensor [layer_count, *shape] (no copy).
+    Validate the header first."""
     if len(data) != header.payload_nbytes:
         raise MessageError(f"payload has {len(data)} bytes, header says {header.payload_nbytes}")
     with warnings.catch_warnings():
         # zmq frames are read-only; the tensor is only read (copied into the cache).
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=DTYPES[header.dtype]).view(header.shape)
+        return torch.frombuffer(data, dtype=DTYPES[header.dtype]).view(header.layer_count, *header.shape)
 
 
 @dataclass(frozen=True)
@@ -356,6 +373,7 @@ class HandshakeReply:
     num_blocks: int
     shm_name: str = ""
     owner_shm_name: str = ""
+    max_unit_layers: int = 1  # the receiver takes data units of up to this many layers
 
     def to_pb(self) -> pb.HandshakeReply:
         return pb.HandshakeReply(
@@ -363,11 +381,13 @@ class HandshakeReply:
             num_blocks=self.num_blocks,
             shm_name=self.shm_name,
             owner_shm_name=self.owner_shm_name,
+            max_unit_layers=self.max_unit_layers,
         )
 
     @classmethod
     def from_pb(cls, m: pb.HandshakeReply) -> HandshakeReply:
-        return cls(layout_from_pb(m.layout), m.num_blocks, m.shm_name, m.owner_shm_name)
+        return cls(layout_from_pb(m.layout), m.num_blocks, m.shm_name, m.owner_shm_name,
+                   m.max_unit_layers or 1)
 
     def encode(self) -> bytes:
         return self.to_pb().SerializeToString()

@@ -8,8 +8,9 @@ on the backend's I/O thread (receiver_hooks.py lists what a backend calls). One 
 the table, so it stays one class: splitting it by thread would split that lock. Two-sided
 backends (fake, zmq, grpc, dist) write into the cache here, under the lock, so once `cancel`
 (or the poll that reports FAILED) has taken the lock no write for that transfer is in progress
-or can start: RELEASED follows at once. Checksums are computed outside the lock. RELEASED is
-the only way blocks go back: the engine's scheduler frees them when it polls it, never on a
+or can start: RELEASED follows at once. Checksums are computed outside the lock, before the
+write, so a unit whose bytes do not match its header never reaches the cache. RELEASED is the
+only way blocks go back: the engine's scheduler frees them when it polls it, never on a
 timer.
 
 Per transfer:
@@ -289,8 +290,11 @@ class ReceiveTable:
         payload: torch.Tensor | None = None
         try:
             if data is None:
-                actual = (checksum_blocks(self.cache.tensor[header.layer], header.block_ids)
-                          if self.verify_in_place else header.checksum)
+                actual = header.checksum
+                if self.verify_in_place:
+                    actual = 0
+                    for layer in header.layers:
+                        actual = checksum_blocks(self.cache.tensor[layer], header.block_ids, actual)
             else:
                 payload = payload_tensor(header, data)
                 actual = checksum(data)
@@ -298,7 +302,7 @@ class ReceiveTable:
             return self._refuse_unit(header, str(e))
         if actual != header.checksum:
             return self._refuse_unit(
-                header, f"checksum mismatch on layer {header.layer}: "
+                header, f"checksum mismatch on layers {header.layer}-{header.layers[-1]}: "
                 f"got {actual:#010x}, header says {header.checksum:#010x}"
             )
         with self._lock:
@@ -307,22 +311,26 @@ class ReceiveTable:
                 return self._nack(header, refusal)
             exp = self._active[header.transfer_id]
             if payload is not None:
-                self._write(header.layer, header.block_ids, payload)
+                self._write(header, payload)
             exp.units += 1
-            missing = exp.missing[header.layer]
-            before = len(missing)
-            missing.difference_update(header.block_ids)
-            exp.missing_count -= before - len(missing)
+            for layer in header.layers:
+                missing = exp.missing[layer]
+                before = len(missing)
+                missing.difference_update(header.block_ids)
+                exp.missing_count -= before - len(missing)
             self._stats.add(bytes=header.payload_nbytes, units=1)
             self._maybe_complete(exp)
         return Ack(header.seq, header.transfer_id, header.layer, True)
 
     # -- internals (lock held unless noted) ---------------------------------------------------
 
-    def _write(self, layer: int, block_ids: tuple[int, ...], payload: torch.Tensor) -> None:
-        dst = self.cache.tensor[layer]
-        for src, start, length in block_runs(range(len(block_ids)), block_ids):
-            dst[:, start:start + length].copy_(payload[:, src:src + length])
+    def _write(self, header: KVHeader, payload: torch.Tensor) -> None:
+        """payload [layer_count, 2, n, ...] into the header's blocks of each of its layers."""
+        runs = list(block_runs(range(len(header.block_ids)), header.block_ids))
+        for i, layer in enumerate(header.layers):
+            dst = self.cache.tensor[layer]
+            for src, start, length in runs:
+                dst[:, start:start + length].copy_(payload[i, :, src:src + length])
 
     def _grant(self, exp: IncomingTransfer, sender_id: str) -> None:
         if not exp.grantee:

@@ -8,6 +8,8 @@ sender (sender.py, engine thread; sender_io.py, I/O thread) and one transport.
     _io_ask           I/O                          once per transfer (again after a "pending")
     _io_can_transmit  I/O                          before each queued unit: False holds it queued
                                                    (flow control; _io_next_due says when to look again)
+    _io_unit_layers   I/O                          before each unit: how many queued layers may
+                                                   travel in it (1: one unit per layer)
     _io_transmit      I/O                          once per granted unit; returns "" or an error
     _io_control       I/O                          a finish or abort unit
     _io_revoked       I/O                          after a revocation: nothing more is written
@@ -89,13 +91,19 @@ class SenderHooks(ABC):
         """Whether the transport takes another unit now (zmq: a free staging buffer)."""
         return True
 
+    def _io_unit_layers(self, layer_nbytes: int) -> int:
+        """How many consecutive layers of `layer_nbytes` payload bytes each one data unit may
+        carry: what the receiver said it takes, within what the transport holds at once."""
+        return 1
+
     @abstractmethod
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
-        """Move source[:, src_ids] into the receiver's blocks dst_ids of `layer` as unit `seq`
-        (its ack arrives later through io.on_ack). Returns "" or why the transfer must fail."""
+        """Move sources[i][:, src_ids] into the receiver's blocks dst_ids of layer `layer + i`
+        for each i, as unit `seq` (one header, its ack arrives later through io.on_ack;
+        len(sources) <= _io_unit_layers). Returns "" or why the transfer must fail."""
 
     @abstractmethod
     def _io_control(self, t: OutgoingTransfer, header: KVHeader) -> None:
@@ -130,37 +138,42 @@ class SenderHooks(ABC):
         idx = torch.tensor(src_ids, dtype=torch.long, device=source.device)
         return source.index_select(1, idx).cpu().contiguous()
 
-    def gather_crc(self, source: torch.Tensor, src_ids: tuple[int, ...], out: torch.Tensor) -> int:
-        """source[:, src_ids] into the first bytes of `out` (contiguous, CPU, at least the
-        payload's size) and the payload's crc32c, in one native pass (kernels/copy_crc32c.py:
-        each word is read once for both). The receiver checks that crc against what it got,
-        so the staging copy itself is covered end to end."""
-        if source.device.type != "cpu" or not source.is_contiguous():  # rare: slice-free gather
-            payload = self.gather(source, src_ids).view(-1).view(torch.uint8)
+    def gather_crc(self, sources: tuple[torch.Tensor, ...], src_ids: tuple[int, ...],
+                   out: torch.Tensor) -> int:
+        """Each source's [:, src_ids] in turn into the first bytes of `out` (contiguous, CPU, at
+        least the payload's size) and the payload's crc32c, in one native pass
+        (kernels/copy_crc32c.py: each word is read once for both). The receiver checks that crc
+        against what it got, so the staging copy itself is covered end to end."""
+        count = len(src_ids)
+        if any(s.device.type != "cpu" or not s.is_contiguous() for s in sources):
+            # rare: a source the runs cannot slice
+            payload = torch.cat([self.gather(s, src_ids).view(-1).view(torch.uint8) for s in sources])
             out[:payload.numel()].copy_(payload)
             return checksum(payload)
-        itemsize = source.element_size()
-        block_bytes = source[0, 0].numel() * itemsize
-        count = len(src_ids)
+        itemsize = sources[0].element_size()
+        block_bytes = sources[0][0, 0].numel() * itemsize
         if out.device.type != "cpu" or not out.is_contiguous() or \
-                out.numel() * out.element_size() < 2 * count * block_bytes:
+                out.numel() * out.element_size() < len(sources) * 2 * count * block_bytes:
             raise ValueError("gather_crc needs a contiguous CPU buffer of the payload's size")
+        runs = list(block_runs(src_ids, range(count)))
         copies = []
-        for kv in (0, 1):  # the payload is [2, count, ...]: every K block, then every V block
-            src_base = source.data_ptr() + kv * source.stride(0) * itemsize
-            dst_base = out.data_ptr() + kv * count * block_bytes
-            copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
-                       for src, dst, length in block_runs(src_ids, range(count))]
+        dst_base = out.data_ptr()
+        for source in sources:  # each layer's [2, count, ...]: every K block, then every V block
+            for kv in (0, 1):
+                src_base = source.data_ptr() + kv * source.stride(0) * itemsize
+                copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
+                           for src, dst, length in runs]
+                dst_base += count * block_bytes
         return copy_crc32c(copies, verify=False)
 
     def data_header(
         self, t: OutgoingTransfer, layer: int, dst_ids: tuple[int, ...], payload: torch.Tensor | None,
-        seq: int, crc: int | None = None,
+        seq: int, crc: int | None = None, layer_count: int = 1,
     ) -> KVHeader:
         assert self.layout is not None
         return KVHeader.for_payload(t.transfer_id, layer, dst_ids, payload, self.layout, seq,
                                     sender_id=self.sender_id, crc=crc,
-                                    auth_token=self.token(t.transfer_id))
+                                    auth_token=self.token(t.transfer_id), layer_count=layer_count)
 
     def token(self, transfer_id: str) -> bytes:
         """The transfer's token (kvtransfer/auth.py), b"" without credentials."""

@@ -244,15 +244,41 @@ class SendLoop:
                 return  # flow control: the loop comes back at the transport's _io_next_due
             item = t.queue.popleft()
             if isinstance(item, SendUnit):
-                self._transmit_unit(t, item)
+                self._transmit_unit(t, item, self._take_next_layers(t, item))
+                # A finish queued right behind the last unit goes with it, not a loop turn
+                # later: the transfer's tail is a round trip, not two.
+                if t.result is None and t.queue and isinstance(t.queue[0], FinishUnit):
+                    self._transmit_finish(t, t.queue.popleft())
             else:
                 self._transmit_finish(t, item)
 
-    def _transmit_unit(self, t: OutgoingTransfer, unit: SendUnit) -> None:
+    def _take_next_layers(self, t: OutgoingTransfer, unit: SendUnit) -> tuple[SendUnit, ...]:
+        """The queued units that can travel in one unit with `unit`: the next layers' sends of
+        the same blocks, in order, up to what the transport takes in one unit. Only units that
+        are already queued join, so packing never delays a layer: it saves the per-unit work
+        (header, ack, owner check, loop turn) when the engine outran this thread."""
+        assert self.layout is not None
+        limit = self.transport._io_unit_layers(self.layout.payload_nbytes(len(unit.src_block_ids)))
+        joined: list[SendUnit] = []
+        while len(joined) + 1 < limit and t.queue:
+            nxt = t.queue[0]
+            if not (isinstance(nxt, SendUnit) and nxt.layer == unit.layer + len(joined) + 1
+                    and nxt.first_block == unit.first_block
+                    and nxt.src_block_ids == unit.src_block_ids
+                    and nxt.source.shape == unit.source.shape
+                    and nxt.source.dtype == unit.source.dtype
+                    and nxt.source.device == unit.source.device):
+                break
+            joined.append(t.queue.popleft())
+        return tuple(joined)
+
+    def _transmit_unit(self, t: OutgoingTransfer, unit: SendUnit, more: tuple[SendUnit, ...] = ()) -> None:
+        """Transmit `unit` and `more` (the next layers' sends of the same blocks) as one unit."""
         grant = t.grant
         assert grant is not None  # _transmit_round checked it
-        if unit.layer >= grant.num_layers:
-            self._fail(t, f"layer {unit.layer} beyond the {grant.num_layers} layers granted",
+        last = unit.layer + len(more)
+        if last >= grant.num_layers:
+            self._fail(t, f"layer {last} beyond the {grant.num_layers} layers granted",
                        tell_receiver="layer beyond the grant")
             return
         # Block index first + k of the request is destination grant.block_ids[first + k - skip]
@@ -267,18 +293,20 @@ class SendLoop:
             return
         src_ids = unit.src_block_ids[lo:]
         dst_ids = grant.block_ids[first + lo - skip:first + count - skip]
-        t.sent[unit.layer].update(range(first + lo, first + count))
+        for layer in range(unit.layer, last + 1):
+            t.sent[layer].update(range(first + lo, first + count))
         if not src_ids:
             return
         seq = self._track(t, unit.layer)
-        error = self.transport._io_transmit(t, unit.layer, unit.source, src_ids, dst_ids, seq)
+        sources = (unit.source,) + tuple(u.source for u in more)
+        error = self.transport._io_transmit(t, unit.layer, sources, src_ids, dst_ids, seq)
         if error:
             self._untrack(t, seq)
             self._fail(t, error, tell_receiver=error)
             return
         t.units_sent += 1
         assert self.layout is not None
-        self._stats.add(bytes=self.layout.payload_nbytes(len(dst_ids)), units=1)
+        self._stats.add(bytes=len(sources) * self.layout.payload_nbytes(len(dst_ids)), units=1)
 
     def _transmit_finish(self, t: OutgoingTransfer, fin: FinishUnit) -> None:
         grant = t.grant

@@ -75,6 +75,9 @@ from .transfer import OutgoingTransfer
 from .zmq_backend import NOTIFY, ZmqReceiver, ZmqSender, default_ipc_endpoint
 
 FENCE_INTERVAL_S = 0.1
+# The most bytes one unit writes when several layers are queued: bounds how long a revocation
+# waits for the write in progress and keeps acks flowing while a long prompt streams.
+MAX_UNIT_BYTES = 64 << 20
 
 
 def owner_tag(transfer_id: str) -> int:
@@ -121,7 +124,8 @@ class ShmReceiver(ZmqReceiver):
 
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(
-            self.layout, self.cache.num_blocks, self.cache.shm_name or "", self._owner_shm.name
+            self.layout, self.cache.num_blocks, self.cache.shm_name or "", self._owner_shm.name,
+            max_unit_layers=self.layout.num_layers,
         )
 
     def _on_idle(self) -> None:
@@ -180,17 +184,21 @@ class ShmSender(ZmqSender):
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
         self._owner_view = self._owners.numpy()  # fancy indexing without a torch op per unit
 
+    def _io_unit_layers(self, layer_nbytes: int) -> int:
+        return max(1, min(self._max_unit_layers, MAX_UNIT_BYTES // max(1, layer_nbytes)))
+
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         cache, owners = self._cache, self._owners
         assert cache is not None and owners is not None  # set by connect()
         if min(dst_ids) < 0 or max(dst_ids) >= owners.numel():
             bad = [b for b in dst_ids if not 0 <= b < owners.numel()]
             return f"granted block ids {bad} out of range"
-        if source.device.type != "cpu" or not source.is_contiguous():
-            source = self.gather(source, src_ids)  # rare: a source the runs cannot slice
+        if any(s.device.type != "cpu" or not s.is_contiguous() for s in sources):
+            # rare: a source the runs cannot slice
+            sources = tuple(self.gather(s, src_ids) for s in sources)
             src_ids = tuple(range(len(src_ids)))
         tag = owner_tag(t.transfer_id)
         # The owner check, then (nothing but the test hook) the write: the revocation protocol
@@ -199,25 +207,29 @@ class ShmSender(ZmqSender):
         if (held != tag).any():
             foreign = [b for b, owner in zip(dst_ids, held.tolist()) if owner != tag]
             return f"owner table: blocks {foreign} not owned by {t.transfer_id}"
+        count = len(sources)
         if self.pre_write_hook is not None:
-            self.pre_write_hook(self.data_header(t, layer, dst_ids, None, seq, crc=0))
+            self.pre_write_hook(self.data_header(t, layer, dst_ids, None, seq, crc=0, layer_count=count))
         # One native pass per unit (kernels/copy_crc32c.py, GIL released): each word of the
         # source is read once, folded into the crc32c and stored into the shared cache, and each
         # 24 KiB chunk is compared with its source while both are in cache. Bounds were checked
-        # against both tensors: dst ids above, src ids by send().
-        itemsize = source.element_size()
-        block_bytes = source[0, 0].numel() * itemsize
+        # against both tensors: dst ids above, src ids by send(); layer + count by the loop.
+        itemsize = cache.element_size()
+        block_bytes = cache[0, 0, 0].numel() * itemsize
+        runs = list(block_runs(src_ids, dst_ids))
         copies = []
-        for kv in (0, 1):
-            src_base = source.data_ptr() + kv * source.stride(0) * itemsize
-            dst_base = cache.data_ptr() + (layer * cache.stride(0) + kv * cache.stride(1)) * itemsize
-            copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
-                       for src, dst, length in block_runs(src_ids, dst_ids)]
+        for i, source in enumerate(sources):
+            for kv in (0, 1):
+                src_base = source.data_ptr() + kv * source.stride(0) * itemsize
+                dst_base = cache.data_ptr() + ((layer + i) * cache.stride(0) + kv * cache.stride(1)) * itemsize
+                copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
+                           for src, dst, length in runs]
         try:
             crc = copy_crc32c(copies)
         except CopyMismatch:
-            return f"layer {layer}: the copy into the shared cache does not read back"
-        self._send([NOTIFY, self.data_header(t, layer, dst_ids, None, seq, crc=crc).encode()])
+            return f"layers {layer}-{layer + count - 1}: the copy into the shared cache does not read back"
+        self._send([NOTIFY, self.data_header(t, layer, dst_ids, None, seq, crc=crc,
+                                             layer_count=count).encode()])
         return ""
 
     def _io_close(self) -> None:

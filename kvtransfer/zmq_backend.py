@@ -27,7 +27,9 @@ token, checked by the table (shm inherits all of this: its control channel is th
 Copies: the sender gathers a unit's blocks into a reused staging buffer (payload_pool.py) in
 one native pass that also computes its crc32c (SenderHooks.gather_crc), and sends it with
 copy=False, so libzmq reads it directly; the receiver checksums the received frame and copies
-it once, into the cache. No high-water marks: the payloads are ours anyway, and the engine never waits.
+it once, into the cache. Layers queued together
+travel as one unit of up to MAX_UNIT_BYTES (KVHeader.layer_count): one header and one ack for
+them. No high-water marks: the payloads are ours anyway, and the engine never waits.
 """
 
 from __future__ import annotations
@@ -87,10 +89,14 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 # much silence from a sender that holds a grant means a cut link or a frozen peer.
 SENDER_SILENCE_S = 8.0
 POOL_RECHECK_S = 0.0005  # a sender whose staging buffers are all in flight looks again this soon
+# The most payload bytes one unit carries when several layers are queued: its staging buffer
+# (at most PayloadPool.keep of them in flight) and how long its ack waits for the last byte.
+MAX_UNIT_BYTES = 8 << 20
 
 
 class ZmqReceiver(TableReceiver):
     one_sided = False
+    multi_layer_units = True  # advertised in the handshake (HandshakeReply.max_unit_layers)
 
     def __init__(
         self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str = "tcp://127.0.0.1:*",
@@ -171,7 +177,8 @@ class ZmqReceiver(TableReceiver):
                                           f"{zmq.strerror(event['value'])}")
 
     def _handshake_reply(self) -> HandshakeReply:
-        return HandshakeReply(self.layout, self.cache.num_blocks)
+        return HandshakeReply(self.layout, self.cache.num_blocks,
+                              max_unit_layers=self.layout.num_layers if self.multi_layer_units else 1)
 
     def _deliver(self, sender_id: str, message: Grant | Revoke) -> None:
         """Called by the table (any thread, its lock held): hand the frame to the I/O thread."""
@@ -311,6 +318,7 @@ class ZmqSender(IOSender):
         self._sock: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._pool = PayloadPool()  # staging buffers of DATA frames (I/O thread)
+        self._max_unit_layers = 1  # layers a unit may carry, from the receiver's handshake
 
     def _handshake(self, endpoint: str, layout: KVLayout) -> None:
         ctx = zmq.Context()
@@ -330,6 +338,7 @@ class ZmqSender(IOSender):
                 raise KVTransferError(f"bad handshake reply from {endpoint}")
             reply = HandshakeReply.decode(frames[1])
             self._check_layout(layout, reply.layout, endpoint)
+            self._max_unit_layers = reply.max_unit_layers
             self._on_handshake(reply, endpoint)
         except BaseException:
             sock.close(linger=0)
@@ -378,18 +387,21 @@ class ZmqSender(IOSender):
     def _io_ask(self, t: OutgoingTransfer) -> None:
         self._send([ASK, GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id)).encode()])
 
+    def _io_unit_layers(self, layer_nbytes: int) -> int:
+        return max(1, min(self._max_unit_layers, MAX_UNIT_BYTES // max(1, layer_nbytes)))
+
     def _io_transmit(
-        self, t: OutgoingTransfer, layer: int, source: torch.Tensor, src_ids: tuple[int, ...],
-        dst_ids: tuple[int, ...], seq: int,
+        self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
+        src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         assert self.layout is not None and self._sock is not None  # set by connect()
-        nbytes = self.layout.payload_nbytes(len(dst_ids))
+        nbytes = len(sources) * self.layout.payload_nbytes(len(dst_ids))
         buffer = self._pool.take(nbytes)
         assert buffer is not None  # _io_can_transmit said so, and nothing took one since
         try:
             payload = buffer[:nbytes]
-            crc = self.gather_crc(source, src_ids, payload)
-            header = self.data_header(t, layer, dst_ids, None, seq, crc=crc)
+            crc = self.gather_crc(sources, src_ids, payload)
+            header = self.data_header(t, layer, dst_ids, None, seq, crc=crc, layer_count=len(sources))
             # copy=False: libzmq reads the staging buffer itself; the tracker says when it is
             # done, and only then does the pool hand the buffer out again.
             tracker = self._sock.send_multipart([DATA, header.encode(), tensor_bytes(payload)],

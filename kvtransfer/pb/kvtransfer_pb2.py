@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvtransfer.proto\x12\x11tandem.kvtransfer\"\x8e\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\xa0\x02\n\x08KVHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x16\n\x0epayload_nbytes\x18\t \x01(\x04\x12\x14\n\x0csender_error\x18\n \x01(\t\x12\x11\n\tsender_id\x18\x0b \x01(\t\x12\x0e\n\x06\x66inish\x18\x0c \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\r \x01(\x05\x12\x11\n\tnum_units\x18\x0e \x01(\r\x12\x12\n\nauth_token\x18\x0f \x01(\x0c\"R\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\"q\n\x10HandshakeRequest\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.tandem.kvtransfer.Layout\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x12\n\nstart_time\x18\x04 \x01(\x04\"y\n\x0eHandshakeReply\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.tandem.kvtransfer.Layout\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x16\n\x0eowner_shm_name\x18\x04 \x01(\t\"J\n\x0cGrantRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\x0c\"y\n\nGrantReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\"-\n\x06Revoke\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\x07Revoked\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\"F\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.tandem.kvtransfer.KVHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xea\x01\n\nKVTransfer\x12S\n\tHandshake\x12#.tandem.kvtransfer.HandshakeRequest\x1a!.tandem.kvtransfer.HandshakeReply\x12G\n\x05Grant\x12\x1f.tandem.kvtransfer.GrantRequest\x1a\x1d.tandem.kvtransfer.GrantReply\x12>\n\x04Push\x12\x1c.tandem.kvtransfer.PushChunk\x1a\x16.tandem.kvtransfer.Ack(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvtransfer.proto\x12\x11tandem.kvtransfer\"\x8e\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\xb5\x02\n\x08KVHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\r\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x16\n\x0epayload_nbytes\x18\t \x01(\x04\x12\x14\n\x0csender_error\x18\n \x01(\t\x12\x11\n\tsender_id\x18\x0b \x01(\t\x12\x0e\n\x06\x66inish\x18\x0c \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\r \x01(\x05\x12\x11\n\tnum_units\x18\x0e \x01(\r\x12\x12\n\nauth_token\x18\x0f \x01(\x0c\x12\x13\n\x0blayer_count\x18\x10 \x01(\r\"R\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\"q\n\x10HandshakeRequest\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.tandem.kvtransfer.Layout\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x12\n\nstart_time\x18\x04 \x01(\x04\"\x92\x01\n\x0eHandshakeReply\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.tandem.kvtransfer.Layout\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x16\n\x0eowner_shm_name\x18\x04 \x01(\t\x12\x17\n\x0fmax_unit_layers\x18\x05 \x01(\r\"J\n\x0cGrantRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x12\n\nauth_token\x18\x03 \x01(\x0c\"y\n\nGrantReply\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\"-\n\x06Revoke\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"1\n\x07Revoked\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\"F\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.tandem.kvtransfer.KVHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xea\x01\n\nKVTransfer\x12S\n\tHandshake\x12#.tandem.kvtransfer.HandshakeRequest\x1a!.tandem.kvtransfer.HandshakeReply\x12G\n\x05Grant\x12\x1f.tandem.kvtransfer.GrantRequest\x1a\x1d.tandem.kvtransfer.GrantReply\x12>\n\x04Push\x12\x1c.tandem.kvtransfer.PushChunk\x1a\x16.tandem.kvtransfer.Ack(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUT']._serialized_start=40
   _globals['_LAYOUT']._serialized_end=182
   _globals['_KVHEADER']._serialized_start=185
-  _globals['_KVHEADER']._serialized_end=473
-  _globals['_ACK']._serialized_start=475
-  _globals['_ACK']._serialized_end=557
-  _globals['_HANDSHAKEREQUEST']._serialized_start=559
-  _globals['_HANDSHAKEREQUEST']._serialized_end=672
-  _globals['_HANDSHAKEREPLY']._serialized_start=674
-  _globals['_HANDSHAKEREPLY']._serialized_end=795
-  _globals['_GRANTREQUEST']._serialized_start=797
-  _globals['_GRANTREQUEST']._serialized_end=871
-  _globals['_GRANTREPLY']._serialized_start=873
-  _globals['_GRANTREPLY']._serialized_end=994
-  _globals['_REVOKE']._serialized_start=996
-  _globals['_REVOKE']._serialized_end=1041
-  _globals['_REVOKED']._serialized_start=1043
-  _globals['_REVOKED']._serialized_end=1092
-  _globals['_PUSHCHUNK']._serialized_start=1094
-  _globals['_PUSHCHUNK']._serialized_end=1164
-  _globals['_KVTRANSFER']._serialized_start=1167
-  _globals['_KVTRANSFER']._serialized_end=1401
+  _globals['_KVHEADER']._serialized_end=494
+  _globals['_ACK']._serialized_start=496
+  _globals['_ACK']._serialized_end=578
+  _globals['_HANDSHAKEREQUEST']._serialized_start=580
+  _globals['_HANDSHAKEREQUEST']._serialized_end=693
+  _globals['_HANDSHAKEREPLY']._serialized_start=696
+  _globals['_HANDSHAKEREPLY']._serialized_end=842
+  _globals['_GRANTREQUEST']._serialized_start=844
+  _globals['_GRANTREQUEST']._serialized_end=918
+  _globals['_GRANTREPLY']._serialized_start=920
+  _globals['_GRANTREPLY']._serialized_end=1041
+  _globals['_REVOKE']._serialized_start=1043
+  _globals['_REVOKE']._serialized_end=1088
+  _globals['_REVOKED']._serialized_start=1090
+  _globals['_REVOKED']._serialized_end=1139
+  _globals['_PUSHCHUNK']._serialized_start=1141
+  _globals['_PUSHCHUNK']._serialized_end=1211
+  _globals['_KVTRANSFER']._serialized_start=1214
+  _globals['_KVTRANSFER']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

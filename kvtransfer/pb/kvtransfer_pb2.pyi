@@ -25,7 +25,7 @@ class Layout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("transfer_id", "layer", "block_ids", "dtype", "shape", "fingerprint", "checksum", "seq", "payload_nbytes", "sender_error", "sender_id", "finish", "first_token", "num_units", "auth_token")
+    __slots__ = ("transfer_id", "layer", "block_ids", "dtype", "shape", "fingerprint", "checksum", "seq", "payload_nbytes", "sender_error", "sender_id", "finish", "first_token", "num_units", "auth_token", "layer_count")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class KVHeader(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_UNITS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +57,8 @@ class KVHeader(_message.Message):
     first_token: int
     num_units: int
     auth_token: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., seq: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., sender_error: _Optional[str] = ..., sender_id: _Optional[str] = ..., finish: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_units: _Optional[int] = ..., auth_token: _Optional[bytes] = ...) -> None: ...
+    layer_count: int
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[str] = ..., checksum: _Optional[int] = ..., seq: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., sender_error: _Optional[str] = ..., sender_id: _Optional[str] = ..., finish: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_units: _Optional[int] = ..., auth_token: _Optional[bytes] = ..., layer_count: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "transfer_id", "layer", "ok", "reason")
@@ -85,16 +87,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., sender_id: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[int] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("layout", "num_blocks", "shm_name", "owner_shm_name")
+    __slots__ = ("layout", "num_blocks", "shm_name", "owner_shm_name", "max_unit_layers")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_UNIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layout: Layout
     num_blocks: int
     shm_name: str
     owner_shm_name: str
-    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., owner_shm_name: _Optional[str] = ...) -> None: ...
+    max_unit_layers: int
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., owner_shm_name: _Optional[str] = ..., max_unit_layers: _Optional[int] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_id", "auth_token")

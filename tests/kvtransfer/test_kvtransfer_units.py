@@ -90,8 +90,8 @@ def test_bf16_layout_halves_the_wire_and_describes_its_dtype():
     h.check_against(bf16, 16)
     with pytest.raises(MessageError, match="fingerprint mismatch"):
         h.check_against(LAYOUT, 16)
-    back = payload_tensor(h, bytes(raw))
-    assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.uint8), p.view(torch.uint8))
+    back = payload_tensor(h, bytes(raw))  # [layer_count = 1, *payload shape]
+    assert back.dtype == torch.bfloat16 and torch.equal(back[0].view(torch.uint8), p.view(torch.uint8))
     assert kt.dtype_name(torch.bfloat16) == "bfloat16" and kt.dtype_name(torch.float32) == "float32"
     with pytest.raises(ValueError, match="no KV layout dtype"):
         kt.dtype_name(torch.int8)
