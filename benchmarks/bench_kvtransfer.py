@@ -22,6 +22,9 @@ place (ShmReceiver(verify="receiver")), a second full read of the bytes on the o
 competes with the copy for memory bandwidth. Small prompts also pay the grant round trip, the
 finish ack and tens of microseconds of Python per unit. The copy+crc32c row is shm's byte path
 without the protocol: the native kernel (kernels/copy_crc32c.py) once per layer, in process.
+The zmq-raw row is the transport's own ceiling on this host: the same bytes pushed as 8 MiB
+messages over loopback TCP to a spawned process that only receives them (no checksum, no
+header, no write into a cache), timed like a transfer.
 """
 
 from __future__ import annotations
@@ -138,6 +141,65 @@ def _bench_backend(backend: str, tokens: list[int], reps: int) -> tuple[dict[int
     return results, copies, per_cpu
 
 
+def _raw_sink(endpoint: str, done_endpoint: str) -> None:
+    import zmq  # noqa: PLC0415 (the spawned child imports what it uses)
+
+    ctx = zmq.Context()
+    pull, done = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(endpoint)
+    done.connect(done_endpoint)
+    while True:
+        count = int(pull.recv())
+        for _ in range(count):
+            pull.recv(copy=False)
+        done.send(b"")
+
+
+def _bench_raw_zmq(tokens: list[int], reps: int) -> tuple[dict[int, float], ...]:
+    """Loopback TCP through libzmq alone (see the module docstring), with a torch copy of the
+    same bytes timed before each run."""
+    import zmq  # noqa: PLC0415
+
+    ctx = zmq.Context()
+    push, done = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    port, done_port = push.bind_to_random_port("tcp://127.0.0.1"), done.bind_to_random_port("tcp://127.0.0.1")
+    proc = mp.get_context("spawn").Process(
+        target=_raw_sink, args=(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{done_port}"), daemon=True)
+    proc.start()
+    results, copies, per_cpu = {}, {}, {}
+    try:
+        for n_tokens in tokens:
+            nbytes = LAYOUT.cache_nbytes(n_tokens // LAYOUT.block_size)
+            src = torch.randn(nbytes // 4)
+            copy_src, copy_dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+            frame = 8 << 20
+            views = [memoryview(src.numpy()).cast("B")[at:at + frame] for at in range(0, nbytes, frame)]
+            best = best_copy = float("inf")
+            for rep in range(reps + 1):
+                _evict_caches()
+                start = time.perf_counter()
+                copy_dst.copy_(copy_src)
+                best_copy = min(best_copy, time.perf_counter() - start)
+                _evict_caches()
+                start = time.perf_counter()
+                push.send(str(len(views)).encode())
+                for view in views:
+                    push.send(view, copy=False)
+                if not done.poll(60_000):
+                    raise RuntimeError("the raw zmq sink did not answer")
+                done.recv()
+                if rep:
+                    best = min(best, time.perf_counter() - start)
+            results[n_tokens], copies[n_tokens] = nbytes / best / 1e9, nbytes / best_copy / 1e9
+            per_cpu[n_tokens] = float("nan")  # the sink's CPU is not measured
+    finally:
+        proc.kill()
+        push.close(linger=0)
+        done.close(linger=0)
+        ctx.term()
+    return results, copies, per_cpu
+
+
 def _bench_copy(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
     results, per_cpu = {}, {}
     for n_tokens in tokens:
@@ -187,7 +249,7 @@ def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["zmq", "shm", "shm-rverify", "grpc", "dist"])
+    parser.add_argument("--backends", nargs="+", default=["zmq", "zmq-raw", "shm", "shm-rverify", "grpc", "dist"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true",
@@ -203,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     rows["torch copy"], cpu["torch copy"] = _bench_copy(args.tokens, args.reps)
     rows["copy+crc32c"], beside["copy+crc32c"], cpu["copy+crc32c"] = _bench_kernel(args.tokens, args.reps)
     for backend in args.backends:
+        if backend == "zmq-raw":
+            rows[backend], beside[backend], cpu[backend] = _bench_raw_zmq(args.tokens, args.reps)
+            continue
         rows[backend], beside[backend], cpu[backend] = _bench_backend(backend, args.tokens, args.reps)
     if args.json:
         print(json.dumps({"layout": {"num_layers": LAYOUT.num_layers, "num_kv_heads": LAYOUT.num_kv_heads,
@@ -222,9 +287,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{'vs copy @ ' + str(last):>16}{'GB per CPU-s':>14}{'vs copy':>9}")
     for name, res in rows.items():
         ref = beside.get(name, res)[last]
+        per_cpu = cpu[name][last]
+        cpu_cells = (f"{'-':>14}{'-':>9}" if per_cpu != per_cpu else  # NaN: not measured
+                     f"{per_cpu:>14.2f}{per_cpu / cpu['torch copy'][last]:>9.1%}")
         print(f"{name:<12}" + "".join(f"{res[t]:>22.2f}" for t in args.tokens) + f"{ref:>14.2f}"
-              f"{res[last] / ref:>15.1%}{cpu[name][last]:>14.2f}"
-              f"{cpu[name][last] / cpu['torch copy'][last]:>9.1%}")
+              f"{res[last] / ref:>15.1%}" + cpu_cells)
 
 if __name__ == "__main__":
     main()
