@@ -11,7 +11,9 @@ falls back to Q5_0/Q8_0 for rows not a multiple of 256 wide), and squeezing it i
 what the file had kept. Measured on SmolLM2-135M quantized by llama-quantize to Q4_K_M (Q5_0
 and Q8_0 for most matrices, its 576-wide rows), against the F16 it was made from
 (`python -m benchmarks.quality Q4_K_M --reference F16 --formats fp32,int4,int8`): the file's own
-fp32 +3.83% perplexity; every matrix in int4 +6.00%; int8 +3.66%. Float matrices (an F16 file)
+fp32 +3.83% perplexity; every matrix in int4 +6.00%; int8 +3.66%. Under int8, Q6_K and Q8_0
+matrices keep the file's own blocks where the native kernels run ("q6_k", and "q8_0" for rows a
+multiple of 256 wide: kernels/quant_int8.py); the others are requantized per row. Float matrices (an F16 file)
 stay in the format asked for: quantizing them is the operator's choice. A fused projection
 (q|k|v, gate|up) whose parts the file stores in different types is packed part by part under
 the decode formats (packs_parts_apart; kernels/linear.py stack_linear), each part in its own

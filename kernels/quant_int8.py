@@ -22,6 +22,10 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
               the native kernel (kernels/quant_q6_k.py, kernels/csrc/q6k_linear.cpp): where
               the "native" layout would be chosen, a Q6_K matrix takes this one instead, so
               it is read at 6.5625 bits a weight and never requantized.
+    "q8_0":   a GGUF Q8_0 matrix's own blocks (int8 q, an fp16 d per 32 weights) in the same
+              kernel's tile order (kernels/quant_q8_0.py): where "native" would be chosen, a
+              Q8_0 matrix whose K is a multiple of 256 takes this one, so it keeps the file's
+              values and scales (8.5 bits a weight) instead of one scale a row.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import batch_invariance, native, quant_q6_k
+from kernels import batch_invariance, native, quant_q6_k, quant_q8_0
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, float_row_chunks, linear_reference
@@ -67,8 +71,12 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
         layout = default_layout(device)
         if layout == "native" and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q6_K":
             layout = quant_q6_k.LAYOUT
+        elif layout == "native" and quant_q8_0.fits(weight):
+            layout = quant_q8_0.LAYOUT
     if layout == quant_q6_k.LAYOUT:
         return quant_q6_k.pack(weight, bias)
+    if layout == quant_q8_0.LAYOUT:
+        return quant_q8_0.pack(weight, bias)
     if layout not in ("native", "cpu", "triton"):
         raise ValueError(f"unknown int8 layout {layout!r}")
     scale_dtype = torch.bfloat16 if layout == "cpu" else torch.float32
@@ -88,15 +96,18 @@ def default_layout(device: torch.device) -> str:
     return "native" if native.available() else "cpu"
 
 
+_BLOCK_LAYOUTS = {quant_q6_k.LAYOUT: quant_q6_k, quant_q8_0.LAYOUT: quant_q8_0}  # a GGUF type's own blocks
+
+
 def dequantize(packed: PackedLinear) -> torch.Tensor:
-    if packed.layout == quant_q6_k.LAYOUT:
-        return quant_q6_k.dequantize(packed)
+    if packed.layout in _BLOCK_LAYOUTS:
+        return _BLOCK_LAYOUTS[packed.layout].dequantize(packed)
     return packed.weight[:, :packed.in_features].float() * packed.scales.float()[:, None]
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
-    if packed.layout == quant_q6_k.LAYOUT:
-        return quant_q6_k.reference(x, packed)
+    if packed.layout in _BLOCK_LAYOUTS:
+        return _BLOCK_LAYOUTS[packed.layout].reference(x, packed)
     if packed.layout != "native":
         return linear_reference(x, dequantize(packed), packed.bias)
     # The native kernel's definition: y = dx[r] * scale[n] * (q[n] . xq[r]), x rounded to int16
@@ -112,11 +123,13 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout in ("native", quant_q6_k.LAYOUT):
+    if packed.layout in ("native", quant_q6_k.LAYOUT, quant_q8_0.LAYOUT):
         if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             return linear_reference(x, dequantize(packed), packed.bias)
         if packed.layout == quant_q6_k.LAYOUT:
             return quant_q6_k.q6k_linear_native(x, packed)
+        if packed.layout == quant_q8_0.LAYOUT:
+            return quant_q8_0.q8_0_linear_native(x, packed)
         return int8_linear_native(x, packed)
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)

@@ -33,12 +33,29 @@
 //
 // Unpack cost per 64 weights: a zero-extension, an and, a shift, two shifts of the high bits
 // and two or-with-mask (vpternlogd), against int4_linear.cpp's three: shared by the tile's rows.
+//
+// Q8_0 (tandem_q8_0_linear) runs the same tiles: its blocks of 32 int8 q with an fp16 d each
+// (w = d * q) are stored per 256 weights as 8 runs of 32 bytes, run v's byte L being vector v's
+// lane L in the order above (sub-blocks of 16, two to a Q8_0 block, share its d), so the unpack
+// is one sign extension per 32 weights, d * sc becomes the block's d, and there is no offset:
+//
+//     y[r, n] = dx[r] * sum_c sum_g d[c, g / 2] * (q[c, g] . xq[r, c, g])
+//
+// |q . xq| <= 16 * 128 * 32767 < 2^27 is exact as an integer but rounds when converted to
+// fp32 (24 bits): the same rounding on every path, so results stay tile- and thread-invariant;
+// `kernels/quant_q8_0.py reference` computes the exact sum and tests compare within fp32 error.
 #include "simd.h"
 #include "thread_pool.h"
 
 #define MB 8  // rows of x per tile
 #define SB_WEIGHTS 256
 #define SB_BYTES 192  // 128 bytes of low nibbles, 64 of high bit pairs
+#define Q8_SB_BYTES 256  // Q8_0: one int8 q per weight
+
+enum class Blocks { Q6K, Q8_0 };
+
+template <Blocks F>
+constexpr int64_t sb_bytes() { return F == Blocks::Q6K ? SB_BYTES : Q8_SB_BYTES; }
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -101,12 +118,19 @@ static inline void q6_vectors(const uint8_t* w, int t, __m512i& q0, __m512i& q1)
     q0 = _mm512_ternarylogic_epi32(lo, h0, top2, 0xF8);
     q1 = _mm512_ternarylogic_epi32(hi, h1, top2, 0xF8);
 }
+
+// Q8_0: vectors 2 t and 2 t + 1 of a super-block (w: its 256 bytes) as int16 q.
+static inline void q8_vectors(const uint8_t* w, int t, __m512i& q0, __m512i& q1) {
+    q0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 64 * t)));
+    q1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 64 * t + 32)));
+}
 #endif
 
 // out[r] = dx-free sum over the row's super-blocks (the caller multiplies by dx[r]): for R
-// rows of x at xq (stride k) with their XS at xs (stride k / 16). w: the weight row's bytes,
-// ds: d * sc per sub-block of the row (fp32, 16 per super-block).
-template <int R>
+// rows of x at xq (stride k) with their XS at xs (stride k / 16; Q8_0 has no offset and reads
+// none). w: the weight row's bytes, ds: d * sc (Q8_0: d) per sub-block of the row (fp32, 16
+// per super-block).
+template <int R, Blocks F>
 static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, const int16_t* xq, int64_t k,
                             const int32_t* xs, float* out) {
     const int64_t ldxs = k / 16;
@@ -118,13 +142,16 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < blocks; c++) {
-        const uint8_t* wc = w + c * SB_BYTES;
+        const uint8_t* wc = w + c * sb_bytes<F>();
         __m512i dot[R][A];
         for (int r = 0; r < R; r++)
             for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
             __m512i q0, q1;
-            q6_vectors(wc, t, q0, q1);
+            if (F == Blocks::Q6K)
+                q6_vectors(wc, t, q0, q1);
+            else
+                q8_vectors(wc, t, q0, q1);
             for (int r = 0; r < R; r++) {
                 const int16_t* xt = xq + r * k + c * SB_WEIGHTS + 64 * t;
                 __m512i& d0 = dot[r][(2 * t) % A];
@@ -140,8 +167,11 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
         }
         const __m512 vds = _mm512_loadu_ps(ds + 16 * c);
         for (int r = 0; r < R; r++) {
-            const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(xs + r * ldxs + 16 * c)), 5);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum_chains<A>(dot[r]), off)), vds, acc[r]);
+            __m512i total = sum_chains<A>(dot[r]);
+            if (F == Blocks::Q6K)
+                total = _mm512_sub_epi32(total, _mm512_slli_epi32(
+                    _mm512_loadu_si512((const void*)(xs + r * ldxs + 16 * c)), 5));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), vds, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -151,17 +181,23 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < blocks; c++) {
-        const uint8_t* wc = w + c * SB_BYTES;
+        const uint8_t* wc = w + c * sb_bytes<F>();
         for (int h = 0; h < 2; h++) {
             __m256i dot[R];
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++) {
-                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 32 * t + 16 * h)));
-                const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 128 + 32 * (t >> 1) + 16 * h)));
-                const __m256i h0 = (t & 1) ? hb : _mm256_slli_epi16(hb, 4);
-                const __m256i h1 = (t & 1) ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
-                const __m256i q0 = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(h0, top2));
-                const __m256i q1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), _mm256_and_si256(h1, top2));
+                __m256i q0, q1;
+                if (F == Blocks::Q6K) {
+                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 32 * t + 16 * h)));
+                    const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 128 + 32 * (t >> 1) + 16 * h)));
+                    const __m256i h0 = (t & 1) ? hb : _mm256_slli_epi16(hb, 4);
+                    const __m256i h1 = (t & 1) ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+                    q0 = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(h0, top2));
+                    q1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), _mm256_and_si256(h1, top2));
+                } else {
+                    q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wc + 64 * t + 16 * h)));
+                    q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wc + 64 * t + 32 + 16 * h)));
+                }
                 for (int r = 0; r < R; r++) {
                     const int16_t* xt = xq + r * k + c * SB_WEIGHTS + 64 * t + 16 * h;
                     dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(
@@ -171,8 +207,11 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
             }
             const __m256 vds = _mm256_loadu_ps(ds + 16 * c + 8 * h);
             for (int r = 0; r < R; r++) {
-                const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(xs + r * ldxs + 16 * c + 8 * h)), 5);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r], off)), vds, acc[r]);
+                __m256i total = dot[r];
+                if (F == Blocks::Q6K)
+                    total = _mm256_sub_epi32(total, _mm256_slli_epi32(
+                        _mm256_loadu_si256((const __m256i*)(xs + r * ldxs + 16 * c + 8 * h)), 5));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), vds, acc[r]);
             }
         }
     }
@@ -181,16 +220,22 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
     for (int r = 0; r < R; r++) {
         float acc = 0.f;
         for (int64_t c = 0; c < blocks; c++) {
-            const uint8_t* wc = w + c * SB_BYTES;
+            const uint8_t* wc = w + c * sb_bytes<F>();
             for (int g = 0; g < 16; g++) {
                 int32_t dot = 0;
                 for (int e = 0; e < 16; e++) {
                     const int v = e >> 1, lane = 2 * g + (e & 1), t = v >> 1, s = v >> 2, f = v & 3;
-                    const uint8_t lo = wc[32 * t + lane], hb = wc[128 + 32 * s + lane];
-                    const int q = ((v & 1) ? lo >> 4 : lo & 15) | (((hb >> (2 * f)) & 3) << 4);
+                    int q;
+                    if (F == Blocks::Q6K) {
+                        const uint8_t lo = wc[32 * t + lane], hb = wc[128 + 32 * s + lane];
+                        q = ((v & 1) ? lo >> 4 : lo & 15) | (((hb >> (2 * f)) & 3) << 4);
+                    } else {
+                        q = (int8_t)wc[32 * v + lane];
+                    }
                     dot += q * xq[r * k + c * SB_WEIGHTS + xq6_lane(g, e)];
                 }
-                acc += ds[16 * c + g] * (float)(dot - 32 * xs[r * ldxs + 16 * c + g]);
+                if (F == Blocks::Q6K) dot -= 32 * xs[r * ldxs + 16 * c + g];
+                acc += ds[16 * c + g] * (float)dot;
             }
         }
         out[r] = acc;
@@ -199,10 +244,13 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
 }
 
 // Output rows [j0, j1) of y: the serial kernel over a slice of N; each weight row read once.
-static void q6k_rows(const int16_t* xq, const float* dx, const int32_t* xs, int64_t m, int64_t k,
-                     const uint8_t* qb, const int8_t* sc, const uint16_t* d16, const float* bias, float* y,
-                     int64_t ldy, int64_t j0, int64_t j1) {
-    const int64_t blocks = k / SB_WEIGHTS, row_bytes = blocks * SB_BYTES;
+// Q6K: sc int8 [N, K / 16] and d16 one fp16 d per super-block; Q8_0: sc unused, d16 one fp16 d
+// per block of 32.
+template <Blocks F>
+static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, int64_t m, int64_t k,
+                       const uint8_t* qb, const int8_t* sc, const uint16_t* d16, const float* bias, float* y,
+                       int64_t ldy, int64_t j0, int64_t j1) {
+    const int64_t blocks = k / SB_WEIGHTS, row_bytes = blocks * sb_bytes<F>();
     const auto ds = aligned_zeros<float>((size_t)(16 * blocks));
     const char* end = (const char*)(qb + j1 * row_bytes);
     float out[MB];
@@ -211,22 +259,28 @@ static void q6k_rows(const int16_t* xq, const float* dx, const int32_t* xs, int6
         // Ahead of the hardware streamer, into every cache level (int4_linear.cpp measured why).
         for (int64_t off = 0; off < row_bytes; off += 64)
             if ((const char*)row + PREFETCH_BYTES + off < end) __builtin_prefetch((const char*)row + PREFETCH_BYTES + off, 0, 3);
-        const int8_t* scr = sc + j * 16 * blocks;
-        // d * sc per sub-block, vectorized: the scalar loop (one int-to-float conversion per
-        // 16 weights) cost as much as the row's dot products at M = 1 (measured: 12 -> 20 G
-        // weights/s for a 2048 x 5632 layer in cache).
-        for (int64_t c = 0; c < blocks; c++) {
-            const float d = fp16_to_float(d16[j * blocks + c]);
+        if (F == Blocks::Q8_0) {
+            // d per block of 32: sub-blocks 2 b and 2 b + 1 share block b's (exact fp16 -> fp32).
+            const uint16_t* dr = d16 + j * 8 * blocks;
+            for (int64_t b = 0; b < 8 * blocks; b++) ds[2 * b] = ds[2 * b + 1] = fp16_to_float(dr[b]);
+        } else {
+            const int8_t* scr = sc + j * 16 * blocks;
+            // d * sc per sub-block, vectorized: the scalar loop (one int-to-float conversion per
+            // 16 weights) cost as much as the row's dot products at M = 1 (measured: 12 -> 20 G
+            // weights/s for a 2048 x 5632 layer in cache).
+            for (int64_t c = 0; c < blocks; c++) {
+                const float d = fp16_to_float(d16[j * blocks + c]);
 #if defined(__AVX512F__)
-            _mm512_store_ps(ds.get() + 16 * c, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(scr + 16 * c))))));
+                _mm512_store_ps(ds.get() + 16 * c, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(scr + 16 * c))))));
 #elif defined(__AVX2__)
-            for (int h = 0; h < 2; h++)
-                _mm256_store_ps(ds.get() + 16 * c + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scr + 16 * c + 8 * h))))));
+                for (int h = 0; h < 2; h++)
+                    _mm256_store_ps(ds.get() + 16 * c + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scr + 16 * c + 8 * h))))));
 #else
-            for (int g = 0; g < 16; g++) ds[16 * c + g] = d * (float)scr[16 * c + g];
+                for (int g = 0; g < 16; g++) ds[16 * c + g] = d * (float)scr[16 * c + g];
 #endif
+            }
         }
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {
@@ -234,24 +288,23 @@ static void q6k_rows(const int16_t* xq, const float* dx, const int32_t* xs, int6
             const int16_t* xr = xq + m0 * k;
             const int32_t* xsr = xs + m0 * (k / 16);
             switch (r) {
-                case 1: row_tile<1>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 2: row_tile<2>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 3: row_tile<3>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 4: row_tile<4>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 5: row_tile<5>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 6: row_tile<6>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 7: row_tile<7>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                default: row_tile<8>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 1: row_tile<1, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 2: row_tile<2, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 3: row_tile<3, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 4: row_tile<4, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 5: row_tile<5, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 6: row_tile<6, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 7: row_tile<7, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                default: row_tile<8, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
             }
             for (int64_t i = 0; i < r; i++) y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + b;
         }
     }
 }
 
-// qb uint8 [N, K / 256 * 192] (the order above), sc int8 [N, K / 16], d16 fp16 [N, K / 256].
-TANDEM_API int tandem_q6k_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb,
-                                 const int8_t* sc, const uint16_t* d16, int64_t n, const float* bias,
-                                 float* y, int64_t ldy) {
+template <Blocks F>
+static int block_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb, const int8_t* sc,
+                        const uint16_t* d16, int64_t n, const float* bias, float* y, int64_t ldy) {
     if (k % SB_WEIGHTS) return 1;
     if (m < 0 || n < 0) return 2;
     const auto xq = aligned_zeros<int16_t>((size_t)(m * k));
@@ -260,7 +313,20 @@ TANDEM_API int tandem_q6k_linear(const float* x, int64_t m, int64_t k, int64_t l
     // x is rounded once, before the split: every thread reads the same xq, dx and xs.
     quantize_rows_q6(x, m, k, ldx, xq.get(), dx.get(), xs.get());
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        q6k_rows(xq.get(), dx.get(), xs.get(), m, k, qb, sc, d16, bias, y, ldy, j0, j1);
+        block_rows<F>(xq.get(), dx.get(), xs.get(), m, k, qb, sc, d16, bias, y, ldy, j0, j1);
     });
     return 0;
+}
+
+// qb uint8 [N, K / 256 * 192] (the order above), sc int8 [N, K / 16], d16 fp16 [N, K / 256].
+TANDEM_API int tandem_q6k_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb,
+                                 const int8_t* sc, const uint16_t* d16, int64_t n, const float* bias,
+                                 float* y, int64_t ldy) {
+    return block_linear<Blocks::Q6K>(x, m, k, ldx, qb, sc, d16, n, bias, y, ldy);
+}
+
+// qb int8 [N, K] (runs of 32 per 256 weights, the order above), d16 fp16 [N, K / 32].
+TANDEM_API int tandem_q8_0_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const int8_t* qb,
+                                  const uint16_t* d16, int64_t n, const float* bias, float* y, int64_t ldy) {
+    return block_linear<Blocks::Q8_0>(x, m, k, ldx, (const uint8_t*)qb, nullptr, d16, n, bias, y, ldy);
 }

@@ -63,10 +63,19 @@ def assert_same_bits(fast, slow):
 
 
 @pytest.mark.parametrize("fmt,ggml_type", [("int4", "Q4_1"), ("int4a8", "Q4_1"), ("int8", "F32"),
-                                           ("int4", "Q4_K"), ("int8", "Q6_K")])
+                                           ("int4", "Q4_K"), ("int8", "Q6_K"), ("int8", "Q8_0")])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_each_native_layout_decodes_the_same_bits_as_the_loop(tmp_path, fmt, ggml_type, batch):
     assert_same_bits(*both_ways(build(tmp_path, fmt, ggml_type), batch))
+
+
+def test_a_q8_0_file_reads_its_own_blocks(tmp_path):
+    """Under the default int4 format a Q8_0 file's matrices take int8's "q8_0" layout (the
+    file's values and scales, engine/format_choice.py), and the native pass runs them."""
+    model = build(tmp_path, "int4", "Q8_0")
+    layers = model.layers
+    assert {p.layout for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)} == {"q8_0"}
+    assert_same_bits(*both_ways(model, 3))
 
 
 def test_a_q4_k_m_mix_with_stacked_projections(tmp_path):

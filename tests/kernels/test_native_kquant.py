@@ -1,6 +1,7 @@
 """K-quant blocks read by the native kernels as the file stores them: Q4_K in the int4 format's
-"q4_k"/"q4_ka8" layouts (kernels/csrc/int4_linear.cpp tandem_q4k_linear) and Q6_K in the int8
-format's "q6_k" layout (kernels/csrc/q6k_linear.cpp, kernels/quant_q6_k.py). Against gguf's
+"q4_k"/"q4_ka8" layouts (kernels/csrc/int4_linear.cpp tandem_q4k_linear), Q6_K in the int8
+format's "q6_k" layout (kernels/csrc/q6k_linear.cpp, kernels/quant_q6_k.py) and Q8_0 in its
+"q8_0" layout (the same kernel's tiles, kernels/quant_q8_0.py). Against gguf's
 own dequantizer (the weights are the file's, bit for bit), against each layout's torch
 reference at every native level this host runs, across thread counts and tiles (bit-equal), and
 as the parts of a stacked projection (kernels/linear.py stack_linear)."""
@@ -12,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels import native, quant_int4, quant_int8, quant_q6_k
+from kernels import native, quant_int4, quant_int8, quant_q6_k, quant_q8_0
 from kernels.ggml_dequant import k4_scales_mins, q4_k_q, q6_k_q
 from kernels.linear import dequantize_packed, linear, pack_linear, packed_linear_reference, stack_linear
 from kernels.quantized_tensor import QuantizedTensor
@@ -28,6 +29,9 @@ CPU = torch.device("cpu")
 
 def kquant(ggml_type: str, n: int, k: int, seed: int) -> QuantizedTensor:
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    if ggml_type == "Q8_0":  # gguf's own quantizer (not a K-quant: no super-blocks)
+        data = quants.quantize(w, GGMLQuantizationType.Q8_0)
+        return QuantizedTensor("Q8_0", np.ascontiguousarray(data).reshape(n, -1), (n, k))
     return QuantizedTensor(ggml_type, quantize_k(w, ggml_type), (n, k))
 
 
@@ -38,7 +42,8 @@ def gguf_dequantize(qt: QuantizedTensor) -> torch.Tensor:
 # Each K-quant layout: (ggml type, format module, layout, the native kernel's Python wrapper).
 LAYOUTS = [("Q4_K", quant_int4, "q4_k", quant_int4.int4_linear_native),
            ("Q4_K", quant_int4, "q4_ka8", quant_int4.int4_linear_native),
-           ("Q6_K", quant_int8, "q6_k", quant_q6_k.q6k_linear_native)]
+           ("Q6_K", quant_int8, "q6_k", quant_q6_k.q6k_linear_native),
+           ("Q8_0", quant_int8, "q8_0", quant_q8_0.q8_0_linear_native)]
 
 
 @pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS, ids=[lay[2] for lay in LAYOUTS])
@@ -55,7 +60,8 @@ def test_native_kernel_equals_its_layouts_reference(level, k, ggml_type, module,
         torch.testing.assert_close(run(x, packed, level), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS[::2], ids=["q4_k", "q6_k"])
+@pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS[::2] + LAYOUTS[3:],
+                         ids=["q4_k", "q6_k", "q8_0"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_native_kernel_is_close_to_the_files_weights(level, ggml_type, module, layout, run):
     """The int16 rounding of x keeps y within 1e-4 of x @ W^T, W the file's own weights."""
@@ -155,7 +161,44 @@ def test_q6_k_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypat
         quant_int8.pack(kquant("Q4_K", 8, 256, seed=0), None, CPU, layout="q6_k")
 
 
-# --- both: tiles, threads, stacks --------------------------------------------------------------
+# --- Q8_0 --------------------------------------------------------------------------------------
+
+
+def test_q8_0_layout_holds_the_files_blocks_and_dequantizes_bit_for_bit():
+    qt = kquant("Q8_0", 20, 768, seed=13)
+    packed = quant_int8.pack(qt, None, CPU, layout="q8_0")
+    blocks = qt.data.reshape(20, 24, 34)
+    q = quant_q8_0._from_kernel_order(packed.weight.numpy().reshape(-1, 256)).reshape(20, 24, 32)
+    assert np.array_equal(q.view(np.uint8), blocks[..., 2:])
+    assert np.array_equal(packed.scales.view(torch.uint8).numpy().reshape(20, 24, 2), blocks[..., :2])
+    assert torch.equal(quant_int8.dequantize(packed), gguf_dequantize(qt))
+    nbytes = sum(t.numel() * t.element_size() for t in (packed.weight, packed.scales))
+    assert nbytes == qt.data.nbytes  # 8.5 bits a weight, as the file
+    # Run v's byte 2 g + b is element 2 v + b of sub-block g (of 16) within each 256 weights.
+    ordered = packed.weight.numpy().reshape(-1, 256)
+    flat = q.reshape(-1, 256)
+    for g, e in ((0, 0), (3, 5), (15, 15), (9, 2)):
+        v, b = divmod(e, 2)
+        assert np.array_equal(ordered[:, 32 * v + 2 * g + b], flat[:, 16 * g + e])
+
+
+def test_q8_0_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypatch):
+    """Only where K is whole tiles of 256: other Q8_0 matrices (a 576-wide SmolLM2) keep the
+    per-row "native" layout."""
+    monkeypatch.setattr(quant_int8, "default_layout", lambda device: "native")
+    assert quant_int8.pack(kquant("Q8_0", 16, 512, seed=4), None, CPU).layout == "q8_0"
+    odd = QuantizedTensor("Q8_0", np.ascontiguousarray(quants.quantize(
+        np.ones((4, 576), np.float32), GGMLQuantizationType.Q8_0)).reshape(4, -1), (4, 576))
+    assert not quant_q8_0.fits(odd) and quant_int8.pack(odd, None, CPU).layout == "native"
+    monkeypatch.setattr(quant_int8, "default_layout", lambda device: "triton")
+    assert quant_int8.pack(kquant("Q8_0", 16, 512, seed=4), None, CPU).layout == "triton"
+    with pytest.raises(ValueError, match="q8_0 layout takes Q8_0 GGUF blocks with K % 256 == 0, got Q6_K"):
+        quant_int8.pack(kquant("Q6_K", 8, 256, seed=0), None, CPU, layout="q8_0")
+    with pytest.raises(ValueError, match=r"got Q8_0 \[4, 576\]"):
+        quant_int8.pack(odd, None, CPU, layout="q8_0")
+
+
+# --- all: tiles, threads, stacks ---------------------------------------------------------------
 
 
 def _kernels():
@@ -164,8 +207,9 @@ def _kernels():
     q4 = quant_int4.pack(kquant("Q4_K", 577, 2048, seed=9), torch.randn(577, generator=gen), CPU, layout="q4_k")
     q4a8 = quant_int4.pack(kquant("Q4_K", 100, 768, seed=9), None, CPU, layout="q4_ka8")
     q6 = quant_int8.pack(kquant("Q6_K", 577, 2048, seed=10), torch.randn(577, generator=gen), CPU, layout="q6_k")
+    q8 = quant_int8.pack(kquant("Q8_0", 333, 1280, seed=14), torch.randn(333, generator=gen), CPU, layout="q8_0")
     return [("q4_k", q4, quant_int4.int4_linear_native), ("q4_ka8", q4a8, quant_int4.int4_linear_native),
-            ("q6_k", q6, quant_q6_k.q6k_linear_native)]
+            ("q6_k", q6, quant_q6_k.q6k_linear_native), ("q8_0", q8, quant_q8_0.q8_0_linear_native)]
 
 
 @pytest.mark.parametrize("level", LEVELS)
