@@ -79,6 +79,7 @@ _SIGNATURES = {
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "tandem_q6k_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_q8_0_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_q5k_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "tandem_rotary_kv_write": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr,
                                _ptr, _ptr, ctypes.c_int, _i64, _ptr],

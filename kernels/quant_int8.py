@@ -22,6 +22,9 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
               the native kernel (kernels/quant_q6_k.py, kernels/csrc/q6k_linear.cpp): where
               the "native" layout would be chosen, a Q6_K matrix takes this one instead, so
               it is read at 6.5625 bits a weight and never requantized.
+    "q5_k":   a GGUF Q5_K matrix's own 5-bit q, sub-block scales and mins (kernels/quant_q5_k.py,
+              the same kernel): where "native" would be chosen, so a Q5_K_M file is read at
+              6.625 bits a weight with the file's values, not requantized to 8.
     "q8_0":   a GGUF Q8_0 matrix's own blocks (int8 q, an fp16 d per 32 weights) in the same
               kernel's tile order (kernels/quant_q8_0.py): where "native" would be chosen, a
               Q8_0 matrix whose K is a multiple of 256 takes this one, so it keeps the file's
@@ -33,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import batch_invariance, native, quant_q6_k, quant_q8_0
+from kernels import batch_invariance, native, quant_q5_k, quant_q6_k, quant_q8_0
 from kernels._triton import (HAS_TRITON, activation_dtype, gemm_tiles, record_launch, tl, triton, triton_layouts,
                              use_triton)
 from kernels.linear import PackedLinear, float_row_chunks, linear_reference
@@ -73,10 +76,14 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
             layout = quant_q6_k.LAYOUT
         elif layout == "native" and quant_q8_0.fits(weight):
             layout = quant_q8_0.LAYOUT
+        elif layout == "native" and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q5_K":
+            layout = quant_q5_k.LAYOUT
     if layout == quant_q6_k.LAYOUT:
         return quant_q6_k.pack(weight, bias)
     if layout == quant_q8_0.LAYOUT:
         return quant_q8_0.pack(weight, bias)
+    if layout == quant_q5_k.LAYOUT:
+        return quant_q5_k.pack(weight, bias)
     if layout not in ("native", "cpu", "triton"):
         raise ValueError(f"unknown int8 layout {layout!r}")
     scale_dtype = torch.bfloat16 if layout == "cpu" else torch.float32
@@ -96,18 +103,21 @@ def default_layout(device: torch.device) -> str:
     return "native" if native.available() else "cpu"
 
 
-_BLOCK_LAYOUTS = {quant_q6_k.LAYOUT: quant_q6_k, quant_q8_0.LAYOUT: quant_q8_0}  # a GGUF type's own blocks
+# a GGUF type's own blocks, each read by its native kernel (forward) and defined by its module
+_BLOCK_LAYOUTS = {quant_q6_k.LAYOUT: (quant_q6_k, quant_q6_k.q6k_linear_native),
+                  quant_q8_0.LAYOUT: (quant_q8_0, quant_q8_0.q8_0_linear_native),
+                  quant_q5_k.LAYOUT: (quant_q5_k, quant_q5_k.q5k_linear_native)}
 
 
 def dequantize(packed: PackedLinear) -> torch.Tensor:
     if packed.layout in _BLOCK_LAYOUTS:
-        return _BLOCK_LAYOUTS[packed.layout].dequantize(packed)
+        return _BLOCK_LAYOUTS[packed.layout][0].dequantize(packed)
     return packed.weight[:, :packed.in_features].float() * packed.scales.float()[:, None]
 
 
 def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     if packed.layout in _BLOCK_LAYOUTS:
-        return _BLOCK_LAYOUTS[packed.layout].reference(x, packed)
+        return _BLOCK_LAYOUTS[packed.layout][0].reference(x, packed)
     if packed.layout != "native":
         return linear_reference(x, dequantize(packed), packed.bias)
     # The native kernel's definition: y = dx[r] * scale[n] * (q[n] . xq[r]), x rounded to int16
@@ -123,13 +133,11 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
-    if packed.layout in ("native", quant_q6_k.LAYOUT, quant_q8_0.LAYOUT):
+    if packed.layout == "native" or packed.layout in _BLOCK_LAYOUTS:
         if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
             return linear_reference(x, dequantize(packed), packed.bias)
-        if packed.layout == quant_q6_k.LAYOUT:
-            return quant_q6_k.q6k_linear_native(x, packed)
-        if packed.layout == quant_q8_0.LAYOUT:
-            return quant_q8_0.q8_0_linear_native(x, packed)
+        if packed.layout in _BLOCK_LAYOUTS:
+            return _BLOCK_LAYOUTS[packed.layout][1](x, packed)
         return int8_linear_native(x, packed)
     if packed.layout == "cpu":
         return int8_linear_cpu(x, packed.weight, packed.scales, packed.bias)

@@ -30,6 +30,8 @@ int tandem_q6k_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, c
                       const uint16_t*, int64_t, const float*, float*, int64_t);
 int tandem_q8_0_linear(const float*, int64_t, int64_t, int64_t, const int8_t*, const uint16_t*, int64_t,
                        const float*, float*, int64_t);
+int tandem_q5k_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*, const uint8_t*,
+                      const uint16_t*, int64_t, const float*, float*, int64_t);
 int tandem_rms_norm(const float*, int64_t, const float*, int64_t, const float*, float*, float*,
                     int64_t, int64_t, float);
 int tandem_rotary_kv_write(const float*, int64_t, const int64_t*, const float*, const float*, int64_t,
@@ -78,7 +80,7 @@ struct TandemDecodeArgs {
     int64_t table_stride, nseq;
 };
 
-enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7 };
+enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7, Q5K = 8 };
 
 static int projection_width(const TandemProj& p) {
     int64_t n = 0;
@@ -119,6 +121,10 @@ static int project(const TandemProj& p, const float* x, int64_t m, float* y, int
             case Q8_0:
                 rc = tandem_q8_0_linear(x, m, l.k, l.k, (const int8_t*)l.w, (const uint16_t*)l.a, l.n,
                                         l.bias, out, ldy);
+                break;
+            case Q5K:
+                rc = tandem_q5k_linear(x, m, l.k, l.k, (const uint8_t*)l.w, (const uint8_t*)l.a,
+                                       (const uint8_t*)l.b, (const uint16_t*)l.c, l.n, l.bias, out, ldy);
                 break;
             default:
                 return 100;

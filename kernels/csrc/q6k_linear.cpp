@@ -44,6 +44,18 @@
 // |q . xq| <= 16 * 128 * 32767 < 2^27 is exact as an integer but rounds when converted to
 // fp32 (24 bits): the same rounding on every path, so results stay tile- and thread-invariant;
 // `kernels/quant_q8_0.py reference` computes the exact sum and tests compare within fp32 error.
+//
+// Q5_K (tandem_q5k_linear) keeps its 5-bit q (0..31) in the Q6_K byte order (the sixth bit
+// zero: 6 bits stored where the file has 5, against 8 for the int8 format's requantization),
+// and its sub-blocks of 32 have a 6-bit scale and min each under the super-block's fp16 d and
+// dmin (w = d sc q - dmin m), so each sub-block of 16 takes its pair's d * sc and dmin * m and
+// the offset is a float term:
+//
+//     y[r, n] = dx[r] * sum_c sum_g ((d sc)[c, g / 2] * (q[c, g] . xq[r, c, g])
+//                                   - (dmin m)[c, g / 2] * XS[r, c, g])
+//
+// exact in its integers (|q . xq| <= 16 * 31 * 32767 < 2^24, |XS| < 2^24) and products (11 by
+// 6 bits), rounded in the two fmas a super-block and row, in a fixed order.
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -52,10 +64,10 @@
 #define SB_BYTES 192  // 128 bytes of low nibbles, 64 of high bit pairs
 #define Q8_SB_BYTES 256  // Q8_0: one int8 q per weight
 
-enum class Blocks { Q6K, Q8_0 };
+enum class Blocks { Q6K, Q8_0, Q5K };
 
 template <Blocks F>
-constexpr int64_t sb_bytes() { return F == Blocks::Q6K ? SB_BYTES : Q8_SB_BYTES; }
+constexpr int64_t sb_bytes() { return F == Blocks::Q8_0 ? Q8_SB_BYTES : SB_BYTES; }
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -129,10 +141,10 @@ static inline void q8_vectors(const uint8_t* w, int t, __m512i& q0, __m512i& q1)
 // out[r] = dx-free sum over the row's super-blocks (the caller multiplies by dx[r]): for R
 // rows of x at xq (stride k) with their XS at xs (stride k / 16; Q8_0 has no offset and reads
 // none). w: the weight row's bytes, ds: d * sc (Q8_0: d) per sub-block of the row (fp32, 16
-// per super-block).
+// per super-block), mn: Q5_K's dmin * m per sub-block (else unused).
 template <int R, Blocks F>
-static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, const int16_t* xq, int64_t k,
-                            const int32_t* xs, float* out) {
+static inline void row_tile(const uint8_t* w, const float* ds, const float* mn, int64_t blocks,
+                            const int16_t* xq, int64_t k, const int32_t* xs, float* out) {
     const int64_t ldxs = k / 16;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     // Two chains for a lone row, one otherwise: a super-block's 8 dot products end in one sum
@@ -148,10 +160,10 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
             for (int a = 0; a < A; a++) dot[r][a] = _mm512_setzero_si512();
         for (int t = 0; t < 4; t++) {
             __m512i q0, q1;
-            if (F == Blocks::Q6K)
-                q6_vectors(wc, t, q0, q1);
-            else
+            if (F == Blocks::Q8_0)
                 q8_vectors(wc, t, q0, q1);
+            else
+                q6_vectors(wc, t, q0, q1);
             for (int r = 0; r < R; r++) {
                 const int16_t* xt = xq + r * k + c * SB_WEIGHTS + 64 * t;
                 __m512i& d0 = dot[r][(2 * t) % A];
@@ -172,6 +184,9 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
                 total = _mm512_sub_epi32(total, _mm512_slli_epi32(
                     _mm512_loadu_si512((const void*)(xs + r * ldxs + 16 * c)), 5));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), vds, acc[r]);
+            if (F == Blocks::Q5K)
+                acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(xs + r * ldxs + 16 * c))),
+                                          _mm512_loadu_ps(mn + 16 * c), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
@@ -187,7 +202,7 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++) {
                 __m256i q0, q1;
-                if (F == Blocks::Q6K) {
+                if (F != Blocks::Q8_0) {
                     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 32 * t + 16 * h)));
                     const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wc + 128 + 32 * (t >> 1) + 16 * h)));
                     const __m256i h0 = (t & 1) ? hb : _mm256_slli_epi16(hb, 4);
@@ -212,6 +227,9 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
                     total = _mm256_sub_epi32(total, _mm256_slli_epi32(
                         _mm256_loadu_si256((const __m256i*)(xs + r * ldxs + 16 * c + 8 * h)), 5));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), vds, acc[r]);
+                if (F == Blocks::Q5K)
+                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                        (const __m256i*)(xs + r * ldxs + 16 * c + 8 * h))), _mm256_loadu_ps(mn + 16 * c + 8 * h), acc[r]);
             }
         }
     }
@@ -226,7 +244,7 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
                 for (int e = 0; e < 16; e++) {
                     const int v = e >> 1, lane = 2 * g + (e & 1), t = v >> 1, s = v >> 2, f = v & 3;
                     int q;
-                    if (F == Blocks::Q6K) {
+                    if (F != Blocks::Q8_0) {
                         const uint8_t lo = wc[32 * t + lane], hb = wc[128 + 32 * s + lane];
                         q = ((v & 1) ? lo >> 4 : lo & 15) | (((hb >> (2 * f)) & 3) << 4);
                     } else {
@@ -236,6 +254,7 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
                 }
                 if (F == Blocks::Q6K) dot -= 32 * xs[r * ldxs + 16 * c + g];
                 acc += ds[16 * c + g] * (float)dot;
+                if (F == Blocks::Q5K) acc -= mn[16 * c + g] * (float)xs[r * ldxs + 16 * c + g];
             }
         }
         out[r] = acc;
@@ -245,13 +264,15 @@ static inline void row_tile(const uint8_t* w, const float* ds, int64_t blocks, c
 
 // Output rows [j0, j1) of y: the serial kernel over a slice of N; each weight row read once.
 // Q6K: sc int8 [N, K / 16] and d16 one fp16 d per super-block; Q8_0: sc unused, d16 one fp16 d
-// per block of 32.
+// per block of 32; Q5K: sc and m5 uint8 [N, K / 32] (6-bit scale and min per sub-block of 32),
+// d16 the fp16 pair (d, dmin) per super-block.
 template <Blocks F>
 static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, int64_t m, int64_t k,
-                       const uint8_t* qb, const int8_t* sc, const uint16_t* d16, const float* bias, float* y,
-                       int64_t ldy, int64_t j0, int64_t j1) {
+                       const uint8_t* qb, const int8_t* sc, const uint8_t* m5, const uint16_t* d16,
+                       const float* bias, float* y, int64_t ldy, int64_t j0, int64_t j1) {
     const int64_t blocks = k / SB_WEIGHTS, row_bytes = blocks * sb_bytes<F>();
     const auto ds = aligned_zeros<float>((size_t)(16 * blocks));
+    const auto mns = aligned_zeros<float>(F == Blocks::Q5K ? (size_t)(16 * blocks) : 1);
     const char* end = (const char*)(qb + j1 * row_bytes);
     float out[MB];
     for (int64_t j = j0; j < j1; j++) {
@@ -263,6 +284,18 @@ static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, in
             // d per block of 32: sub-blocks 2 b and 2 b + 1 share block b's (exact fp16 -> fp32).
             const uint16_t* dr = d16 + j * 8 * blocks;
             for (int64_t b = 0; b < 8 * blocks; b++) ds[2 * b] = ds[2 * b + 1] = fp16_to_float(dr[b]);
+        } else if (F == Blocks::Q5K) {
+            // d * sc and dmin * m per sub-block of 32, for both its halves of 16 (exact products).
+            const uint8_t* scr = (const uint8_t*)sc + j * 8 * blocks;
+            const uint8_t* mr = m5 + j * 8 * blocks;
+            for (int64_t c = 0; c < blocks; c++) {
+                const float d = fp16_to_float(d16[(j * blocks + c) * 2]);
+                const float dmin = fp16_to_float(d16[(j * blocks + c) * 2 + 1]);
+                for (int s = 0; s < 8; s++) {
+                    ds[16 * c + 2 * s] = ds[16 * c + 2 * s + 1] = d * (float)scr[8 * c + s];
+                    mns[16 * c + 2 * s] = mns[16 * c + 2 * s + 1] = dmin * (float)mr[8 * c + s];
+                }
+            }
         } else {
             const int8_t* scr = sc + j * 16 * blocks;
             // d * sc per sub-block, vectorized: the scalar loop (one int-to-float conversion per
@@ -288,14 +321,14 @@ static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, in
             const int16_t* xr = xq + m0 * k;
             const int32_t* xsr = xs + m0 * (k / 16);
             switch (r) {
-                case 1: row_tile<1, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 2: row_tile<2, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 3: row_tile<3, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 4: row_tile<4, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 5: row_tile<5, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 6: row_tile<6, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                case 7: row_tile<7, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
-                default: row_tile<8, F>(row, ds.get(), blocks, xr, k, xsr, out); break;
+                case 1: row_tile<1, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 2: row_tile<2, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 3: row_tile<3, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 4: row_tile<4, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 5: row_tile<5, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 6: row_tile<6, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                case 7: row_tile<7, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
+                default: row_tile<8, F>(row, ds.get(), mns.get(), blocks, xr, k, xsr, out); break;
             }
             for (int64_t i = 0; i < r; i++) y[(m0 + i) * ldy + j] = out[i] * dx[m0 + i] + b;
         }
@@ -304,7 +337,8 @@ static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, in
 
 template <Blocks F>
 static int block_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb, const int8_t* sc,
-                        const uint16_t* d16, int64_t n, const float* bias, float* y, int64_t ldy) {
+                        const uint8_t* m5, const uint16_t* d16, int64_t n, const float* bias, float* y,
+                        int64_t ldy) {
     if (k % SB_WEIGHTS) return 1;
     if (m < 0 || n < 0) return 2;
     const auto xq = aligned_zeros<int16_t>((size_t)(m * k));
@@ -313,7 +347,7 @@ static int block_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const
     // x is rounded once, before the split: every thread reads the same xq, dx and xs.
     quantize_rows_q6(x, m, k, ldx, xq.get(), dx.get(), xs.get());
     tandem::parallel_for(0, n, 16, [&](int64_t j0, int64_t j1) {
-        block_rows<F>(xq.get(), dx.get(), xs.get(), m, k, qb, sc, d16, bias, y, ldy, j0, j1);
+        block_rows<F>(xq.get(), dx.get(), xs.get(), m, k, qb, sc, m5, d16, bias, y, ldy, j0, j1);
     });
     return 0;
 }
@@ -322,11 +356,19 @@ static int block_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const
 TANDEM_API int tandem_q6k_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb,
                                  const int8_t* sc, const uint16_t* d16, int64_t n, const float* bias,
                                  float* y, int64_t ldy) {
-    return block_linear<Blocks::Q6K>(x, m, k, ldx, qb, sc, d16, n, bias, y, ldy);
+    return block_linear<Blocks::Q6K>(x, m, k, ldx, qb, sc, nullptr, d16, n, bias, y, ldy);
 }
 
 // qb int8 [N, K] (runs of 32 per 256 weights, the order above), d16 fp16 [N, K / 32].
 TANDEM_API int tandem_q8_0_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const int8_t* qb,
                                   const uint16_t* d16, int64_t n, const float* bias, float* y, int64_t ldy) {
-    return block_linear<Blocks::Q8_0>(x, m, k, ldx, (const uint8_t*)qb, nullptr, d16, n, bias, y, ldy);
+    return block_linear<Blocks::Q8_0>(x, m, k, ldx, (const uint8_t*)qb, nullptr, nullptr, d16, n, bias, y, ldy);
+}
+
+// qb uint8 [N, K / 256 * 192] (Q6_K's order, q in 0..31), sc and m5 uint8 [N, K / 32], dd fp16
+// [N, K / 256, 2] (d, dmin).
+TANDEM_API int tandem_q5k_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qb,
+                                 const uint8_t* sc, const uint8_t* m5, const uint16_t* dd, int64_t n,
+                                 const float* bias, float* y, int64_t ldy) {
+    return block_linear<Blocks::Q5K>(x, m, k, ldx, qb, (const int8_t*)sc, m5, dd, n, bias, y, ldy);
 }

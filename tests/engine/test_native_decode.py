@@ -63,7 +63,8 @@ def assert_same_bits(fast, slow):
 
 
 @pytest.mark.parametrize("fmt,ggml_type", [("int4", "Q4_1"), ("int4a8", "Q4_1"), ("int8", "F32"),
-                                           ("int4", "Q4_K"), ("int8", "Q6_K"), ("int8", "Q8_0")])
+                                           ("int4", "Q4_K"), ("int8", "Q6_K"), ("int8", "Q8_0"),
+                                           ("int8", "Q5_K")])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_each_native_layout_decodes_the_same_bits_as_the_loop(tmp_path, fmt, ggml_type, batch):
     assert_same_bits(*both_ways(build(tmp_path, fmt, ggml_type), batch))

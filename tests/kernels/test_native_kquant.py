@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels import native, quant_int4, quant_int8, quant_q6_k, quant_q8_0
+from kernels import native, quant_int4, quant_int8, quant_q5_k, quant_q6_k, quant_q8_0
 from kernels.ggml_dequant import k4_scales_mins, q4_k_q, q6_k_q
 from kernels.linear import dequantize_packed, linear, pack_linear, packed_linear_reference, stack_linear
 from kernels.quantized_tensor import QuantizedTensor
@@ -43,7 +43,8 @@ def gguf_dequantize(qt: QuantizedTensor) -> torch.Tensor:
 LAYOUTS = [("Q4_K", quant_int4, "q4_k", quant_int4.int4_linear_native),
            ("Q4_K", quant_int4, "q4_ka8", quant_int4.int4_linear_native),
            ("Q6_K", quant_int8, "q6_k", quant_q6_k.q6k_linear_native),
-           ("Q8_0", quant_int8, "q8_0", quant_q8_0.q8_0_linear_native)]
+           ("Q8_0", quant_int8, "q8_0", quant_q8_0.q8_0_linear_native),
+           ("Q5_K", quant_int8, "q5_k", quant_q5_k.q5k_linear_native)]
 
 
 @pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS, ids=[lay[2] for lay in LAYOUTS])
@@ -60,8 +61,8 @@ def test_native_kernel_equals_its_layouts_reference(level, k, ggml_type, module,
         torch.testing.assert_close(run(x, packed, level), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("ggml_type,module,layout,run", LAYOUTS[::2] + LAYOUTS[3:],
-                         ids=["q4_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("ggml_type,module,layout,run", [lay for lay in LAYOUTS if lay[2] != "q4_ka8"],
+                         ids=[lay[2] for lay in LAYOUTS if lay[2] != "q4_ka8"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_native_kernel_is_close_to_the_files_weights(level, ggml_type, module, layout, run):
     """The int16 rounding of x keeps y within 1e-4 of x @ W^T, W the file's own weights."""
@@ -198,6 +199,34 @@ def test_q8_0_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypat
         quant_int8.pack(odd, None, CPU, layout="q8_0")
 
 
+# --- Q5_K --------------------------------------------------------------------------------------
+
+
+def test_q5_k_layout_holds_the_files_blocks_and_dequantizes_bit_for_bit():
+    qt = kquant("Q5_K", 20, 768, seed=15)
+    packed = quant_int8.pack(qt, None, CPU, layout="q5_k")
+    blocks = qt.data.reshape(20, 3, 176)
+    q = quant_q6_k._from_kernel_order(packed.weight.numpy().reshape(-1, 192))
+    assert q.max() < 32 and np.array_equal(q, quant_q5_k.q5_k_q(blocks.reshape(-1, 176)))
+    sc, mn = k4_scales_mins(blocks[..., 4:16].reshape(-1, 12))
+    assert np.array_equal(packed.scales[0].numpy(), sc.reshape(20, -1))
+    assert np.array_equal(packed.scales[1].numpy(), mn.reshape(20, -1))
+    assert np.array_equal(packed.zeros.view(torch.uint8).numpy().reshape(20, 3, 4), blocks[..., 0:4])
+    assert torch.equal(quant_int8.dequantize(packed), gguf_dequantize(qt))
+    nbytes = sum(t.numel() * t.element_size() for t in (packed.weight, packed.scales, packed.zeros))
+    assert nbytes * 8 == 6.625 * 20 * 768  # 6 bits of q, a byte each of scale and min per 32, d, dmin
+
+
+def test_q5_k_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypatch):
+    qt = kquant("Q5_K", 16, 256, seed=4)
+    monkeypatch.setattr(quant_int8, "default_layout", lambda device: "native")
+    assert quant_int8.pack(qt, None, CPU).layout == "q5_k"
+    monkeypatch.setattr(quant_int8, "default_layout", lambda device: "cpu")
+    assert quant_int8.pack(qt, None, CPU).layout == "cpu"
+    with pytest.raises(ValueError, match="q5_k layout takes Q5_K GGUF blocks, got Q4_K"):
+        quant_int8.pack(kquant("Q4_K", 8, 256, seed=0), None, CPU, layout="q5_k")
+
+
 # --- all: tiles, threads, stacks ---------------------------------------------------------------
 
 
@@ -208,8 +237,10 @@ def _kernels():
     q4a8 = quant_int4.pack(kquant("Q4_K", 100, 768, seed=9), None, CPU, layout="q4_ka8")
     q6 = quant_int8.pack(kquant("Q6_K", 577, 2048, seed=10), torch.randn(577, generator=gen), CPU, layout="q6_k")
     q8 = quant_int8.pack(kquant("Q8_0", 333, 1280, seed=14), torch.randn(333, generator=gen), CPU, layout="q8_0")
+    q5 = quant_int8.pack(kquant("Q5_K", 200, 2048, seed=16), None, CPU, layout="q5_k")
     return [("q4_k", q4, quant_int4.int4_linear_native), ("q4_ka8", q4a8, quant_int4.int4_linear_native),
-            ("q6_k", q6, quant_q6_k.q6k_linear_native), ("q8_0", q8, quant_q8_0.q8_0_linear_native)]
+            ("q6_k", q6, quant_q6_k.q6k_linear_native), ("q8_0", q8, quant_q8_0.q8_0_linear_native),
+            ("q5_k", q5, quant_q5_k.q5k_linear_native)]
 
 
 @pytest.mark.parametrize("level", LEVELS)
