@@ -280,10 +280,23 @@ static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, in
         // Ahead of the hardware streamer, into every cache level (int4_linear.cpp measured why).
         for (int64_t off = 0; off < row_bytes; off += 64)
             if ((const char*)row + PREFETCH_BYTES + off < end) __builtin_prefetch((const char*)row + PREFETCH_BYTES + off, 0, 3);
+        // Per-row scales are vectorized for every type: a scalar loop over them cost as much as
+        // the row's dot products at M = 1 (a 5632 x 2048 layer in cache: Q5_K 1.14 -> 0.62 ms, Q8_0
+        // 0.67 -> 0.53).
         if (F == Blocks::Q8_0) {
             // d per block of 32: sub-blocks 2 b and 2 b + 1 share block b's (exact fp16 -> fp32).
             const uint16_t* dr = d16 + j * 8 * blocks;
-            for (int64_t b = 0; b < 8 * blocks; b++) ds[2 * b] = ds[2 * b + 1] = fp16_to_float(dr[b]);
+            int64_t b = 0;
+#if defined(__AVX512F__)
+            const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+            const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+            for (; b + 16 <= 8 * blocks; b += 16) {
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dr + b)));
+                _mm512_store_ps(ds.get() + 2 * b, _mm512_permutexvar_ps(lo, d));
+                _mm512_store_ps(ds.get() + 2 * b + 16, _mm512_permutexvar_ps(hi, d));
+            }
+#endif
+            for (; b < 8 * blocks; b++) ds[2 * b] = ds[2 * b + 1] = fp16_to_float(dr[b]);
         } else if (F == Blocks::Q5K) {
             // d * sc and dmin * m per sub-block of 32, for both its halves of 16 (exact products).
             const uint8_t* scr = (const uint8_t*)sc + j * 8 * blocks;
@@ -291,10 +304,33 @@ static void block_rows(const int16_t* xq, const float* dx, const int32_t* xs, in
             for (int64_t c = 0; c < blocks; c++) {
                 const float d = fp16_to_float(d16[(j * blocks + c) * 2]);
                 const float dmin = fp16_to_float(d16[(j * blocks + c) * 2 + 1]);
+#if defined(__AVX512F__)
+                const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+                const __m512 vs = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                    pairs, _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scr + 8 * c)))));
+                const __m512 vm = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                    pairs, _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mr + 8 * c)))));
+                _mm512_store_ps(ds.get() + 16 * c, _mm512_mul_ps(_mm512_set1_ps(d), vs));
+                _mm512_store_ps(mns.get() + 16 * c, _mm512_mul_ps(_mm512_set1_ps(dmin), vm));
+#elif defined(__AVX2__)
+                const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                for (int h = 0; h < 2; h++) {
+                    int32_t s4, m4;
+                    memcpy(&s4, scr + 8 * c + 4 * h, 4);
+                    memcpy(&m4, mr + 8 * c + 4 * h, 4);
+                    const __m256 vs = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(
+                        _mm256_cvtepu8_epi32(_mm_cvtsi32_si128(s4)), pairs));
+                    const __m256 vm = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(
+                        _mm256_cvtepu8_epi32(_mm_cvtsi32_si128(m4)), pairs));
+                    _mm256_store_ps(ds.get() + 16 * c + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), vs));
+                    _mm256_store_ps(mns.get() + 16 * c + 8 * h, _mm256_mul_ps(_mm256_set1_ps(dmin), vm));
+                }
+#else
                 for (int s = 0; s < 8; s++) {
                     ds[16 * c + 2 * s] = ds[16 * c + 2 * s + 1] = d * (float)scr[8 * c + s];
                     mns[16 * c + 2 * s] = mns[16 * c + 2 * s + 1] = dmin * (float)mr[8 * c + s];
                 }
+#endif
             }
         } else {
             const int8_t* scr = sc + j * 16 * blocks;
