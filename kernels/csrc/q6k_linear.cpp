@@ -1,7 +1,8 @@
 // Q6_K linear for decode: y[M, N] = x[M, K] @ W^T (+ bias), fp32 in and out, W the ggml Q6_K
 // blocks of a GGUF (llama.cpp keeps the lm_head, and in Q4_K_M half of ffn_down and attn_v, in
-// Q6_K). The bytes are the file's, reordered at load (kernels/quant_int8.py `pack_q6_k`), so a
-// decode step reads 6.5625 bits a weight, and the weights are exactly the file's.
+// Q6_K). The bytes are the file's, reordered at load (kernels/quant_q6_k.py `pack`), so a
+// decode step reads 6.5625 bits a weight, and the weights are exactly the file's. The same
+// tiles read Q8_0 and Q5_K blocks (below the Q6_K description): one template over the three.
 //
 // A super-block holds 256 weights of a row: 16 sub-blocks g of 16, each with an int8 scale,
 // one fp16 d, and 6-bit q (0..63):
