@@ -56,6 +56,10 @@ from .transfer import OutgoingTransfer
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES  # room for the header and protobuf framing
 MAX_LONG_POLL_S = 30.0  # a Grant call answers "pending" after this; the sender asks again
+# A Grant call's deadline runs this long past the sender's own grant deadline, and the long poll
+# answers "pending" this long before the call's deadline. So the sender's deadline check, not
+# gRPC's DEADLINE_EXCEEDED, is what fails a transfer nobody grants, even on a slow host.
+GRANT_CALL_GRACE_S = 2.0
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -92,7 +96,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
         try:
             r.table.ask(ask.sender_id, ask.transfer_id, ask.auth_token)  # may answer at once
             remaining = context.time_remaining()
-            budget = MAX_LONG_POLL_S if remaining is None else min(MAX_LONG_POLL_S, remaining - 0.05)
+            budget = (MAX_LONG_POLL_S if remaining is None
+                      else min(MAX_LONG_POLL_S, remaining - GRANT_CALL_GRACE_S))
             try:
                 grant = await asyncio.wait_for(waiter, timeout=max(budget, 0.0))
             except asyncio.TimeoutError:
@@ -230,7 +235,7 @@ class GrpcSender(IOSender):
         remaining = (t.asked_at or 0.0) + self.ack_timeout_s - time.monotonic()
         ask = GrantRequest(t.transfer_id, self.sender_id, self.token(t.transfer_id))
         call = self._stub.Grant.future(ask.to_pb(),
-                                       timeout=max(remaining, 0.01))
+                                       timeout=max(remaining, 0.01) + GRANT_CALL_GRACE_S)
         self._watch(call, t.transfer_id, "grant request",
                     lambda reply: self.io.post(("grant", Grant.from_pb(reply))))
 
