@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             api_tls=_api_tls(args), cluster_secret=secret,
                             log_format=args.log_format, access_log=args.access_log,
                             otlp_traces_endpoint=args.otlp_traces_endpoint,
+                            otlp_traces_protocol=args.otlp_traces_protocol,
                             core_lease=args.core_lease)
         from engine.device import resolve_device
 

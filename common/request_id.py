@@ -61,6 +61,12 @@ def metadata(request_id: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, request_id),) if request_id else ()
 
 
+def log_extra(log_id: str) -> dict[str, str]:
+    """`extra=` for a log call about a request, made where the context does not carry its id
+    (a worker's engine thread, which serves every request at once): the line gets `log_id`."""
+    return {"request_id": log_id}
+
+
 @contextmanager
 def serving(request_id: str) -> Iterator[str]:
     """Log lines written inside carry `request_id` (restored on exit)."""

@@ -8,14 +8,22 @@
                        └─ "kv_transfer" (a remote prefill: from the grant to the first tokens
                           event, which waits for every layer's KV; the bytes moved)
 
+Each worker adds finer spans below its server span (prefill queue and chunks, the KV
+transfer's grant, layers and finish, decode queue and steps: worker/trace_spans.py), and the
+coordinator an `admission` span (waiting for workers, weights and a slot) and a `placement`
+span beside each attempt.
+
 On when a process is given `--otlp-traces-endpoint URL` (as vLLM's flag) or the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables (read by the entry
-points, which call `setup_tracing` once): spans go in batches over OTLP/HTTP protobuf (a URL
-without a path gets OTLP's `/v1/traces`); the other OTEL_* variables (OTEL_BSP_*,
-OTEL_EXPORTER_OTLP_HEADERS, ...) apply as the SDK reads them. It needs the optional packages
-`opentelemetry-sdk` and `opentelemetry-exporter-otlp-proto-http` (`pip install 'tandem[otel]'`);
-without them a tracing setting is a start-up error, never silently ignored. Off, every helper
-here returns a no-op at once and touches no OpenTelemetry code.
+points, which call `setup_tracing` once): spans go in batches over OTLP, by default HTTP
+protobuf (a URL without a path gets OTLP's `/v1/traces`), or gRPC with `--otlp-traces-protocol
+grpc` or the standard OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL (an
+http:// URL is a plaintext channel, https:// TLS; collectors listen on 4317 for gRPC and 4318
+for HTTP). The other OTEL_* variables (OTEL_BSP_*, OTEL_EXPORTER_OTLP_HEADERS, ...) apply as
+the SDK reads them. It needs the optional packages `opentelemetry-sdk` and the protocol's
+exporter, `opentelemetry-exporter-otlp-proto-http` or `-grpc` (`pip install 'tandem[otel]'`
+has both); without them a tracing setting is a start-up error, never silently ignored. Off,
+every helper here returns a no-op at once and touches no OpenTelemetry code.
 
 Spans are started without becoming the context's current span where their code spans awaits
 in a generator (a stream's span ends in its `finally`), so a generator closed from another
@@ -31,8 +39,11 @@ from urllib.parse import urlsplit
 
 OTLP_TRACES_PATH = "/v1/traces"
 ENV_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-MISSING_PACKAGES = ("traces need the optional packages opentelemetry-sdk and "
-                    "opentelemetry-exporter-otlp-proto-http (pip install 'tandem[otel]')")
+ENV_PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+PROTOCOLS = ("http/protobuf", "grpc")  # OTLP's names; the Python SDK has no http/json exporter
+DEFAULT_PROTOCOL = "http/protobuf"  # the OTLP spec's default for SDKs
+MISSING_PACKAGES = ("traces over {protocol} need the optional packages opentelemetry-sdk and "
+                    "opentelemetry-exporter-otlp-proto-{package} (pip install 'tandem[otel]')")
 
 _tracer = None  # the process's tracer once setup_tracing turned traces on; None = off
 
@@ -68,6 +79,17 @@ def endpoint_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
     return "" if any(environ.get(name, "").strip() for name in ENV_ENDPOINTS) else None
 
 
+def protocol_from(flag: str | None, environ: Mapping[str, str]) -> str:
+    """The OTLP protocol: the flag, else the OTEL_* variable, else http/protobuf. ValueError
+    names an unknown one (at start-up, like a bad URL)."""
+    chosen = flag or next((environ[name].strip() for name in ENV_PROTOCOLS
+                           if environ.get(name, "").strip()), DEFAULT_PROTOCOL)
+    if chosen not in PROTOCOLS:
+        raise ValueError(f"OTLP traces protocol must be one of {', '.join(PROTOCOLS)}, "
+                         f"got {chosen!r}")
+    return chosen
+
+
 def traces_url(endpoint: str) -> str:
     """`endpoint` as the OTLP/HTTP exporter wants it: a full URL to the traces path."""
     parts = urlsplit(endpoint)
@@ -76,24 +98,48 @@ def traces_url(endpoint: str) -> str:
     return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + OTLP_TRACES_PATH
 
 
-def setup_tracing(service_name: str, endpoint: str | None) -> bool:
-    """Turn traces on for this process (`endpoint`: from endpoint_from; None = stay off).
-    ValueError for a bad URL or missing packages, so the entry point fails at start-up."""
+def _exporter(protocol: str, endpoint: str):
+    """The SDK's OTLP span exporter for `protocol`, sending to `endpoint` ("" = the OTEL_*
+    variables). ImportError when its package is missing."""
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        if not endpoint:
+            return OTLPSpanExporter()
+        traces_url(endpoint)  # the same URL shape for both protocols: ValueError otherwise
+        # The gRPC exporter takes scheme://host:port (a path means nothing to a channel);
+        # http:// is a plaintext channel, https:// TLS.
+        parts = urlsplit(endpoint)
+        return OTLPSpanExporter(endpoint=f"{parts.scheme}://{parts.netloc}",
+                                insecure=parts.scheme == "http")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=traces_url(endpoint)) if endpoint else OTLPSpanExporter()
+
+
+def setup_tracing(service_name: str, endpoint: str | None,
+                  protocol: str = DEFAULT_PROTOCOL) -> bool:
+    """Turn traces on for this process (`endpoint`: from endpoint_from, None = stay off;
+    `protocol`: from protocol_from). ValueError for a bad URL or protocol or missing packages,
+    so the entry point fails at start-up."""
     global _tracer
     if endpoint is None:
         return False
-    url = traces_url(endpoint) if endpoint else None
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"OTLP traces protocol must be one of {', '.join(PROTOCOLS)}, "
+                         f"got {protocol!r}")
     try:
         from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        exporter = _exporter(protocol, endpoint)
     except ImportError:
-        raise ValueError(MISSING_PACKAGES) from None
+        raise ValueError(MISSING_PACKAGES.format(
+            protocol=protocol, package="grpc" if protocol == "grpc" else "http")) from None
     # shutdown_on_exit (the default): the last batch is sent when the process exits normally.
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    exporter = OTLPSpanExporter(endpoint=url) if url else OTLPSpanExporter()
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _tracer = trace.get_tracer("tandem")
@@ -118,6 +164,29 @@ def start_span(name: str, *, parent=None, kind: str = "internal",
         parent = trace.set_span_in_context(parent)
     return _tracer.start_span(name, context=parent, kind=_kind(kind),
                               attributes=dict(attributes or {}))
+
+
+def span_between(name: str, parent, start_ns: int, end_ns: int,
+                 attributes: Mapping[str, Any] | None = None, error: str = "",
+                 events: Iterable[tuple[str, int, Mapping[str, Any]]] = ()):
+    """A span recorded after the fact, from times another thread took (wall-clock ns, as
+    time.time_ns): started at start_ns under `parent`, given `events` (name, time, attributes),
+    ended at end_ns; `error` marks it failed with that description. Returned ended."""
+    if _tracer is None:
+        return NO_SPAN
+    from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
+
+    if isinstance(parent, trace.Span):
+        parent = trace.set_span_in_context(parent)
+    span = _tracer.start_span(name, context=parent, start_time=start_ns,
+                              attributes=dict(attributes or {}))
+    for event, at_ns, event_attributes in events:
+        span.add_event(event, dict(event_attributes), timestamp=at_ns)
+    if error:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end(end_time=max(end_ns, start_ns))
+    return span
 
 
 @contextlib.contextmanager
@@ -180,9 +249,15 @@ def extract(pairs: Iterable[tuple[str, str | bytes]] | None):
 
 
 def add_tracing_flag(parser) -> None:
-    """--otlp-traces-endpoint, the same in every process (vLLM's name)."""
+    """--otlp-traces-endpoint and --otlp-traces-protocol, the same in every process (the
+    first is vLLM's name)."""
     parser.add_argument("--otlp-traces-endpoint", metavar="URL",
-                        help="send OpenTelemetry traces over OTLP/HTTP to URL (e.g. "
-                             "http://collector:4318; a URL without a path gets /v1/traces); "
-                             "default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                        help="send OpenTelemetry traces over OTLP to URL (e.g. "
+                             "http://collector:4318; over HTTP a URL without a path gets "
+                             "/v1/traces); default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
                              "$OTEL_EXPORTER_OTLP_ENDPOINT, else no traces. Needs tandem[otel]")
+    parser.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, default=None,
+                        help="OTLP over HTTP (http/protobuf, to port 4318) or gRPC (grpc, to "
+                             "port 4317; an http:// URL is plaintext, https:// TLS); default: "
+                             "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or $OTEL_EXPORTER_OTLP_PROTOCOL, "
+                             "else http/protobuf")

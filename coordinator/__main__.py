@@ -35,7 +35,7 @@ from common.errors import TandemError
 from common.model_name import name_key
 from common.lifeline import watch_launcher
 from common.log_format import add_log_flags, setup_logging
-from common.tracing import add_tracing_flag, endpoint_from, setup_tracing
+from common.tracing import add_tracing_flag, endpoint_from, protocol_from, setup_tracing
 
 DEFAULTS = CoordinatorConfig()
 # The HTTP connection limits (coordinator/connection_limits.py): flag, config field, help.
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
         setup_logging(args.log_level, args.log_format)
-        setup_tracing("tandem-coordinator", endpoint_from(args.otlp_traces_endpoint, os.environ))
+        setup_tracing("tandem-coordinator", endpoint_from(args.otlp_traces_endpoint, os.environ),
+                      protocol_from(args.otlp_traces_protocol, os.environ))
         from coordinator.model import load_from_store
         from coordinator.server import serve
         from common.model_store import default_store

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, replace
 
@@ -172,9 +173,13 @@ class RequestFlow:
         # After a move the prompt logprobs have come already (with the first token).
         params = (replace(req.params, prompt_logprobs=None) if prior else req.params)
         siblings = req.siblings
+        placing_ns = time.time_ns()
         placement = self.place(prompt_ids, dead, req.cache_salt,
                                siblings.decode_worker if siblings is not None else "",
                                scored=params.prompt_logprobs is not None)
+        # A sibling of flow.attempt under the request's span (this generator's context).
+        tracing.span_between("placement", None, placing_ns, time.time_ns(), {
+            "tandem.placement": placement.reason, "tandem.excluded_workers": len(dead)})
         if siblings is not None and not siblings.decode_worker:
             siblings.decode_worker = placement.decode.worker_id
         decode = self.registry.get(placement.decode.worker_id)

@@ -29,7 +29,7 @@ from coordinator.registry import WorkerRegistry
 from coordinator.residency import ModelRetired, Residency
 from coordinator.response_cache import ResponseCache, ResponseCacheCollector
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
-from common import request_id
+from common import request_id, tracing
 from common.errors import ContextLengthError, InvalidOptionError
 from common.grammar_compile import check_grammar
 from common.model_store import ModelStore
@@ -271,9 +271,11 @@ class Coordinator:
         held = False  # counted in flight by residency
         pool = None
         try:
-            model, pool = await self._hold(model, timings)
-            held = True
-            await pool.admission.acquire()
+            # The wait for a live decode worker, the model's weights and a running slot.
+            with tracing.current_span("admission", attributes={"tandem.model": model.name}):
+                model, pool = await self._hold(model, timings)
+                held = True
+                await pool.admission.acquire()
         except BaseException as exc:  # NoWorkers, Overloaded, or the client left while waiting
             self.open_requests -= 1
             if held:

@@ -5,10 +5,12 @@ stop string, coordinator gives up) aborts the request and frees its blocks."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from common import request_id, tracing
+from worker import trace_spans
 
 from decode_node.worker import DecodeJob, DecodeWorker
 from common.errors import ResidencyError, TandemError
@@ -50,10 +52,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.request_id or not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
+        # Traces on: the engine records this request's passes, made into spans at its end
+        # (worker/trace_spans.py).
+        passes = [] if span.is_recording() else None
+        arrived_ns = time.time_ns()
         job = DecodeJob(request.request_id, list(request.prompt_token_ids), params,
                         frozenset(request.stop_token_ids), request.max_tokens or 1 << 30,
                         request.remote_prefill, request.max_chunk_tokens, request.transfer_id,
-                        request.num_prior_output_tokens, request.cache_salt)
+                        request.num_prior_output_tokens, request.cache_salt,
+                        request_id.current.get(), passes)
         try:
             events = self.worker.open(job)
         except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching
@@ -92,6 +99,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             span.set_attribute("tandem.output_tokens", generated)
             if transfer is not None:
                 transfer.end()
+            if passes is not None:
+                done = list(passes)
+                if not job.remote_prefill:
+                    trace_spans.queue_span("decode.queue", span, arrived_ns, done)
+                    trace_spans.chunk_spans(span, done)
+                trace_spans.decode_steps_span(span, done)
             if not finished:
                 log.info("generate %s: cancelled by the coordinator after %d tokens",
                          job.request_id, generated)

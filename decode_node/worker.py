@@ -62,6 +62,8 @@ class DecodeJob:
     transfer_id: str = ""  # remote prefill: the KV transfer's id ("" = request_id)
     num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
     cache_salt: bytes = b""  # the prefix-cache tenant (common/block_hash.py)
+    log_id: str = ""  # the client's request id, for log lines written on the engine thread
+    passes: list | None = None  # traces on: the engine's PassRecords of this request go here
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class DecodeWorker(EngineLoop):
                                           job.num_prior_output_tokens)
             request.grammar = grammar
             request.cache_salt = job.cache_salt
+            request.log_id, request.passes = job.log_id, job.passes
             if job.remote_prefill:
                 if self.connector is None:
                     raise TandemError("this worker has no KV receiver; it cannot take remote prefills")

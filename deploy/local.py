@@ -84,7 +84,7 @@ from common.model_name import name_key
 from common.internal_http import get_internal
 from common.lifeline import Lifeline, death_signal
 from common.log_format import LOG_FORMATS
-from common.tracing import traces_url
+from common.tracing import protocol_from, traces_url
 from common.core_lease import CoreLease, Slot as CoreSlot, lease_path, reclaim_stale as reclaim_stale_leases
 from common.shm_segments import reclaim_orphans
 from deploy.ports import claim_ports
@@ -148,6 +148,7 @@ class Topology:
     log_format: str = "text"  # every process's --log-format (common/log_format.py)
     access_log: bool = True  # False: the coordinator gets --no-access-log
     otlp_traces_endpoint: str | None = None  # every process's --otlp-traces-endpoint
+    otlp_traces_protocol: str | None = None  # and --otlp-traces-protocol (None: the default)
     # A core lease for the workers of this host (common/core_lease.py): decode workers use
     # idle prefill workers' cores. Only where both roles run (shares_cores).
     core_lease: bool = True
@@ -234,6 +235,8 @@ class Topology:
         parse_speculative(self.speculative)  # ValueError naming what is wrong
         if self.otlp_traces_endpoint:
             traces_url(self.otlp_traces_endpoint)  # ValueError naming a bad URL
+        if self.otlp_traces_protocol is not None:
+            protocol_from(self.otlp_traces_protocol, {})  # ValueError naming a bad protocol
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
                              f"got {self.log_format!r}")
@@ -294,11 +297,13 @@ class Topology:
         return flags
 
     def log_flags(self) -> list[str]:
-        """Every process's --log-format and --otlp-traces-endpoint, given only when not the
-        processes' defaults (text, none)."""
+        """Every process's --log-format and --otlp-traces-endpoint/-protocol, given only when
+        not the processes' defaults (text, none, the OTEL_* variables' or http/protobuf)."""
         flags = [] if self.log_format == "text" else ["--log-format", self.log_format]
         if self.otlp_traces_endpoint:
             flags += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+        if self.otlp_traces_protocol:
+            flags += ["--otlp-traces-protocol", self.otlp_traces_protocol]
         return flags
 
     def worker_flags(self, role: str) -> list[str]:

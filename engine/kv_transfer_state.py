@@ -28,3 +28,4 @@ class KVTransferParams:
     transfer_id: str  # the same on both workers; the coordinator names it
     remote_prefill: bool = False  # decode: the prompt's KV comes from a prefill worker
     peer: Any = None  # prefill: the connector's handle for the destination (a connected sender)
+    trace: Any = None  # prefill, traces on: the span the transfer's spans hang under

@@ -34,9 +34,11 @@ from engine.kv_connector import ConnectorEvents, KVConnector
 from common.logprobs import TokenLogprob
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class
+from engine.pass_record import PassRecord
 from engine.prefill_cost import CALIBRATION_TOKENS, MIN_PROMPT_TOKENS, PrefillCost
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
+from common.request_id import log_extra
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
@@ -87,6 +89,18 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     # An embedding request's pooled vector, with its finish (engine/embedding.py); else None.
     embedding: list[float] | None = None
+
+
+def _record_pass(plan, started_ns: int) -> None:
+    """A PassRecord on each traced request of the pass (Request.passes set by the worker)."""
+    traced = [c for c in plan.chunks if c.request.passes is not None]
+    if not traced:
+        return
+    ended_ns = time.time_ns()
+    size, total = len(plan.chunks), plan.num_batched_tokens
+    for c in traced:
+        c.request.passes.append(PassRecord(started_ns, ended_ns, c.num_scheduled_tokens, size,
+                                           total, c.start_pos >= c.request.num_prompt_tokens))
 
 
 def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
@@ -460,6 +474,7 @@ class LLMEngine:
             self._pooled.pop(request_id, None)
         save_kv_layer = self.connector.bind_pass(plan) if self.connector is not None else None
         pooled: dict[int, torch.Tensor] | None = {} if any(c.pool_hidden for c in chunks) else None
+        started_ns = time.time_ns()
         started = time.perf_counter()
         logits = self.runner.execute(chunks, save_kv_layer, pooled)
         self.prefill_cost.observe(sum(len(c.token_ids) for c in chunks if not c.decodes),
@@ -507,6 +522,7 @@ class LLMEngine:
             self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
             outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
                                       by_id[request_id].num_cached_tokens, error=reason))
+        _record_pass(plan, started_ns)
         return outputs
 
     def _verify_drafts(self, chunks: list, logits: torch.Tensor
@@ -533,7 +549,8 @@ class LLMEngine:
                     run = self.speculator.verify(request, c.draft_token_ids,
                                                  logits[row:row + width], generators)
                 except Exception as exc:  # noqa: BLE001 - this request ends with the error
-                    log.exception("verifying the draft of %s failed", request.request_id)
+                    log.exception("verifying the draft of %s failed", request.request_id,
+                                  extra=log_extra(request.log_id))
                     run, why = [], f"sampling failed: {type(exc).__name__}: {exc}"
                 else:
                     why = ("sampling failed: this request's options leave no finite "
@@ -583,6 +600,8 @@ class LLMEngine:
                     tokens.append(int(self._sample_rows([request], logits[i:i + 1])[0]))
                 except Exception as exc:  # noqa: BLE001 - this request ends with the error
                     failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                    log.warning("request %s: %s", request.request_id, failed[request.request_id],
+                                extra=log_extra(request.log_id))
                     tokens.append(NO_TOKEN)
         sampled = {}
         for request, token in zip(requests, tokens):

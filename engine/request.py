@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_transfer_state import KVTransferParams, KVTransferState
+from engine.pass_record import PassRecord
 from common.logprobs import TokenLogprob
 from common.sampling_params import SamplingParams
 
@@ -92,6 +93,12 @@ class Request:
     # by the engine before a step and consumed by that step's schedule; never part of
     # token_ids until the target model accepts them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Observability, set by the worker, never read by the engine's decisions: the client's
+    # request id (common/request_id.py) for log lines written on the engine thread about this
+    # request, and, while traces are on, a record of each pass that computed part of it
+    # (engine/pass_record.py), appended by LLMEngine.step.
+    log_id: str = ""
+    passes: list[PassRecord] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

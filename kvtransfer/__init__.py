@@ -15,7 +15,7 @@ from typing import Any
 
 from .base import (
     KVLayoutMismatch, KVReceiver, KVSender, KVTransferError, ReceiveEvent, ReceiveKind,
-    TransferState, TransferStats, TransferStatus,
+    TransferState, TransferStats, TransferStatus, TransferTimes,
 )
 from .layout import KVCacheBuffer, KVLayout, allocate_cache, dtype_name
 
@@ -50,6 +50,6 @@ def create_receiver(name: str, cache: KVCacheBuffer, layout: KVLayout, **kwargs:
 
 __all__ = [
     "KVCacheBuffer", "KVLayout", "KVLayoutMismatch", "KVReceiver", "KVSender", "KVTransferError",
-    "ReceiveEvent", "ReceiveKind", "TransferState", "TransferStats", "TransferStatus", "allocate_cache", "backends",
+    "ReceiveEvent", "ReceiveKind", "TransferState", "TransferStats", "TransferStatus", "TransferTimes", "allocate_cache", "backends",
     "create_receiver", "create_sender", "dtype_name",
 ]

@@ -94,7 +94,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,9 +116,25 @@ class TransferState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TransferTimes:
+    """When a sent transfer reached each stage: wall-clock ns (time.time_ns, what trace spans
+    are stamped with); 0 for a stage it never reached. The sender's I/O thread takes them."""
+
+    asked_ns: int = 0  # the grant was asked for
+    granted_ns: int = 0  # the grant came
+    first_unit_ns: int = 0  # the first data unit went out
+    last_ack_ns: int = 0  # the last data unit was acknowledged
+    finish_ns: int = 0  # the finish unit went out
+    ended_ns: int = 0  # the transfer became terminal
+    units: int = 0  # data units sent
+
+
+@dataclass(frozen=True)
 class TransferStatus:
     state: TransferState
     reason: str = ""  # why it failed; empty otherwise
+    # A sender's terminal status: when it reached each stage (None: in flight, or a receiver's)
+    times: TransferTimes | None = field(default=None, compare=False)
 
     @property
     def done(self) -> bool:

@@ -30,9 +30,10 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
-from .base import TransferState, TransferStatus
+from .base import TransferState, TransferStatus, TransferTimes
 from .layout import KVLayout
 from .message import Ack, Grant, KVHeader, Revoke
 from .sender_hooks import SenderHooks
@@ -183,6 +184,7 @@ class SendLoop:
             return False
         if t.asked_at is None:
             t.asked_at = time.monotonic()
+            t.asked_ns = time.time_ns()
             self.transport._io_ask(t)
         return t.result is None
 
@@ -205,6 +207,7 @@ class SendLoop:
             self._fail(t, f"receiver refused the grant for {t.transfer_id}: {grant.reason}")
             return
         t.grant = grant
+        t.granted_ns = time.time_ns()
         t.sent = [set() for _ in range(grant.num_layers)]
         self._stats.add(skipped_blocks=grant.skip_blocks)
 
@@ -222,6 +225,8 @@ class SendLoop:
             return
         if ack.seq == t.finish_seq:
             t.finish_acked = True
+        else:
+            t.last_ack_ns = time.time_ns()
         if t.finish_acked and not t.inflight and not t.queue:
             self._finish_transfer(t, TransferStatus(TransferState.DONE))
 
@@ -305,6 +310,8 @@ class SendLoop:
             self._fail(t, error, tell_receiver=error)
             return
         t.units_sent += 1
+        if not t.first_unit_ns:
+            t.first_unit_ns = time.time_ns()
         assert self.layout is not None
         self._stats.add(bytes=len(sources) * self.layout.payload_nbytes(len(dst_ids)), units=1)
 
@@ -321,6 +328,7 @@ class SendLoop:
                 return
         seq = self._track(t, -1)
         t.finish_seq = seq
+        t.finish_ns = time.time_ns()
         self.transport._io_control(t, KVHeader(
             t.transfer_id, seq=seq, sender_id=self.sender_id, finish=True,
             first_token=fin.first_token, num_units=t.units_sent,
@@ -420,6 +428,9 @@ class SendLoop:
         t.inflight.clear()
         if self._open.get(t.transfer_id) is t:
             del self._open[t.transfer_id]
+        status = replace(status, times=TransferTimes(
+            t.asked_ns, t.granted_ns, t.first_unit_ns, t.last_ack_ns, t.finish_ns,
+            time.time_ns(), t.units_sent))
         with self._lock:
             if t.result is not None:
                 return

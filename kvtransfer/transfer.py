@@ -55,6 +55,12 @@ class OutgoingTransfer:
     layers: dict[int, int] = field(default_factory=dict)  # seq -> layer, for messages
     finish_seq: int = 0
     finish_acked: bool = False
+    # Stage times (time.time_ns; 0 = not reached), published in the terminal TransferStatus
+    asked_ns: int = 0
+    granted_ns: int = 0
+    first_unit_ns: int = 0
+    last_ack_ns: int = 0
+    finish_ns: int = 0
 
 
 @dataclass(eq=False)

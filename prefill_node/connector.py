@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.request_id import log_extra
 from engine.kv_connector import ConnectorEvents, KVConnector
 from engine.kv_transfer_state import KVTransferState
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
+from worker.trace_spans import kv_send_spans
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class _Send:
     sender: object  # kvtransfer.KVSender
     transfer_id: str
     blocks_sent: int = 0  # leading blocks of the request already handed to the sender
+    log_id: str = ""  # the client's request id (Request.log_id), for this thread's log lines
+    trace: object = None  # traces on: the span the transfer's spans hang under
 
 
 class PrefillConnector(KVConnector):
@@ -105,10 +109,15 @@ class PrefillConnector(KVConnector):
                 continue
             del self._draining[request_id]
             events.released.add(request_id)
-            if status is not None and self.on_transfer_end is not None:
+            if status is None:
+                continue
+            if self.on_transfer_end is not None:
                 self.on_transfer_end(request_id, status)
-            if status is not None and status.failed:
-                log.warning("KV transfer %s failed: %s", send.transfer_id, status.reason)
+            if send.trace is not None:
+                kv_send_spans(send.trace, send.transfer_id, status)
+            if status.failed:
+                log.warning("KV transfer %s failed: %s", send.transfer_id, status.reason,
+                            extra=log_extra(send.log_id))
         return events
 
     # -- internals --
@@ -117,7 +126,7 @@ class PrefillConnector(KVConnector):
         params = request.kv_transfer
         if params is None or params.peer is None:
             return None
-        send = _Send(params.peer, params.transfer_id)
+        send = _Send(params.peer, params.transfer_id, log_id=request.log_id, trace=params.trace)
         self._open[request.request_id] = send
         request.kv_state = KVTransferState.SENDING
         return send

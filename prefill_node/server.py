@@ -5,10 +5,12 @@ call aborts the request and frees its blocks."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from common import request_id, tracing
+from worker import trace_spans
 
 from common.errors import ResidencyError, TandemError
 from worker.node_server import embed_rpc, set_resident
@@ -36,12 +38,22 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                   attributes={"tandem.transfer_id": request.transfer_id,
                                               "tandem.prompt_tokens":
                                                   len(request.prompt_token_ids)}) as span:
-            result = await self._prefill(request, context)
+            # Traces on: the engine records this request's passes, made into spans once the
+            # first token is out (worker/trace_spans.py); the transfer's own come at its end.
+            passes = [] if span.is_recording() else None
+            arrived_ns = time.time_ns()
+            try:
+                result = await self._prefill(request, context, passes, span if passes is not None else None)
+            finally:
+                if passes is not None:
+                    done = list(passes)
+                    trace_spans.queue_span("prefill.queue", span, arrived_ns, done)
+                    trace_spans.chunk_spans(span, done)
             span.set_attribute("tandem.cached_tokens", result.num_cached_tokens)
             return result
 
-    async def _prefill(self, request: pb.PrefillRequest,
-                       context: grpc.aio.ServicerContext) -> pb.PrefillResult:
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       passes: list | None = None, span=None) -> pb.PrefillResult:
         dest = request.destination
         if not request.request_id or not request.prompt_token_ids or not dest.endpoint:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -54,7 +66,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         job = PrefillJob(request.request_id, list(request.prompt_token_ids), params,
                          request.transfer_id or request.request_id, request.max_chunk_tokens,
                          request.num_prior_output_tokens, request.cache_salt,
-                         frozenset(request.stop_token_ids))
+                         frozenset(request.stop_token_ids), request_id.current.get(), passes,
+                         span)
         try:
             outcome = await self.worker.prefill(job, sender)
         except ResidencyError as exc:  # unloaded: the coordinator loads before dispatching

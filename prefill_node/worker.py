@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from worker.embedder import Embedder
 from worker.engine_loop import EngineLoop
@@ -52,6 +53,9 @@ class PrefillJob:
     num_prior_output_tokens: int = 0  # migrated: trailing prompt tokens generated earlier
     cache_salt: bytes = b""  # the prefix-cache tenant (common/block_hash.py)
     stop_token_ids: frozenset[int] = frozenset()  # the request's, for min_tokens and grammar
+    log_id: str = ""  # the client's request id, for log lines written on the engine thread
+    passes: list | None = None  # traces on: the engine's PassRecords of this request go here
+    span: Any = None  # traces on: the span the KV transfer's spans hang under
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,9 @@ class PrefillWorker(EngineLoop):
                                                num_prior_output_tokens=job.num_prior_output_tokens)
             request.grammar = grammar
             request.cache_salt = job.cache_salt
-            request.kv_transfer = KVTransferParams(job.transfer_id or job.request_id, peer=sender)
+            request.log_id, request.passes = job.log_id, job.passes
+            request.kv_transfer = KVTransferParams(job.transfer_id or job.request_id, peer=sender,
+                                                   trace=job.span)
             self.engine.submit(request)
         except (TandemError, ValueError) as exc:
             # Tell the decode worker at once rather than let its reservation wait out.

@@ -37,7 +37,7 @@ from common.grpc_server import bind, new_server
 from common import request_id
 from common.lifeline import watch_launcher
 from common.log_format import setup_logging
-from common.tracing import endpoint_from, setup_tracing
+from common.tracing import endpoint_from, protocol_from, setup_tracing
 
 log = logging.getLogger("tandem.node")
 
@@ -381,7 +381,8 @@ def node_main(prog: str, roles: tuple[str, ...], main_async, argv: list[str] | N
     watch_launcher()  # TANDEM_LIFELINE_FD: end with the launcher that started us
     try:
         setup_logging(args.log_level, args.log_format)
-        setup_tracing(f"tandem-{args.role}", endpoint_from(args.otlp_traces_endpoint, os.environ))
+        setup_tracing(f"tandem-{args.role}", endpoint_from(args.otlp_traces_endpoint, os.environ),
+                      protocol_from(args.otlp_traces_protocol, os.environ))
         config = WorkerConfig.from_args(args)
     except ValueError as exc:
         sys.stderr.write(f"Error: {exc}\n")

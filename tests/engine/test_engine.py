@@ -3,6 +3,8 @@ with real blocks, against transformers' greedy generate as the oracle."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -188,9 +190,12 @@ def test_abort_mid_prefill_and_mid_decode_frees_blocks(pair):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def run_mixed(engine: LLMEngine, prompts, params):
-    """run_all, keeping every StepOutput."""
+def run_mixed(engine: LLMEngine, prompts, params, traced: bool = False):
+    """run_all, keeping every StepOutput. traced: each request gets a log id (`log-I`) and a
+    pass record list, as a worker gives them while traces are on."""
     reqs = [engine.add_request(p, sp, stop_token_ids=frozenset()) for p, sp in zip(prompts, params)]
+    for i, r in enumerate(reqs if traced else ()):
+        r.log_id, r.passes = f"log-{i}", []
     outputs = {r.request_id: [] for r in reqs}
     steps = 0
     while engine.has_unfinished():
@@ -222,7 +227,7 @@ def test_a_request_whose_sampling_fails_ends_with_an_error_and_the_batch_goes_on
 
 
 @pytest.mark.parametrize("raises", [False, True])
-def test_sampling_failure_mid_decode_frees_the_request_and_spares_the_rest(pair, raises):
+def test_sampling_failure_mid_decode_frees_the_request_and_spares_the_rest(pair, raises, caplog):
     hf, model = pair
     prompts = prompts_of([14, 9, 20], seed=9)
     poisoned = SamplingParams(temperature=0.0, num_predict=8)
@@ -230,7 +235,11 @@ def test_sampling_failure_mid_decode_frees_the_request_and_spares_the_rest(pair,
     engine.sampler = PoisonedSampler(poisoned, len(prompts[1]), after=3, raises=raises)
     params = [SamplingParams(temperature=0.0, num_predict=8), poisoned,
               SamplingParams(temperature=0.0, num_predict=8)]
-    (first, failed, third), reqs = run_mixed(engine, prompts, params)
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        (first, failed, third), reqs = run_mixed(engine, prompts, params, traced=True)
+    if raises:  # the row's own failure is logged with its request's id (engine thread)
+        (line,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert reqs[1].request_id in line.getMessage() and line.request_id == "log-1"
     for outs, prompt in ((first, prompts[0]), (third, prompts[2])):
         assert [t for out in outs for t in out.new_token_ids] == hf_greedy(hf, prompt, 8)
     assert [t for out in failed for t in out.new_token_ids] == hf_greedy(hf, prompts[1], 3)
@@ -244,3 +253,27 @@ def test_sampling_failure_mid_decode_frees_the_request_and_spares_the_rest(pair,
     with pytest.raises(SamplingError, match="sampling failed"):
         list(engine.generate(prompts[1], poisoned))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_traced_request_gets_a_record_of_each_pass_that_computed_it(pair):
+    """The worker's trace spans (prefill chunks, decode steps) come from these records."""
+    _, model = pair
+    prompts = prompts_of([14, 9], seed=10)
+    engine = make_engine(model)
+    params = [SamplingParams(temperature=0.0, num_predict=5)] * 2
+    _, reqs = run_mixed(engine, prompts, params, traced=True)
+    for req, prompt in zip(reqs, prompts):
+        passes = req.passes
+        assert len(passes) == 5  # one prompt pass, then one decode step per further token
+        assert not passes[0].decode and passes[0].tokens == len(prompt)
+        assert all(p.decode and p.tokens == 1 for p in passes[1:])
+        assert all(p.start_ns <= p.end_ns for p in passes)
+        assert all(a.end_ns <= b.start_ns for a, b in zip(passes, passes[1:]))
+        assert all(1 <= p.batch_size <= 2 and p.batch_tokens >= p.tokens for p in passes)
+    # Both prompts fit one pass's budget: they shared it, then every decode step.
+    assert reqs[0].passes[0].batch_tokens == sum(map(len, prompts))
+    assert [p.start_ns for p in reqs[0].passes] == [p.start_ns for p in reqs[1].passes]
+    untraced = engine.add_request(prompts[0], params[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert untraced.passes is None

@@ -85,7 +85,16 @@ def test_skip_blocks_and_fully_cached_transfer(hosts, backend):
     send_all(sender, "p", source, [0, 1], first_block=0)  # chunk 1: entirely cached
     send_all(sender, "p", source, [2, 3], first_block=2, first_token=5)
     send_all(sender, "all", source, [0, 1, 2], first_token=9)
-    assert all(s.done for s in wait_all(sender, ["p", "all"]).values())
+    statuses = wait_all(sender, ["p", "all"])
+    assert all(s.done for s in statuses.values())
+    # Stage times for the trace spans (worker/trace_spans.py): each stage after the one before;
+    # "all" sent no data unit (every block cached), so only its grant and finish.
+    t = statuses["p"].times
+    assert 0 < t.asked_ns <= t.granted_ns <= t.first_unit_ns <= t.last_ack_ns <= t.ended_ns
+    assert t.granted_ns <= t.finish_ns <= t.ended_ns and t.units == sender.stats().units  # "all" sent none
+    t = statuses["all"].times
+    assert t.first_unit_ns == t.last_ack_ns == t.units == 0
+    assert 0 < t.asked_ns <= t.granted_ns <= t.finish_ns <= t.ended_ns
     events = sorted(host.call("wait", key, 2, 10.0))
     assert events == [("all", COMPLETE, "", 9), ("p", COMPLETE, "", 5)]
     cache = host.call("cache", key)

@@ -11,6 +11,7 @@ and that token have landed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import functools
 import itertools
@@ -120,8 +121,9 @@ class Pair:
                                           transfer_id=rid))
 
     async def prefill_job(self, rid: str, prompt: list[int], params=GREEDY, stops=frozenset()):
-        return await self.prefill.prefill(PrefillJob(rid, prompt, params, rid, stop_token_ids=stops),
-                                          self.sender)
+        # log_id: the client's request id, as the server passes it (log-RID here)
+        return await self.prefill.prefill(PrefillJob(rid, prompt, params, rid, stop_token_ids=stops,
+                                                     log_id=f"log-{rid}"), self.sender)
 
     async def run(self, rid: str, prompt: list[int], max_tokens: int, params=GREEDY):
         """The whole disaggregated flow, both halves at once, as the coordinator drives it;
@@ -230,11 +232,15 @@ async def test_local_prefill_on_the_decode_worker(pair_factory, reference):
 
 
 @run_async
-async def test_corrupted_payload_fails_only_its_request(pair_factory, reference):
+async def test_corrupted_payload_fails_only_its_request(pair_factory, reference, caplog):
     pair = pair_factory(faults=[FakeFault("corrupt", transfer_id="bad", layer=1)])
     good, bad = prompts([50, 50], seed=2)
-    (g_tokens, g_final), (b_tokens, b_final) = await asyncio.gather(
-        pair.run("good", good, 8), pair.run("bad", bad, 8))
+    with caplog.at_level(logging.WARNING, logger="prefill_node.connector"):
+        (g_tokens, g_final), (b_tokens, b_final) = await asyncio.gather(
+            pair.run("good", good, 8), pair.run("bad", bad, 8))
+    # Logged on the prefill engine's thread, with the request's own id (not the context's).
+    (line,) = [r for r in caplog.records if r.name == "prefill_node.connector"]
+    assert "KV transfer bad failed" in line.getMessage() and line.request_id == "log-bad"
     assert g_tokens == expected(reference, good, 8)
     assert b_final.finish_reason == "error" and "KV transfer failed" in b_final.error
     assert b_tokens == b_tokens[:1]  # only the prefill's first token, nothing decoded
