@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -115,13 +116,17 @@ def _add_error_handlers(app: FastAPI, coordinator: Coordinator) -> None:
         return _error(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's script, style and icon
+
+
 def create_app(coordinator: Coordinator, lifespan: Any = None) -> FastAPI:
     # /openapi.json describes every route and its real request body (coordinator/openapi.py);
-    # /docs is FastAPI's Swagger UI over it: a page whose script and style the browser loads
-    # from FastAPI's default CDN (cdn.jsdelivr.net), so it needs that reachable; the server
-    # itself serves only the page and the schema. Both sit behind the API key when one is set.
-    app = FastAPI(title="tandem", version=tandem_version(), lifespan=lifespan, docs_url="/docs",
-                  redoc_url=None, openapi_url="/openapi.json")
+    # /docs is Swagger UI over it, its script and style served from DOCS_ASSETS out of the
+    # fastapi-offline package (no CDN: the page works on a host with no way out). All of them
+    # sit behind the API key when one is set.
+    app = FastAPIOffline(title="tandem", version=tandem_version(), lifespan=lifespan,
+                         docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                         static_url=DOCS_ASSETS)
     limits = coordinator.config
     _add_error_handlers(app, coordinator)
     if coordinator.response_cache is not None:

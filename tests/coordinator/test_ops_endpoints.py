@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.rpc import worker_pb2 as pb
 from coordinator.model import load_served_model
+from coordinator.http_api import DOCS_ASSETS
 
 from tests.helpers.coordinator_fakes import (
     DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
@@ -235,12 +236,19 @@ def test_swagger_ui_over_the_openapi_schema_and_root_still_answers_as_ollama(mod
         async with coordinator_harness(model) as h, \
                 httpx.AsyncClient(timeout=DEADLINE_S) as client:
             return [await client.get(f"{h.url}{path}")
-                    for path in ("/docs", "/openapi.json", "/", "/redoc")]
+                    for path in ("/docs", "/openapi.json", "/", "/redoc",
+                                 f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                 f"{DOCS_ASSETS}/swagger-ui.css")]
 
-    docs, schema, root, redoc = run(scenario())
+    docs, schema, root, redoc, script, style = run(scenario())
     assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
     assert "SwaggerUIBundle" in docs.text and "'/openapi.json'" in docs.text
-    assert "cdn.jsdelivr.net" in docs.text  # the UI's assets come from FastAPI's default CDN
+    # The UI's script and style come from the coordinator itself, never a CDN.
+    assert "cdn." not in docs.text and "https://" not in docs.text
+    assert f"{DOCS_ASSETS}/swagger-ui-bundle.js" in docs.text
+    assert f"{DOCS_ASSETS}/swagger-ui.css" in docs.text
+    assert script.status_code == 200 and "SwaggerUIBundle" in script.text
+    assert style.status_code == 200 and ".swagger-ui" in style.text
     assert schema.status_code == 200
     paths = schema.json()["paths"]
     assert {"/api/chat", "/v1/chat/completions", "/health"} <= set(paths)

@@ -244,3 +244,34 @@ def test_the_page_works_in_a_real_browser_under_its_csp(url):
     assert roles == ["decode", "prefill"]
     assert done == "true" and int(chunks) > 1 and text == _api_answer(url, CHAT)
     assert "p50" in legend and status == "ok"
+
+
+@pytest.mark.skipif(_chromium() is None,
+                    reason="no Chromium on this machine (apt-get install chromium-headless-shell; "
+                           ".ci/run installs it)")
+def test_the_api_docs_render_in_a_real_browser_from_the_server_alone(url):
+    """/docs: Swagger UI, its script and style from the coordinator (no CDN), renders every
+    route of /openapi.json. The browser sends the key on each request, as a user behind an
+    authenticating proxy would (the docs sit behind the API key)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    logged: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium())
+        try:
+            page = browser.new_context(extra_http_headers=AUTH).new_page()
+            page.on("console", lambda m: logged.append(f"{m.type}: {m.text}")
+                    if m.type == "error" else None)
+            page.on("pageerror", lambda e: logged.append(f"pageerror: {e}"))
+            page.on("request", lambda r: None if r.url.startswith(url)
+                    else logged.append(f"request elsewhere: {r.url}"))
+            page.goto(f"{url}/docs")
+            page.wait_for_selector(".opblock", timeout=60_000)
+            paths = set(page.locator(".opblock-summary-path").all_text_contents())
+            title = page.text_content(".info .title")
+        finally:
+            browser.close()
+    assert logged == []
+    schema = httpx.get(f"{url}/openapi.json", headers=AUTH, timeout=30).json()
+    assert {"/api/chat", "/v1/chat/completions", "/health"} <= {p.replace("\u200b", "")
+                                                               for p in paths}
+    assert len(paths) == len(schema["paths"]) and "tandem" in title
