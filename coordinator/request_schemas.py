@@ -298,17 +298,62 @@ class ResponsesInputMessage(_Body):
     content: str | list[ResponsesInputPart]
 
 
+class ResponsesFunctionCall(_Body):
+    """An earlier call of the model's, sent back with its result."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as a string
+
+
+class ResponsesFunctionCallOutput(_Body):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+
+
+class ResponsesFunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class ResponsesTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # json_schema: required
+    strict: bool | None = None
+
+
+class ResponsesText(_Body):
+    format: ResponsesTextFormat | None = None
+
+
 class ResponsesRequest(_Body):
-    """POST /v1/responses (coordinator/responses_api.py): text in, text out."""
+    """POST /v1/responses (coordinator/responses_api.py): text in, text or function calls out,
+    optionally under a JSON schema."""
 
     model: str = Field(min_length=1)
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[ResponsesInputMessage],
-                                                           Field(min_length=1)]
+    input: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Union[ResponsesInputMessage, ResponsesFunctionCall, ResponsesFunctionCallOutput]],
+        Field(min_length=1)]
     instructions: str | None = None
     stream: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
