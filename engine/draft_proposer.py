@@ -30,6 +30,11 @@ A seeded request's draft draws use position_generator(seed, -1 - position): nega
 positions, which the target's draws (positions >= 0) never use, so the draft's randomness
 is independent of the verifier's and still reproducible.
 
+Draft length: n = min(adaptive k, room) per request (engine/draft_length.py): a request whose
+drafts the target keeps rejecting drafts nothing but a one-token probe every few steps, so it
+costs neither the k draft passes nor the wider verification. Its `seen` then lags its tokens,
+and the next draft it makes catches up on them in pass 0 (one chunk, as the prompt was).
+
 Ownership: the draft pool's blocks belong to this proposer only; forget() frees a
 request's blocks and state, and the engine calls it at every finish, abort and migration.
 """
@@ -42,6 +47,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig
+from engine.draft_length import DraftLength
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.proposer import Draft
 from engine.request import Request
@@ -77,21 +83,25 @@ class DraftModelProposer:
         # No CUDA graphs: the draft's passes are small and vary in shape.
         self.runner = ModelRunner(model, draft_cache, kv_dtype, cuda_graphs=False)
         self.seen: dict[str, list[int]] = {}  # request id -> tokens whose KV the pool holds
+        self.lengths: dict[str, DraftLength] = {}  # request id -> its adaptive draft length
         self._generators: dict[str, torch.Generator] = {}  # unseeded sampled requests
 
     @property
     def states(self) -> dict[str, list[int]]:
         """Per-request state, for leak checks (empty once every request is forgotten)."""
-        return self.seen
+        return {rid: self.seen.get(rid, []) for rid in {*self.seen, *self.lengths}}
 
     def propose_drafts(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, Draft]:
         active: list[tuple[Request, int]] = []  # (request, drafts to make)
         chunks: list[SequenceChunk] = []
         for request, limit in wanted:
-            n = min(self.k, limit)
+            rid, tokens = request.request_id, request.token_ids
+            length = self.lengths.get(rid)
+            if length is None:
+                length = self.lengths[rid] = DraftLength()
+            n = min(length.draft_length(self.k), limit)
             if n <= 0:
                 continue
-            rid, tokens = request.request_id, request.token_ids
             seen = self.seen.setdefault(rid, [])
             keep = 0
             for a, b in zip(seen, tokens[:len(tokens) - 1]):
@@ -144,9 +154,12 @@ class DraftModelProposer:
         return int(torch.multinomial(q[0], 1, generator=gen)), q
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Fixed k: a draft model's cost per token is what it is; nothing to adapt."""
+        length = self.lengths.get(request_id)
+        if length is not None:
+            length.record(proposed, accepted)
 
     def forget(self, request_id: str) -> None:
         self.seen.pop(request_id, None)
+        self.lengths.pop(request_id, None)
         self._generators.pop(request_id, None)
         self.blocks.free(request_id)

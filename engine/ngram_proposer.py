@@ -10,10 +10,9 @@ after its latest occurrence. Appending a token indexes one n-gram per n, so a st
 range) dictionary operations whatever the context length; the prompt is indexed once, at the
 request's first proposal.
 
-Adaptive k (DraftState): an exponential moving average of accepted / proposed draft tokens
-scales the draft length; when it falls so low that no token would be drafted, the request only
-probes with one token every PROBE_INTERVAL steps, so a workload with nothing to copy runs
-nearly as plain decoding while a copy that starts later is still found.
+Adaptive k (engine/draft_length.py): a workload with nothing to copy drafts nothing but a
+one-token probe every few steps, so it runs nearly as plain decoding while a copy that starts
+later is still found.
 """
 
 from __future__ import annotations
@@ -21,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from engine.draft_length import PROBE_INTERVAL, DraftLength
 from engine.proposer import Draft
 
 if TYPE_CHECKING:
     from engine.request import Request
 
-EMA_WEIGHT = 0.3  # weight of the newest step's acceptance ratio in the moving average
-PROBE_INTERVAL = 8  # steps between one-token probes once the average drafts nothing
+__all__ = ["PROBE_INTERVAL", "DraftState", "NgramIndex", "NgramProposer"]
 
 
 class NgramIndex:
@@ -67,28 +66,10 @@ class NgramIndex:
 
 
 @dataclass
-class DraftState:
-    """One request's proposer state."""
+class DraftState(DraftLength):
+    """One request's proposer state: its n-gram index and its adaptive draft length."""
 
-    index: NgramIndex
-    acceptance: float = 1.0  # moving average of accepted / proposed; optimistic at first
-    idle_steps: int = 0  # steps since the last probe while the average drafts nothing
-
-    def draft_length(self, k: int) -> int:
-        """Tokens to draft this step: k scaled by the acceptance average; 0 except for a
-        one-token probe every PROBE_INTERVAL steps once that rounds to nothing."""
-        length = min(k, int(self.acceptance * k + 0.5))
-        if length:
-            return length
-        self.idle_steps += 1
-        if self.idle_steps >= PROBE_INTERVAL:
-            self.idle_steps = 0
-            return 1
-        return 0
-
-    def record(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.acceptance += EMA_WEIGHT * (accepted / proposed - self.acceptance)
+    index: NgramIndex = field(kw_only=True)
 
 
 @dataclass
@@ -114,7 +95,7 @@ class NgramProposer:
         output so far)."""
         state = self.states.get(request_id)
         if state is None:
-            state = self.states[request_id] = DraftState(NgramIndex(self.min_n, self.max_n))
+            state = self.states[request_id] = DraftState(index=NgramIndex(self.min_n, self.max_n))
         state.index.extend(tokens)
         length = min(state.draft_length(self.k), limit)
         if length <= 0:

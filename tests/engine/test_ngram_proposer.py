@@ -67,7 +67,7 @@ def test_incremental_index_equals_the_brute_force_search():
 
 
 def test_draft_length_falls_with_acceptance_and_probes_when_it_is_zero():
-    state = DraftState(NgramIndex(1, 3))
+    state = DraftState(index=NgramIndex(1, 3))
     assert state.draft_length(4) == 4  # optimistic at first
     for _ in range(10):
         state.record(4, 0)

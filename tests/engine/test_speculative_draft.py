@@ -78,6 +78,38 @@ def test_a_different_draft_keeps_greedy_output(target, other_draft):
     assert_draft_freed(engine)
 
 
+def test_a_draft_the_target_rejects_drafts_less_and_less(target, other_draft):
+    """Adaptive k (engine/draft_length.py): each draft token costs a pass of the draft model,
+    so a draft that disagrees with the target shrinks to occasional one-token probes; the
+    output stays the plain one. The self-draft, always accepted, keeps drafting k."""
+    prompts = prompts_of([9, 31, 20])
+    long = SamplingParams(temperature=0.0, num_predict=64)
+    plain, _, _ = run(make_engine(target), prompts, long)
+    engine = make_engine(target, other_draft)
+    lengths: list[int] = []  # each step's draft length per request
+    proposer = engine.speculator.proposer
+    propose = proposer.propose_drafts
+
+    def counting(wanted):
+        drafts = propose(wanted)
+        lengths.extend(len(d.token_ids) for d in drafts.values())
+        return drafts
+
+    proposer.propose_drafts = counting
+    spec, _, _ = run(engine, prompts, long)
+    assert spec == plain
+    assert engine.spec_stats.acceptance_rate < 0.5
+    head, tail = lengths[:6], lengths[-12:]
+    assert max(head) == 4 and sum(tail) / len(tail) < 2  # the drafts shrank
+    # Steps with no draft at all (only probes every PROBE_INTERVAL) or short ones: far fewer
+    # draft tokens than k a step.
+    assert engine.spec_stats.num_draft_tokens < 4 * 3 * 63 / 2
+    assert_draft_freed(engine)
+    selfish = make_engine(target, target)
+    run(selfish, prompts, long)
+    assert selfish.spec_stats.num_draft_tokens / selfish.spec_stats.num_steps > 3
+
+
 def test_stops_inside_a_run_and_small_pools(target):
     (prompt,) = prompts_of([30])
     (reference,), _, _ = run(make_engine(target), [prompt], GREEDY)

@@ -1,0 +1,38 @@
+"""Adaptive draft length, per request, for every proposer (engine/proposer.py). Torch-free.
+
+An exponential moving average of accepted / proposed draft tokens scales k; when it falls so
+low that no token would be drafted, the request only probes with one token every
+PROBE_INTERVAL steps. So a workload the proposer cannot predict (nothing to copy for prompt
+lookup, a draft model that disagrees with the target) runs nearly as plain decoding, and one
+that becomes predictable later is still found. A draft model's tokens each cost a pass of it,
+so there the saving is the draft passes themselves, not only the verification's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMA_WEIGHT = 0.3  # weight of the newest step's acceptance ratio in the moving average
+PROBE_INTERVAL = 8  # steps between one-token probes once the average drafts nothing
+
+
+@dataclass
+class DraftLength:
+    acceptance: float = 1.0  # moving average of accepted / proposed; optimistic at first
+    idle_steps: int = 0  # steps since the last probe while the average drafts nothing
+
+    def draft_length(self, k: int) -> int:
+        """Tokens to draft this step: k scaled by the acceptance average; 0 except for a
+        one-token probe every PROBE_INTERVAL steps once that rounds to nothing."""
+        length = min(k, int(self.acceptance * k + 0.5))
+        if length:
+            return length
+        self.idle_steps += 1
+        if self.idle_steps >= PROBE_INTERVAL:
+            self.idle_steps = 0
+            return 1
+        return 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.acceptance += EMA_WEIGHT * (accepted / proposed - self.acceptance)
