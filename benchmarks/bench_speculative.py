@@ -33,17 +33,12 @@ from engine.config import CacheConfig, EngineConfig
 from engine.generation import chat_prompt_ids
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
+from cli.load_generator import copy_prompt, write_prompt
 from engine.speculative_config import parse_speculative
 from worker.runtime import configure_process
 
-PARAGRAPH = ("The river rose slowly through the night, and by morning the low fields along the "
-             "valley were under water. Farmers moved their animals to the hills, and the old "
-             "stone bridge, which had stood for three hundred years, was closed to traffic while "
-             "engineers checked its arches for cracks.")
-WORKLOADS = {
-    "copy": f"Repeat this text exactly, with no other words: {PARAGRAPH}",
-    "chat": "Write a short story about a robot who learns to paint.",
-}
+# The workloads `tandem bench --dataset copy|write` sends a served cluster, one prompt each.
+WORKLOADS = {"copy": copy_prompt(0), "chat": write_prompt(0)}
 
 
 def decode_rate(engine: LLMEngine, prompt: list[int], tokens: int

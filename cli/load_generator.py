@@ -13,7 +13,10 @@ value, and --plot draws latency and throughput against load. Backends: `tandem` 
 
 Datasets: `random`, synthetic prompts of --input-len words (exact tokens with --tokenizer) and
 --output-len tokens asked for; `chat`, a built-in multi-turn set where each conversation sends
-its turns in order with the real answers in its history (so prefix caching shows).
+its turns in order with the real answers in its history (so prefix caching shows); `copy`,
+requests to repeat a paragraph exactly (what prompt-lookup speculation drafts from), and
+`write`, requests for a short story (little to copy), the two workloads that show what
+`--speculative ngram` gains and costs.
 
 Per request (DESIGN.md's definitions, measured at the client): TTFT = send to first content;
 ITL = gaps between content chunks; TPOT = (latency - TTFT) / (output tokens - 1); output
@@ -56,6 +59,30 @@ CHAT_SET: list[list[str]] = [
      "Summarise in one sentence."],
 ]
 
+# `copy` and `write` (benchmarks/bench_speculative.py uses the same two workloads in process)
+PARAGRAPHS = (
+    "The river rose slowly through the night, and by morning the low fields along the valley "
+    "were under water. Farmers moved their animals to the hills, and the old stone bridge, "
+    "which had stood for three hundred years, was closed to traffic while engineers checked "
+    "its arches for cracks.",
+    "The market opens before sunrise. Bakers carry trays of warm bread past the fountain, the "
+    "fishmongers lay their catch on beds of ice, and by seven o'clock the square is so full "
+    "that the tram has to wait at the corner until the crowd lets it through.",
+    "Our library keeps its oldest maps in a cool room under the reading hall. Each map rests in "
+    "a flat drawer lined with acid-free paper, and visitors may see one only with a librarian "
+    "beside them, wearing cotton gloves, for no longer than half an hour.",
+)
+STORY_TOPICS = ("a robot who learns to paint", "a lighthouse keeper's last winter",
+                "a cat that runs a small hotel", "two friends lost in a desert town")
+
+
+def copy_prompt(i: int) -> str:
+    return f"Repeat this text exactly, with no other words: {PARAGRAPHS[i % len(PARAGRAPHS)]}"
+
+
+def write_prompt(i: int) -> str:
+    return f"Write a short story about {STORY_TOPICS[i % len(STORY_TOPICS)]}."
+
 
 @dataclass
 class Record:
@@ -97,6 +124,9 @@ def sessions(args: argparse.Namespace, tokenizer: Any = None) -> list[list[str]]
     if args.dataset == "random":
         return [[p] for p in random_prompts(args.num_prompts, args.input_len, args.seed,
                                             tokenizer)]
+    if args.dataset in ("copy", "write"):
+        make = copy_prompt if args.dataset == "copy" else write_prompt
+        return [[make(i)] for i in range(args.num_prompts)]
     out, total, i = [], 0, 0
     while total < args.num_prompts:
         turns = CHAT_SET[i % len(CHAT_SET)][: args.num_prompts - total]
@@ -349,7 +379,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat: /api/chat or /v1/chat/completions; generate: /api/generate "
                         "or /v1/completions")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dataset", choices=("random", "chat"), default="random")
+    p.add_argument("--dataset", choices=("random", "chat", "copy", "write"), default="random",
+                   help="copy: repeat a paragraph (speculation drafts from it); write: a story")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt length")
     p.add_argument("--output-len", type=int, default=64, help="tokens asked for per request")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per load level")

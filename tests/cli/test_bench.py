@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.load_generator import Record, percentile, random_prompts, summarize
+import argparse
+
+from cli.load_generator import PARAGRAPHS, Record, percentile, random_prompts, sessions, summarize
 from tests.helpers.api_cluster import MODEL, api  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,20 @@ def test_random_prompts_are_reproducible_and_sized():
     a, b = random_prompts(4, 16, seed=1), random_prompts(4, 16, seed=1)
     assert a == b and len(set(a)) == 4
     assert all(len(p.split()) == 16 for p in a)
+
+
+def test_copy_and_write_datasets_for_speculation():
+    """copy: each request repeats one of the paragraphs (prompt lookup drafts from it); write:
+    a story, little to copy. One turn per session, as many as --num-prompts."""
+    def of(kind: str) -> list[str]:
+        work = sessions(argparse.Namespace(dataset=kind, num_prompts=5))
+        assert all(len(turns) == 1 for turns in work) and len(work) == 5
+        return [turns[0] for turns in work]
+
+    copy, write = of("copy"), of("write")
+    assert all(p.startswith("Repeat this text exactly") for p in copy)
+    assert {p.split(": ", 1)[1] for p in copy} == set(PARAGRAPHS)
+    assert all(p.startswith("Write a short story about") for p in write) and len(set(write)) == 4
 
 
 def bench(api, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
