@@ -1,8 +1,16 @@
 """Adaptive draft length, per request, for every proposer (engine/proposer.py). Torch-free.
 
-An exponential moving average of accepted / proposed draft tokens scales k; when it falls so
-low that no token would be drafted, the request only probes with one token every
-PROBE_INTERVAL steps. So a workload the proposer cannot predict (nothing to copy for prompt
+An exponential moving average of accepted / proposed draft tokens scales k. A draft of L tokens
+is expected to emit 1 + acceptance * L tokens in its step; it is made only when that beats
+`cost_ratio`, what a step with drafts costs over a plain one as the engine measured it
+(SpeculativeDecoder: wider passes, a draft model's own passes, and on the CPU the loss of the
+fused native decode call, which takes one-token decodes only). Otherwise the request only
+probes with one token every PROBE_INTERVAL steps.
+
+Only greedy requests are gated by cost: their output is the same whatever is drafted, while a
+sampled request's tokens depend on which were drafted (rejection sampling draws differently
+from a plain step), so its drafts must follow from its own history alone (its acceptance), not
+from timings, for a seed to give the same answer every run. So a workload the proposer cannot predict (nothing to copy for prompt
 lookup, a draft model that disagrees with the target) runs nearly as plain decoding, and one
 that becomes predictable later is still found. A draft model's tokens each cost a pass of it,
 so there the saving is the draft passes themselves, not only the verification's width.
@@ -21,11 +29,12 @@ class DraftLength:
     acceptance: float = 1.0  # moving average of accepted / proposed; optimistic at first
     idle_steps: int = 0  # steps since the last probe while the average drafts nothing
 
-    def draft_length(self, k: int) -> int:
-        """Tokens to draft this step: k scaled by the acceptance average; 0 except for a
-        one-token probe every PROBE_INTERVAL steps once that rounds to nothing."""
+    def draft_length(self, k: int, cost_ratio: float = 1.0) -> int:
+        """Tokens to draft this step: k scaled by the acceptance average, when that is
+        expected to pay for the step's extra cost (cost_ratio: 1.0 for a sampled request,
+        module docstring); else 0, except for a one-token probe every PROBE_INTERVAL steps."""
         length = min(k, int(self.acceptance * k + 0.5))
-        if length:
+        if length and 1.0 + self.acceptance * length > cost_ratio:
             return length
         self.idle_steps += 1
         if self.idle_steps >= PROBE_INTERVAL:

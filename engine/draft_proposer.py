@@ -84,6 +84,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, draft_cache, kv_dtype, cuda_graphs=False)
         self.seen: dict[str, list[int]] = {}  # request id -> tokens whose KV the pool holds
         self.lengths: dict[str, DraftLength] = {}  # request id -> its adaptive draft length
+        self.cost_ratio = 1.0  # a drafted step's cost over a plain one (SpeculativeDecoder sets it)
         self._generators: dict[str, torch.Generator] = {}  # unseeded sampled requests
 
     @property
@@ -99,7 +100,8 @@ class DraftModelProposer:
             length = self.lengths.get(rid)
             if length is None:
                 length = self.lengths[rid] = DraftLength()
-            n = min(length.draft_length(self.k), limit)
+            ratio = self.cost_ratio if request.sampling_params.greedy else 1.0
+            n = min(length.draft_length(self.k, ratio), limit)
             if n <= 0:
                 continue
             seen = self.seen.setdefault(rid, [])

@@ -452,6 +452,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self.connector is not None:
             outputs.extend(self._apply_transfers(self.connector.get_finished()))
+        step_started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
@@ -523,6 +524,11 @@ class LLMEngine:
             outputs.append(StepOutput(request_id, [], True, RequestStatus.FINISHED_ERROR,
                                       by_id[request_id].num_cached_tokens, error=reason))
         _record_pass(plan, started_ns)
+        if self.speculator is not None and all(c.decodes for c in chunks):
+            # What speculation costs here, measured (engine/draft_length.py's gate).
+            self.speculator.observe_step(time.perf_counter() - step_started,
+                                         any(c.draft_token_ids for c in plan.chunks),
+                                         len(plan.chunks))
         return outputs
 
     def _verify_drafts(self, chunks: list, logits: torch.Tensor

@@ -80,24 +80,27 @@ class NgramProposer:
     min_n: int = 1
     max_n: int = 3
     states: dict[str, DraftState] = field(default_factory=dict)
+    cost_ratio: float = 1.0  # a drafted step's cost over a plain one (SpeculativeDecoder sets it)
 
     def propose_drafts(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, Draft]:
         """The Proposer contract (engine/proposer.py): one lookup per request."""
         drafts = {}
         for request, limit in wanted:
-            tokens = self.propose(request.request_id, request.token_ids, limit)
+            ratio = self.cost_ratio if request.sampling_params.greedy else 1.0
+            tokens = self.propose(request.request_id, request.token_ids, limit, ratio)
             if tokens:
                 drafts[request.request_id] = Draft(tokens)
         return drafts
 
-    def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> list[int]:
+    def propose(self, request_id: str, tokens: Sequence[int], limit: int,
+                cost_ratio: float = 1.0) -> list[int]:
         """At most min(adaptive k, limit) draft tokens for `tokens` (the request's prompt +
         output so far)."""
         state = self.states.get(request_id)
         if state is None:
             state = self.states[request_id] = DraftState(index=NgramIndex(self.min_n, self.max_n))
         state.index.extend(tokens)
-        length = min(state.draft_length(self.k), limit)
+        length = min(state.draft_length(self.k, cost_ratio), limit)
         if length <= 0:
             return []
         return state.index.propose(tokens, length)

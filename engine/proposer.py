@@ -7,6 +7,8 @@ thread only:
                            speculate and the most tokens it may draft; returns a Draft for
                            some of them (a request left out, or given [], decodes plainly)
     record(id, k, accepted)  after each verification of that request's draft
+    cost_ratio             an attribute the decoder sets before each propose: what a step
+                           with drafts costs over a plain one (engine/draft_length.py)
     forget(id)             when the request finishes, is aborted or leaves (migrates): the
                            proposer frees everything it holds for it; unknown ids are a no-op
 
@@ -35,6 +37,8 @@ class Draft:
 
 
 class Proposer(Protocol):
+    cost_ratio: float
+
     def propose_drafts(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, Draft]: ...
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None: ...

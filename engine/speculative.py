@@ -35,6 +35,10 @@ from engine.sampler import Sampler, apply_logit_bias, forbid_tokens, position_ge
 from engine.speculative_config import SpeculativeConfig
 
 
+STEP_EMA = 0.1  # weight of the newest step in SpeculativeDecoder's step-time averages
+PLAIN_STEP_EVERY = 32  # propose() calls between plain steps that refresh the plain average
+
+
 @dataclass
 class SpecDecodeStats:
     """Engine-wide counters since the engine started (monotonic)."""
@@ -82,6 +86,30 @@ class SpeculativeDecoder:
         # request id -> the q rows of its current draft (a draft model's sampled draft only),
         # from propose to the verify of the same step; replaced at every propose.
         self._draft_probs: dict[str, torch.Tensor] = {}
+        # Moving averages of a whole decode step's seconds (proposing included), plain and with
+        # drafts (observe_step); their ratio gates drafting (engine/draft_length.py). Unknown
+        # until each kind has run: 1.0, so speculation is tried first.
+        self.plain_step_s: float | None = None
+        self.drafted_step_s: float | None = None
+        self._proposals = 0  # propose() calls, for the plain steps that keep plain_step_s current
+
+    @property
+    def cost_ratio(self) -> float:
+        if self.plain_step_s is None or self.drafted_step_s is None:
+            return 1.0
+        return self.drafted_step_s / self.plain_step_s
+
+    def observe_step(self, seconds: float, drafted: bool, batch_size: int) -> None:
+        """A step of decodes only (no prompt chunk) took `seconds`. Kept per batch size 1
+        ratio-wise: a step's time is divided by its sequences, so batches of another size
+        still compare (the ratio is what matters, not the absolute)."""
+        per_sequence = seconds / max(batch_size, 1)
+        if drafted:
+            old = self.drafted_step_s
+            self.drafted_step_s = per_sequence if old is None else old + STEP_EMA * (per_sequence - old)
+        else:
+            old = self.plain_step_s
+            self.plain_step_s = per_sequence if old is None else old + STEP_EMA * (per_sequence - old)
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets each request's draft_token_ids for the next schedule ([] where it does not
@@ -95,6 +123,16 @@ class SpeculativeDecoder:
                 if limit > 0:
                     wanted.append((request, limit))
         self._draft_probs = {}
+        self._proposals += 1
+        # A plain step now and then (and one right after the first drafted step) measures
+        # what drafting is weighed against; without it a workload that keeps drafting a little
+        # would never learn that its drafts cost more than they give.
+        # Greedy requests only: a sampled one's drafts follow from its own history alone
+        # (engine/draft_length.py).
+        if wanted and ((self.plain_step_s is None and self.drafted_step_s is not None)
+                       or self._proposals % PLAIN_STEP_EVERY == 0):
+            wanted = [(r, n) for r, n in wanted if not r.sampling_params.greedy]
+        self.proposer.cost_ratio = self.cost_ratio
         drafts = self.proposer.propose_drafts(wanted) if wanted else {}
         for request, _ in wanted:
             draft = drafts.get(request.request_id)

@@ -11,10 +11,15 @@ from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
+from engine.draft_length import PROBE_INTERVAL, DraftLength
+from engine.speculative import SpeculativeDecoder
 from engine.speculative_config import SpeculativeConfig
 from tests.engine.test_model_forward import build_pair
 
 GREEDY = SamplingParams(temperature=0.0, num_predict=30)
+# Draft counts here follow from acceptance alone (the cost gate's test gives its own times).
+pytestmark = pytest.mark.usefixtures("open_cost_gate")
+MEASURED_COST_RATIO = SpeculativeDecoder.cost_ratio  # the real property, before any pinning
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +266,36 @@ def test_verified_tokens_follow_the_requests_own_sampling_distribution(pick):
     stats = decoder.stats
     assert stats.num_steps == n and stats.num_draft_tokens == n
     assert stats.num_accepted_tokens == sum(f == draft[0] for f in firsts)
+
+
+def test_the_cost_gate_weighs_expected_tokens_against_the_measured_step_cost(monkeypatch):
+    """engine/draft_length.py: a draft of L tokens at acceptance a is expected to emit 1 + aL
+    tokens; it is made only when that beats what a drafted step costs over a plain one."""
+    monkeypatch.setattr(SpeculativeDecoder, "cost_ratio", MEASURED_COST_RATIO)
+    length = DraftLength(acceptance=0.3)  # k = 4: L = 1, expected 1.3 tokens a step
+    assert length.draft_length(4, 1.2) == 1
+    gated = [length.draft_length(4, 1.5) for _ in range(2 * PROBE_INTERVAL)]
+    assert gated.count(1) == 2 and set(gated) == {0, 1}  # probes only
+    decoder = SpeculativeDecoder(SPEC, sampler=None)
+    assert decoder.cost_ratio == 1.0  # unknown until both kinds of step ran: try drafting
+    decoder.observe_step(0.030, drafted=True, batch_size=1)
+    assert decoder.cost_ratio == 1.0
+    decoder.observe_step(0.040, drafted=False, batch_size=4)  # per sequence: 10 ms
+    assert decoder.cost_ratio == pytest.approx(3.0)
+
+
+def test_a_closed_gate_stops_greedy_drafts_and_never_changes_a_seeded_answer(model, monkeypatch):
+    prompts = prompts_of([30, 12])
+    seeded = SamplingParams(temperature=0.7, top_k=20, seed=42, num_predict=25)
+    runs = {}
+    for ratio in (1.0, 10.0):  # open, and closed: a drafted step said to cost 10 plain ones
+        monkeypatch.setattr(SpeculativeDecoder, "cost_ratio", property(lambda self, r=ratio: r))
+        greedy_engine, seeded_engine = make_engine(model, SPEC), make_engine(model, SPEC)
+        runs[ratio] = (run(greedy_engine, prompts, GREEDY)[0], greedy_engine.spec_stats,
+                       run(seeded_engine, prompts, seeded)[0], seeded_engine.spec_stats)
+    (greedy_open, open_stats, seeded_open, seeded_stats), (greedy_shut, shut_stats, seeded_shut,
+                                                           seeded_shut_stats) = runs[1.0], runs[10.0]
+    assert greedy_shut == greedy_open  # greedy: the same answer, far fewer drafts
+    assert shut_stats.num_draft_tokens <= open_stats.num_draft_tokens / 2
+    assert seeded_shut == seeded_open  # sampled: drafts follow its history, not the gate
+    assert seeded_shut_stats.num_draft_tokens == seeded_stats.num_draft_tokens > 0

@@ -20,6 +20,8 @@ from tests.engine.test_model_forward import build_pair
 from tests.engine.test_speculative import assert_pool_full, prompts_of, run
 
 GREEDY = SamplingParams(temperature=0.0, num_predict=24)
+# Draft counts here follow from acceptance alone (tests/engine/conftest.py).
+pytestmark = pytest.mark.usefixtures("open_cost_gate")
 DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=4, draft_model="tiny")
 
 
