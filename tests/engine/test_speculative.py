@@ -11,7 +11,7 @@ from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
-from engine.draft_length import PROBE_INTERVAL, DraftLength
+from engine.draft_length import PROBE_INTERVAL, DraftLength, probe_interval
 from engine.speculative import SpeculativeDecoder
 from engine.speculative_config import SpeculativeConfig
 from tests.engine.test_model_forward import build_pair
@@ -274,8 +274,10 @@ def test_the_cost_gate_weighs_expected_tokens_against_the_measured_step_cost(mon
     monkeypatch.setattr(SpeculativeDecoder, "cost_ratio", MEASURED_COST_RATIO)
     length = DraftLength(acceptance=0.3)  # k = 4: L = 1, expected 1.3 tokens a step
     assert length.draft_length(4, 1.2) == 1
-    gated = [length.draft_length(4, 1.5) for _ in range(2 * PROBE_INTERVAL)]
-    assert gated.count(1) == 2 and set(gated) == {0, 1}  # probes only
+    gated = [length.draft_length(4, 1.3) for _ in range(2 * PROBE_INTERVAL)]
+    assert gated.count(1) == 1 and set(gated) == {0, 1}  # probes only, every 10 steps
+    assert probe_interval(1.3) == 10 and probe_interval(1.0) == PROBE_INTERVAL
+    assert probe_interval(2.08) == 36  # the CPU's 2-token pass: probing 1 step in 36
     decoder = SpeculativeDecoder(SPEC, sampler=None)
     assert decoder.cost_ratio == 1.0  # unknown until both kinds of step ran: try drafting
     decoder.observe_step(0.030, drafted=True, batch_size=1)
