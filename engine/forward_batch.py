@@ -15,6 +15,10 @@ prefill chunks any number):
     has_decode           whether any sequence is in its decode phase (feeds back a generated
                          token) rather than a prompt chunk; a colocated model holding two
                          weight formats picks its copy by it (engine/models/llama.py)
+    rows_as_decodes      every multi-token sequence is a decode (a speculative verification:
+                         its last token and drafts), so each of its rows may be attended as a
+                         one-token decode at its own position (kernels/attention.py); the
+                         pass then qualifies for the native decode call
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class ForwardBatch:
     # Called as on_layer_done(layer_index) right after a layer's K/V is in the cache: the
     # prefill worker uses it to start that layer's transfer while later layers compute.
     on_layer_done: Callable[[int], None] | None = None
+    rows_as_decodes: bool = False
 
     def to(self, device: torch.device) -> "ForwardBatch":
         """The same batch with its tensors on `device` (itself when they already are)."""
@@ -47,7 +52,8 @@ class ForwardBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return ForwardBatch(move(self.input_ids), move(self.positions), move(self.slot_mapping),
                             move(self.cu_seqlens_q), move(self.seq_lens), move(self.block_tables),
-                            move(self.logits_indices), self.has_decode, self.on_layer_done)
+                            move(self.logits_indices), self.has_decode, self.on_layer_done,
+                            self.rows_as_decodes)
 
     @property
     def num_tokens(self) -> int:

@@ -115,6 +115,9 @@ class ModelRunner:
             block_tables=tables,
             logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.int64),
             has_decode=any(c.decodes for c in chunks),
+            # Verifications only (no prompt chunk): rows attended as decodes (ForwardBatch).
+            rows_as_decodes=all(c.decodes for c in chunks) and any(len(c.token_ids) > 1
+                                                                    for c in chunks),
         ).to(self.device)
 
     @torch.inference_mode()

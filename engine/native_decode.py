@@ -14,8 +14,9 @@ test_native_decode.py holds them equal), and the loop stays for every pass it do
 A model qualifies when every projection of its decode copy (LlamaForCausalLM.main) is in a
 native CPU layout (int4 "q4_1"/"q4_1a8"/"q4_k"/"q4_ka8", int8 "native"/"q6_k"/"q8_0"/"q5_k", or a stack of
 those; kernels/linear.py) with no K padding, its norms and RoPE tables are fp32 on the CPU, and
-the native kernels load. A pass qualifies when every sequence in it is a one-token decode (no
-prompt chunk, no speculative draft), nothing listens for finished layers (a prefill worker's
+the native kernels load. A pass qualifies when every sequence in it is a one-token decode or a
+speculative verification (its rows attended as decodes at their own positions, kernels/
+attention.py; no prompt chunk), nothing listens for finished layers (a prefill worker's
 KV transfer), the KV cache is fp32 or bf16, and the pass has fewer rows than the int8 layer's
 dense cut-over (kernels/quant_int8.py NATIVE_DENSE_MIN_ROWS), where the Python path would leave
 the native kernels (unless batch-invariant mode keeps them at every row count).

@@ -53,9 +53,13 @@ class AttentionPlan:
 
 
 def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                         block_tables: torch.Tensor, block_size: int) -> AttentionPlan | None:
+                         block_tables: torch.Tensor, block_size: int,
+                         rows_as_decodes: bool = False) -> AttentionPlan | None:
     """Built once per forward pass and handed to every layer's paged_attention. None where
-    the kernels need no host-side plan (CUDA)."""
+    the kernels need no host-side plan (CUDA). rows_as_decodes: every multi-token sequence
+    is a speculative verification (engine/forward_batch.py), attended row by row as decodes:
+    the same kernel and arithmetic as the plain steps it stands for (so its rows' logits equal
+    theirs), and a pass the native decode call takes whole."""
     if use_triton(cu_seqlens_q):
         return None
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -66,7 +70,7 @@ def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
             decodes.append(b)
         elif q_len > 1:
             chunks.append(b)
-    if chunks and batch_invariance.enabled():
+    if chunks and (rows_as_decodes or batch_invariance.enabled()):
         return _rows_as_decodes(starts, lens, block_tables, block_size, decodes, chunks)
     return AttentionPlan(starts, lens, chunks, plan_decode(starts, lens, block_tables, block_size, decodes))
 

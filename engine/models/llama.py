@@ -233,7 +233,8 @@ class LlamaForCausalLM:
         Returns the final hidden states [T, hidden] (fp32)."""
         cfg = self.config
         t = batch.num_tokens
-        plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3])
+        plan = plan_paged_attention(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, kv_cache.shape[3],
+                                    batch.rows_as_decodes)
         weights = self.weights_for(batch)
         done = (self.native_decode.run(batch, kv_cache, plan)
                 if self.native_decode is not None and weights is self.main else None)

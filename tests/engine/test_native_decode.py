@@ -123,3 +123,36 @@ def test_the_default_model_decodes_the_same_bits(default_gguf):
     loaded = load_model(default_gguf)
     model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, "int4")
     assert_same_bits(*both_ways(model, 2, steps=3))
+
+
+@pytest.mark.parametrize("native_path", [True, False])
+def test_a_speculative_verification_is_attended_as_decodes_row_by_row(tmp_path, monkeypatch,
+                                                                      native_path):
+    """A verification chunk (its last token and drafts; engine/speculative.py) is attended row
+    by row as one-token decodes (ForwardBatch.rows_as_decodes): the native call takes the pass
+    whole, and row i's logits and KV are the bits a plain decode step at that position gives,
+    on the native path and on the loop."""
+    model = build(tmp_path)
+    if not native_path:
+        monkeypatch.setattr(model, "native_decode", None)
+    calls = []
+    if native_path:
+        real = model.native_decode.run
+        monkeypatch.setattr(model.native_decode, "run", lambda *a: calls.append(real(*a)) or calls[-1])
+    table, fed = list(range(8)), [7, 8, 9, 10]
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(model, CacheConfig(block_size=BS, num_blocks=8), torch.float32, cuda_graphs=False)
+        r.execute([SequenceChunk(PROMPT[:40], 0, table, False)])
+        return r
+
+    plain = runner()
+    steps = [plain.execute([SequenceChunk([t], 40 + i, table, True, is_decode=True)])
+             for i, t in enumerate(fed)]
+    calls.clear()
+    spec = runner()
+    rows = spec.execute([SequenceChunk(fed, 40, table, True, num_logits=len(fed), is_decode=True)])
+    assert torch.equal(rows, torch.cat(steps))
+    assert torch.equal(spec.kv_cache, plain.kv_cache)
+    if native_path:
+        assert [c is not None for c in calls] == [False, True]  # the prompt, the verification
