@@ -119,12 +119,16 @@ def _text_content(index: int, content: Any) -> Any:
     if not isinstance(content, list):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise RequestError(f"messages[{index}].content: only text parts are supported, "
                                f"got {kind!r}")
-        texts.append(str(part.get("text", "")))
+        text = part.get("text")
+        if not isinstance(text, str):  # never str(None): "None" would reach the model
+            raise RequestError(f"messages[{index}].content[{j}].text must be a string, "
+                               f"got {json.dumps(text)[:60]}")
+        texts.append(text)
     return "".join(texts)
 
 

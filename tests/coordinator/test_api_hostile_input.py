@@ -212,6 +212,19 @@ def test_openai_message_names_of_the_wrong_type_are_400(server, path, key):
     server.check_still_serving(before)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("text", [None, 5, ["a"]])
+def test_a_text_part_whose_text_is_not_a_string_is_400(server, path, text):
+    """Found by the schemathesis fuzz test: a text part with "text": null was tokenized as the
+    word "None"."""
+    parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": text}]
+    before = server.served()
+    r = server.post(path, json.dumps({"model": "tiny", "messages": [{"role": "user",
+                                                                     "content": parts}]}))
+    check_openai_400(r, "messages[0].content[1].text must be a string")
+    server.check_still_serving(before)
+
+
 def test_tool_call_arguments_nested_10000_deep_are_400(server):
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]}]
