@@ -152,17 +152,20 @@ def _kind(name: str):
     return getattr(SpanKind, name.upper())
 
 
+def _context(parent):
+    """A span given as parent, as the context the SDK takes (a context passes as it is)."""
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(parent) if isinstance(parent, trace.Span) else parent
+
+
 def start_span(name: str, *, parent=None, kind: str = "internal",
                attributes: Mapping[str, Any] | None = None):
     """A span the caller ends (span.end()); `parent`: a context from `extract` or a span (None:
     the current context's span). Not made current."""
     if _tracer is None:
         return NO_SPAN
-    from opentelemetry import trace
-
-    if isinstance(parent, trace.Span):
-        parent = trace.set_span_in_context(parent)
-    return _tracer.start_span(name, context=parent, kind=_kind(kind),
+    return _tracer.start_span(name, context=_context(parent), kind=_kind(kind),
                               attributes=dict(attributes or {}))
 
 
@@ -174,12 +177,9 @@ def span_between(name: str, parent, start_ns: int, end_ns: int,
     ended at end_ns; `error` marks it failed with that description. Returned ended."""
     if _tracer is None:
         return NO_SPAN
-    from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
-    if isinstance(parent, trace.Span):
-        parent = trace.set_span_in_context(parent)
-    span = _tracer.start_span(name, context=parent, start_time=start_ns,
+    span = _tracer.start_span(name, context=_context(parent), start_time=start_ns,
                               attributes=dict(attributes or {}))
     for event, at_ns, event_attributes in events:
         span.add_event(event, dict(event_attributes), timestamp=at_ns)

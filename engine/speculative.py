@@ -105,11 +105,9 @@ class SpeculativeDecoder:
         still compare (the ratio is what matters, not the absolute)."""
         per_sequence = seconds / max(batch_size, 1)
         if drafted:
-            old = self.drafted_step_s
-            self.drafted_step_s = per_sequence if old is None else old + STEP_EMA * (per_sequence - old)
+            self.drafted_step_s = _moving_average(self.drafted_step_s, per_sequence)
         else:
-            old = self.plain_step_s
-            self.plain_step_s = per_sequence if old is None else old + STEP_EMA * (per_sequence - old)
+            self.plain_step_s = _moving_average(self.plain_step_s, per_sequence)
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets each request's draft_token_ids for the next schedule ([] where it does not
@@ -176,6 +174,10 @@ class SpeculativeDecoder:
 
     def record_emitted(self, num_tokens: int) -> None:
         self.stats.num_emitted_tokens += num_tokens
+
+
+def _moving_average(old: float | None, new: float) -> float:
+    return new if old is None else old + STEP_EMA * (new - old)
 
 
 def seeded_row_generators(seed: int, first_position: int) -> Callable[[int], torch.Generator]:
