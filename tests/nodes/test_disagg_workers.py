@@ -238,13 +238,15 @@ async def test_corrupted_payload_fails_only_its_request(pair_factory, reference,
     with caplog.at_level(logging.WARNING, logger="prefill_node.connector"):
         (g_tokens, g_final), (b_tokens, b_final) = await asyncio.gather(
             pair.run("good", good, 8), pair.run("bad", bad, 8))
+        # The prefill side learns the transfer failed when its engine next polls the sender,
+        # which may be after the decode side's answer; it logs it before freeing the blocks.
+        assert await pair.wait_pools_full()
     # Logged on the prefill engine's thread, with the request's own id (not the context's).
     (line,) = [r for r in caplog.records if r.name == "prefill_node.connector"]
     assert "KV transfer bad failed" in line.getMessage() and line.request_id == "log-bad"
     assert g_tokens == expected(reference, good, 8)
     assert b_final.finish_reason == "error" and "KV transfer failed" in b_final.error
     assert b_tokens == b_tokens[:1]  # only the prefill's first token, nothing decoded
-    assert await pair.wait_pools_full()
 
 
 @run_async
