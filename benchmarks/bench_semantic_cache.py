@@ -33,22 +33,24 @@ import numpy as np
 PROBES: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
     ("What is the capital of France?",
      ("What's the capital of France?", "Which city is the capital of France?"),
-     (("name", "What is the capital of Germany?"), ("name", "What is the capital of Spain?"))),
+     (("name", "What is the capital of Germany?"), ("name", "What is the capital of Spain?"),
+      ("word", "What is the currency of France?"))),
     ("How many legs does a spider have?",
      ("How many legs do spiders have?", "how many legs does a spider have"),
-     (("word", "How many legs does an ant have?"),)),
+     (("word", "How many legs does an ant have?"), ("word", "How many eyes does a spider have?"))),
     ("What is 12 times 7?",
      ("What's 12 times 7?", "What do you get when you multiply 12 by 7?"),
-     (("number", "What is 12 times 8?"), ("number", "What is 13 times 7?"))),
+     (("number", "What is 12 times 8?"), ("number", "What is 13 times 7?"),
+      ("word", "What is 12 plus 7?"))),
     ("Who wrote Romeo and Juliet?",
      ("Who is the author of Romeo and Juliet?", "Who wrote 'Romeo and Juliet'?"),
-     (("name", "Who wrote Pride and Prejudice?"),)),
+     (("name", "Who wrote Pride and Prejudice?"), ("word", "Who directed Romeo and Juliet?"))),
     ("Convert 10 miles to kilometers.",
      ("How many kilometers are in 10 miles?", "Convert 10 miles into kilometers."),
      (("number", "Convert 25 miles to kilometers."), ("word", "Convert 10 kilometers to miles."))),
     ("What year did World War II end?",
      ("When did World War II end?", "In what year did the Second World War end?"),
-     (("name", "What year did World War I end?"),)),
+     (("name", "What year did World War I end?"), ("word", "What year did World War II start?"))),
     ("Give me a recipe for pancakes.",
      ("How do I make pancakes?", "Can you give me a pancake recipe?"),
      (("word", "Give me a recipe for waffles."),)),
@@ -62,7 +64,7 @@ PROBES: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
      (("word", "Write a haiku about the desert."),)),
     ("What is the square root of 144?",
      ("What's the square root of 144?", "Find the square root of 144."),
-     (("number", "What is the square root of 169?"),)),
+     (("number", "What is the square root of 169?"), ("word", "What is the cube root of 144?"))),
     ("Translate 'good morning' into Spanish.",
      ("How do you say 'good morning' in Spanish?", "Translate good morning to Spanish."),
      (("name", "Translate 'good morning' into German."),
@@ -73,7 +75,7 @@ PROBES: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
       ("number", "How old is Alice if she was born in 1985?"))),
     ("What is the population of Tokyo?",
      ("How many people live in Tokyo?", "What's the population of Tokyo?"),
-     (("name", "What is the population of Paris?"),)),
+     (("name", "What is the population of Paris?"), ("word", "What is the area of Tokyo?"))),
     ("How far is the Moon from Earth?",
      ("What is the distance from the Earth to the Moon?", "How far away is the Moon from Earth?"),
      (("name", "How far is Mars from Earth?"),)),
@@ -85,7 +87,8 @@ PROBES: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = (
      ("Write an email to John saying the meeting moved to 3 pm.",
       "Email John: the meeting has moved to 3 pm."),
      (("name", "Email Mary that the meeting moved to 3 pm."),
-      ("number", "Email John that the meeting moved to 4 pm."))),
+      ("number", "Email John that the meeting moved to 4 pm."),
+      ("word", "Email John that the lunch moved to 3 pm."))),
 )
 THRESHOLDS = tuple(round(0.80 + 0.01 * i, 2) for i in range(20))
 
@@ -103,9 +106,15 @@ class Match:
     other_score: float  # the highest cosine with another question (an unrelated one)
 
 
-def embed(url: str, model: str, texts: list[str]) -> np.ndarray:
-    """Unit vectors of `texts` from /api/embed (L2-normalized, as the cache's)."""
-    body = json.dumps({"model": model, "input": texts}).encode()
+def embed(url: str, model: str, texts: list[str], pooling: str = "last") -> np.ndarray:
+    """Unit vectors of `texts` from /api/embed (L2-normalized), as the cache computes them
+    (pooling "last": each text in its EMBED_TEMPLATE, the last position's state) or, with
+    pooling "mean", as /api/embed does by default."""
+    from coordinator.response_cache import EMBED_TEMPLATE
+
+    if pooling == "last":
+        texts = [EMBED_TEMPLATE.format(t) for t in texts]
+    body = json.dumps({"model": model, "input": texts, "pooling": pooling}).encode()
     request = urllib.request.Request(url + "/api/embed", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as r:
@@ -118,12 +127,12 @@ def queries() -> list[tuple[str, str, int]]:
     return found + [(q, kind, i) for i, p in enumerate(PROBES) for kind, q in p[2]]
 
 
-def matches(url: str, model: str) -> list[Match]:
+def matches(url: str, model: str, pooling: str = "last") -> list[Match]:
     from coordinator.response_cache import literals  # the cache's own rule
 
     bases = [p[0] for p in PROBES]
     asked = queries()
-    vectors = embed(url, model, bases + [q for q, _, _ in asked])
+    vectors = embed(url, model, bases + [q for q, _, _ in asked], pooling)
     scores = vectors[len(bases):] @ vectors[:len(bases)].T
     out = []
     for j, (q, kind, own) in enumerate(asked):
@@ -180,9 +189,18 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--url", help="a running tandem server (default: start a cluster)")
+    p.add_argument("--pooling", choices=("last", "mean", "both"), default="both",
+                   help="last: the cache's embedding (default threshold's); mean: /api/embed's "
+                        "default, which the cache used before; both: one after the other")
     args = p.parse_args(argv)
+
+    def run(url: str, model: str) -> None:
+        for pooling in ("mean", "last") if args.pooling == "both" else (args.pooling,):
+            print(f"== pooling {pooling}" + (" (the cache's)" if pooling == "last" else ""))
+            report(matches(url, model, pooling))
+
     if args.url:
-        report(matches(args.url.rstrip("/"), args.model))
+        run(args.url.rstrip("/"), args.model)
         return
     import tempfile
     from pathlib import Path
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         specs, ready = plan(topology)
         with LocalCluster(specs, ready, start_timeout_s=300) as cluster:
             cluster.start()
-            report(matches(ready.url, "m"))
+            run(ready.url, "m")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Embedding routes: Ollama's /api/embed (batched) and legacy /api/embeddings, and OpenAI's
 /v1/embeddings (the table is coordinator/routes.py). The coordinator tokenizes (off the event
 loop), checks each input against the context, and one decode worker's Embed RPC computes the
-vectors (engine/embedding.py: the final normed hidden states, mean-pooled; L2-normalized except
-on the legacy route, as Ollama). `dimensions` shortens each vector and normalizes it again.
+vectors (engine/embedding.py: the final normed hidden states, mean-pooled, or the last
+position's with tandem's `"pooling": "last"`; L2-normalized except on the legacy route, as
+Ollama). `dimensions` shortens each vector and normalizes it again.
 
 Differences from Ollama kept on purpose: an empty input (`""`, `[]`, or an empty string in the
 list) is a 400 here, where Ollama answers an empty list (its way to load a model; tandem's
@@ -29,6 +30,7 @@ from coordinator.ollama_request import RequestError
 from coordinator.prompts import encode, off_loop
 from coordinator.service import Coordinator
 from common.errors import ContextLengthError
+from common.pooling import Pooling
 
 
 MAX_EMBED_INPUTS = 512  # inputs in one embedding request (OpenAI takes up to 2,048)
@@ -123,6 +125,18 @@ def _truncate(body: dict[str, Any]) -> bool:
     return value
 
 
+def _pooling(body: dict[str, Any]) -> Pooling:
+    """`pooling` (tandem's field on every embedding route; common/pooling.py): "mean" (the
+    default) or "last"."""
+    value = body.get("pooling")
+    if value is None:
+        return Pooling.MEAN
+    try:
+        return Pooling.parse(value)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
 def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
@@ -133,8 +147,8 @@ class EmbeddingRoutes:
         self.limits = coordinator.config
 
     async def _vectors(self, request: Request, model: ServedModel, items: list, context: int,
-                       truncate: bool, normalize: bool,
-                       timings: RequestTimings) -> tuple[list[list[float]], int]:
+                       truncate: bool, normalize: bool, timings: RequestTimings,
+                       pooling: Pooling = Pooling.MEAN) -> tuple[list[list[float]], int]:
         """The inputs' vectors, computed by a worker of `model`; ClientGone (the work
         cancelled on every worker) when the client leaves first."""
         _check_count(items, _max_inputs(model))
@@ -142,7 +156,7 @@ class EmbeddingRoutes:
         count = sum(map(len, ids))
         timings.prompt_tokens = count
         vectors = await until_disconnected(
-            request, self.coordinator.embed(ids, normalize, timings, model))
+            request, self.coordinator.embed(ids, normalize, timings, model, pooling))
         return vectors, count
 
     async def embed(self, request: Request) -> JSONResponse:
@@ -152,7 +166,7 @@ class EmbeddingRoutes:
         items = _texts(body.get("input"), "input", tokens_allowed=False)
         dims = _dimensions(body, model.config.hidden_size)
         embeddings, count = await self._vectors(request, model, items, _context(body, model),
-                                                _truncate(body), True, timings)
+                                                _truncate(body), True, timings, _pooling(body))
         embeddings = shorten(embeddings, dims)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
@@ -168,7 +182,7 @@ class EmbeddingRoutes:
         if len(items) != 1:
             raise RequestError("prompt must be a string")
         embeddings, _ = await self._vectors(request, model, items, _context(body, model), True,
-                                            False, timings)
+                                            False, timings, _pooling(body))
         return JSONResponse({"embedding": embeddings[0]})
 
     async def openai_embeddings(self, request: Request) -> JSONResponse:
@@ -182,7 +196,7 @@ class EmbeddingRoutes:
         dims = _dimensions(body, model.config.hidden_size)
         # OpenAI refuses an input over the context; it never truncates.
         embeddings, count = await self._vectors(request, model, items, model.context_len, False,
-                                                True, timings)
+                                                True, timings, _pooling(body))
         embeddings = shorten(embeddings, dims)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}

@@ -8,8 +8,9 @@ requests of every client API (Ollama, OpenAI, the Responses API, gRPC) are admit
                   │yes
            exact key found? ──yes──> replay (cache "hit")
                   │no
-      semantic: the last user turn's embedding (an Embed RPC, as /api/embed computes it) is
-      compared with those of past answers whose request matched in everything else;
+      semantic: the last user turn's embedding (an Embed RPC: EMBED_TEMPLATE's last position,
+      as /api/embed computes it with "pooling": "last") is compared with those of past
+      answers whose request matched in everything else;
       best cosine >= threshold? ──yes──> replay (cache "hit")
                   │no
            workers (cache "miss"); a normal finish stores the answer
@@ -63,6 +64,7 @@ from coordinator.prompts import encode, off_loop
 from coordinator.request_flow import FlowOutcome, FlowRequest, TokenIds
 from coordinator.response_cache_config import ResponseCacheConfig
 from coordinator.response_store import AnswerStore, CachedAnswer
+from common.pooling import Pooling
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,6 +80,13 @@ HEADER = "X-Tandem-Cache"
 marks: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "tandem_response_cache_marks", default=None)
 _TURN = "\x00turn\x00"  # stands for the last user turn in a semantic partition's prompt text
+# The turn as the semantic mode embeds it, with the last position's state (PromptEOL,
+# engine/embedding.py): the model's next token would be the turn's meaning in one word, so that
+# state separates questions that differ in one common word which the mean of every position's
+# does not ("ocean" / "desert"; README, Response cache).
+EMBED_TEMPLATE = 'This sentence : "{}" means in one word:"'
+
+
 def eligible(params: SamplingParams) -> bool:
     """Whether the cache may answer (and store) a request with these parameters."""
     if params.cache is not None:
@@ -187,7 +196,7 @@ class ReplayFlow:
 
 Begin = Callable[[FlowRequest, RequestTimings, "float | None", "ServedModel | None"],
                  Awaitable[Generation]]
-Embed = Callable[[list[list[int]], bool, RequestTimings, "ServedModel | None"],
+Embed = Callable[[list[list[int]], bool, RequestTimings, "ServedModel | None", Pooling],
                  Awaitable[list[list[float]]]]
 
 
@@ -246,9 +255,10 @@ class ResponseCache:
         rest = without_turn(text, turn)
         if rest is None:
             return None, None
-        ids = (await off_loop(encode, tokenizer, turn))[:model.context_len]
+        ids = await off_loop(encode, tokenizer, EMBED_TEMPLATE.format(turn))
         try:
-            vectors = await embed([ids], True, RequestTimings(), model)
+            vectors = await embed([ids[-model.context_len:]], True, RequestTimings(), model,
+                                  Pooling.LAST)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 (the request goes on without the index)

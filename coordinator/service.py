@@ -30,6 +30,7 @@ from coordinator.residency import ModelRetired, Residency
 from coordinator.response_cache import ResponseCache, ResponseCacheCollector
 from coordinator.request_flow import FlowRequest, NoWorkers, RequestFlow, Siblings, WorkerError
 from common import request_id, tracing
+from common.pooling import Pooling
 from common.errors import ContextLengthError, InvalidOptionError
 from common.grammar_compile import check_grammar
 from common.model_store import ModelStore
@@ -325,7 +326,8 @@ class Coordinator:
 
     async def embed(self, inputs: list[list[int]], normalize: bool,
                     timings: RequestTimings,
-                    model: ServedModel | None = None) -> list[list[float]]:
+                    model: ServedModel | None = None,
+                    pooling: Pooling = Pooling.MEAN) -> list[list[float]]:
         """Pooled embeddings of `inputs` (token ids, each checked against the context by the
         caller) from one worker's Embed RPC (proto/worker.proto): a prefill worker's when one
         is live, else a decode worker's (placement.choose_embedder). A worker that is gone
@@ -359,7 +361,7 @@ class Coordinator:
                 # The chunk plan of the worker's role: a decode worker takes a long input in
                 # local-prefill chunks, so a concurrent stream waits one short pass at a time.
                 request = pb.EmbedRequest(
-                    request_id=uuid.uuid4().hex, normalize=normalize,
+                    request_id=uuid.uuid4().hex, normalize=normalize, pooling=pooling.wire,
                     inputs=[pb.TokenIds(token_ids=ids) for ids in inputs],
                     max_chunk_tokens=self.config.chunk_size if on_prefill
                     else self.config.local_chunk_size)

@@ -47,6 +47,7 @@ from engine.kv_transfer_state import KVTransferParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import RequestStatus
 from engine.request_grammar import RequestGrammar
+from common.pooling import Pooling
 from common.sampling_params import SamplingParams
 
 
@@ -128,10 +129,11 @@ class DecodeWorker(EngineLoop):
             self.call(lambda: self._admit(job, grammar))
 
     async def embed(self, inputs: list[list[int]], normalize: bool = True,
-                    max_chunk_tokens: int = 0) -> list[list[float]]:
+                    max_chunk_tokens: int = 0,
+                    pooling: Pooling = Pooling.MEAN) -> list[list[float]]:
         """Pooled embeddings of `inputs`, scheduled beside the running decodes
         (worker/embedder.py)."""
-        return await self.embedder.embed(inputs, normalize, max_chunk_tokens)
+        return await self.embedder.embed(inputs, normalize, max_chunk_tokens, pooling)
 
     def close_stream(self, request_id: str) -> None:
         """The consumer is gone: abort whatever is left of the request."""

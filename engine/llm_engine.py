@@ -26,7 +26,7 @@ from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineCo
 from engine.device import resolve_device
 from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes
-from engine.embedding import mean_pooled
+from engine.embedding import pool_step, pooled_vector
 from common.malloc_policy import loading_weights
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
 from engine.grammar import GrammarBackend
@@ -38,6 +38,7 @@ from engine.pass_record import PassRecord
 from engine.prefill_cost import CALIBRATION_TOKENS, MIN_PROMPT_TOKENS, PrefillCost
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
+from common.pooling import Pooling
 from common.request_id import log_extra
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -396,7 +397,8 @@ class LLMEngine:
         )
 
     def make_embedding_request(self, prompt_token_ids: Sequence[int], normalize: bool = True,
-                               request_id: str | None = None) -> Request:
+                               request_id: str | None = None,
+                               pooling: Pooling = Pooling.MEAN) -> Request:
         """A validated embedding request (pooling), not yet queued: 1 to context_length
         tokens, each in the vocabulary. ContextLengthError / InvalidOptionError else."""
         if not prompt_token_ids or len(prompt_token_ids) > self.context_length:
@@ -409,7 +411,7 @@ class LLMEngine:
         return Request(request_id=request_id or f"embed-{next(self._ids)}",
                        prompt_token_ids=list(prompt_token_ids),
                        sampling_params=SamplingParams(temperature=0.0), max_tokens=1,
-                       pooling=True, normalize=normalize)
+                       pooling=pooling, normalize=normalize)
 
     def set_connector(self, connector: KVConnector) -> None:
         """Makes this engine take part in KV transfers through `connector` (once, before the
@@ -480,9 +482,10 @@ class LLMEngine:
         logits = self.runner.execute(chunks, save_kv_layer, pooled)
         self.prefill_cost.observe(sum(len(c.token_ids) for c in chunks if not c.decodes),
                                   sum(len(c.token_ids) for c in chunks), time.perf_counter() - started)
-        for index, total in (pooled or {}).items():
-            request_id = plan.chunks[index].request_id
-            self._pooled[request_id] = self._pooled.get(request_id, 0) + total
+        for index, state in (pooled or {}).items():
+            request = plan.chunks[index].request
+            self._pooled[request.request_id] = pool_step(request.pooling,
+                                                         self._pooled.get(request.request_id), state)
         sampling_chunks = [c for c in plan.chunks if c.samples]
         num_rows = sum(1 + len(c.draft_token_ids) for c in sampling_chunks)
         if logits.shape[0] > num_rows:  # prompt logprob rows follow the sampling rows
@@ -571,8 +574,8 @@ class LLMEngine:
 
     def _embedding(self, request: Request) -> StepOutput:
         """The finish of an embedding request whose whole prompt is computed."""
-        vector = mean_pooled(self._pooled.pop(request.request_id), request.num_prompt_tokens,
-                             request.normalize)
+        vector = pooled_vector(request.pooling, self._pooled.pop(request.request_id),
+                               request.num_prompt_tokens, request.normalize)
         return StepOutput(request.request_id, [], True, request.status, embedding=vector)
 
     def _apply_transfers(self, events: ConnectorEvents) -> list[StepOutput]:

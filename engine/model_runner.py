@@ -21,6 +21,8 @@ import torch
 
 from engine.config import CacheConfig
 from common.model_config import ModelConfig
+from common.pooling import Pooling
+from engine.embedding import pool_state
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch
 from kernels._triton import use_triton
@@ -43,9 +45,10 @@ class SequenceChunk:
     # Prompt logprobs: indexes into token_ids whose logits the engine also wants (each
     # position's distribution over the next prompt token). Empty for every other request.
     prompt_logits: range = range(0)
-    # Embeddings: the engine wants the sum of this chunk's final hidden states (mean pooling
-    # across the passes of a chunked prompt).
-    pool_hidden: bool = False
+    # Embeddings: the engine wants this chunk's pooling state (engine/embedding.pool_state: the
+    # sum of its final hidden states for mean pooling, its last one for last), which it folds
+    # across the passes of a chunked prompt. None for every other chunk.
+    pool_hidden: Pooling | None = None
 
     @property
     def decodes(self) -> bool:
@@ -126,8 +129,8 @@ class ModelRunner:
                 pooled: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Runs one forward pass; returns fp32 logits [sum of num_logits over the chunks needing
         logits, vocab], in chunk order (a chunk's rows in token order), followed by the rows of every chunk's prompt_logits, in chunk order
-        (none unless a chunk asks). `pooled`, when given, receives chunk index -> the fp64 sum
-        of that chunk's final hidden states [hidden], for every chunk with pool_hidden."""
+        (none unless a chunk asks). `pooled`, when given, receives chunk index -> that chunk's
+        pooling state (fp64 [hidden], engine/embedding.pool_state), for every chunk with pool_hidden."""
         if (self.graphs is not None and on_layer_done is None and pooled is None and self.graphs.accepts(
                 [len(c.token_ids) for c in chunks], [len(c.block_table) for c in chunks],
                 all(c.needs_logits and not c.prompt_logits for c in chunks))):
@@ -141,7 +144,7 @@ class ModelRunner:
             cu = batch.cu_seqlens_q.tolist()
             for i, c in enumerate(chunks):
                 if c.pool_hidden:
-                    pooled[i] = hidden[cu[i]:cu[i + 1]].double().sum(dim=0)
+                    pooled[i] = pool_state(c.pool_hidden, hidden[cu[i]:cu[i + 1]])
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[batch.logits_indices], batch)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from engine.kv_transfer_state import KVTransferParams, KVTransferState
 from engine.pass_record import PassRecord
 from common.logprobs import TokenLogprob
+from common.pooling import Pooling
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,9 +83,9 @@ class Request:
     # recompute adds none twice.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # An embedding request (engine/embedding.py): its prompt is computed chunk by chunk under
-    # the token budget like any prompt, its final hidden states mean-pooled as the passes go;
+    # the token budget like any prompt, its final hidden states pooled as the passes go;
     # it samples nothing and finishes (FINISHED_STOPPED) once the whole prompt is computed.
-    pooling: bool = False
+    pooling: Pooling | None = None  # an embedding request's pooling; None for any other
     normalize: bool = True  # pooling: L2-normalize the pooled vector
     # The prefix-cache tenant (common/block_hash.py): the request reuses and registers only
     # blocks of the same salt. b"": the shared cache.

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 
 from common.errors import TandemError
+from common.pooling import Pooling
 from engine.llm_engine import StepOutput
 from worker.engine_loop import EngineLoop, settle
 
@@ -32,7 +33,8 @@ class Embedder:
         self._batches = itertools.count()
 
     async def embed(self, inputs: list[list[int]], normalize: bool = True,
-                    max_chunk_tokens: int = 0) -> list[list[float]]:
+                    max_chunk_tokens: int = 0,
+                    pooling: Pooling = Pooling.MEAN) -> list[list[float]]:
         """Pooled embeddings of `inputs`, chunked under the engine's token budget (at most
         `max_chunk_tokens` of one input per pass: the coordinator's chunk plan; 0 = the
         budget). ValueError for an empty or too long input."""
@@ -47,7 +49,7 @@ class Embedder:
         futures = {f"embed-{batch}-{i}": loop.loop.create_future() for i in range(len(inputs))}
         self._callers.update(futures)
         jobs = list(zip(futures, inputs))
-        loop.call(lambda: self._admit(jobs, normalize, max_chunk_tokens))
+        loop.call(lambda: self._admit(jobs, normalize, max_chunk_tokens, pooling))
         try:
             return list(await asyncio.gather(*futures.values()))
         finally:
@@ -78,12 +80,12 @@ class Embedder:
     # -- engine thread -------------------------------------------------------------------
 
     def _admit(self, jobs: list[tuple[str, list[int]]], normalize: bool,
-               max_chunk_tokens: int) -> None:
+               max_chunk_tokens: int, pooling: Pooling) -> None:
         engine = self.loop.engine
         for request_id, ids in jobs:
             try:
                 engine.require_resident()
-                request = engine.make_embedding_request(ids, normalize, request_id)
+                request = engine.make_embedding_request(ids, normalize, request_id, pooling)
                 request.max_chunk_tokens = max(0, max_chunk_tokens)
                 engine.submit(request)
             except (TandemError, ValueError) as exc:

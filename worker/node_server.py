@@ -27,6 +27,7 @@ from worker.core_share import CoreShare
 from worker.engine_loop import EngineLoop
 from worker.flags import worker_arg_parser
 from common.errors import ResidencyError, TandemError
+from common.pooling import Pooling
 from engine.prefill_cost import CALIBRATION_TOKENS
 from engine.llm_engine import LLMEngine
 from kernels import layout_choice, native
@@ -137,7 +138,9 @@ async def embed_rpc(worker, request: pb.EmbedRequest,
     if not inputs:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs are required")
     try:
-        vectors = await worker.embedder.embed(inputs, request.normalize, request.max_chunk_tokens)
+        pooling = Pooling.from_wire(request.pooling)
+        vectors = await worker.embedder.embed(inputs, request.normalize, request.max_chunk_tokens,
+                                              pooling)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except ResidencyError as exc:

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -270,16 +271,24 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "normalize", "max_chunk_tokens")
+    __slots__ = ("request_id", "inputs", "normalize", "max_chunk_tokens", "pooling")
+    class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        POOLING_MEAN: _ClassVar[EmbedRequest.Pooling]
+        POOLING_LAST: _ClassVar[EmbedRequest.Pooling]
+    POOLING_MEAN: EmbedRequest.Pooling
+    POOLING_LAST: EmbedRequest.Pooling
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
     normalize: bool
     max_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., normalize: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ...) -> None: ...
+    pooling: EmbedRequest.Pooling
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., normalize: _Optional[bool] = ..., max_chunk_tokens: _Optional[int] = ..., pooling: _Optional[_Union[EmbedRequest.Pooling, str]] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values",)

@@ -112,6 +112,32 @@ def test_embedding_errors_in_each_apis_shape(server):
     assert unit(list(struct.unpack(f"<{HIDDEN}f", raw)))
 
 
+def test_last_token_pooling_on_every_route(server):
+    """tandem's `pooling` field: "last" gives the last position's state (the response cache's
+    embedding), on Ollama's routes and through the openai client's extra_body alike, for each
+    input of a batch as alone; another value is a 400 naming the field."""
+    status, mean = post(server + "/api/embed", {"model": MODEL, "input": CATS})
+    assert status == 200
+    status, last = post(server + "/api/embed", {"model": MODEL, "input": CATS, "pooling": "last"})
+    assert status == 200 and all(unit(v) for v in last["embeddings"])
+    assert cosine(last["embeddings"][0], mean["embeddings"][0]) < 0.99
+    status, alone = post(server + "/api/embed", {"model": MODEL, "input": CATS[1],
+                                                 "pooling": "last"})
+    assert status == 200 and cosine(alone["embeddings"][0], last["embeddings"][1]) > 0.9999
+    status, legacy = post(server + "/api/embeddings", {"model": MODEL, "prompt": CATS[0],
+                                                       "pooling": "last"})
+    assert status == 200 and cosine(legacy["embedding"], last["embeddings"][0]) > 0.9999
+    oai = openai.OpenAI(base_url=server + "/v1", api_key="x", timeout=300)
+    got = oai.embeddings.create(model=MODEL, input=CATS[0], encoding_format="float",
+                                extra_body={"pooling": "last"})
+    assert cosine(got.data[0].embedding, last["embeddings"][0]) > 0.9999
+    for bad in ("max", 1, "", ["last"]):
+        status, body = post(server + "/api/embed", {"model": MODEL, "input": "x", "pooling": bad})
+        assert status == 400 and "pooling must be one of 'mean', 'last'" in body["error"], bad
+    status, body = post(server + "/v1/embeddings", {"model": MODEL, "input": "x", "pooling": "cls"})
+    assert status == 400 and "pooling" in body["error"]["message"]
+
+
 JS_CLIENT = r"""
 import { Ollama } from 'ollama';
 const [host, model] = process.argv.slice(2);

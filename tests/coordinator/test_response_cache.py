@@ -15,12 +15,14 @@ from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
 from coordinator.request_flow import FlowOutcome, FlowRequest, TokenIds, WorkerError
 from coordinator.response_cache import (
+    EMBED_TEMPLATE,
     ResponseCache, ResponseCacheCollector, eligible, header_value, last_user_text, literals,
     without_turn,
 )
 from coordinator.response_store import AnswerStore, CachedAnswer, entry_bytes
 from coordinator.response_cache_config import DEFAULT_THRESHOLD, ResponseCacheConfig
 from common.logprobs import TokenLogprob
+from common.pooling import Pooling
 from common.sampling_params import GrammarSpec, SamplingParams
 from tests.helpers.coordinator_fakes import load_model, make_tiny_model_dir
 
@@ -47,10 +49,13 @@ class Workers:
         return Generation(request, timings, _Flow(self.fail), model.tokenizer, self.metrics,
                           release=lambda: None)
 
-    async def embed(self, inputs, normalize, timings, model):
+    async def embed(self, inputs, normalize, timings, model, pooling):
+        assert pooling is Pooling.LAST  # the turn in its template, its last position's state
         self.embedded.append(inputs[0])
         text = model.tokenizer.decode(inputs[0], skip_special_tokens=True)
-        vector = np.asarray(self.vectors[text], dtype=np.float64)
+        head, tail = EMBED_TEMPLATE.split("{}")
+        assert text.startswith(head) and text.endswith(tail), text
+        vector = np.asarray(self.vectors[text[len(head):-len(tail)]], dtype=np.float64)
         return [list(vector / np.linalg.norm(vector))]
 
 

@@ -2,11 +2,11 @@
 cluster at the default threshold: each question of benchmarks/bench_semantic_cache.py's PROBES
 is answered and cached, then its paraphrases and near-misses (another number, name or word)
 are asked. Every decision the cache makes must be the one its rule predicts from the vectors
-/api/embed gives for the same texts (the same Embed path), and the hit and false-hit rates it
-reaches are printed (README, Response cache). The rule's guarantee is asserted: a question that
-differs in a number or a name is never answered from another's entry; near-misses that differ
-in another word are not separated by this model's embedding, and the test says how many were
-answered."""
+/api/embed gives for the same texts as the cache embeds them (each in EMBED_TEMPLATE, `"pooling":
+"last"`: the same Embed path), and the hit and false-hit rates it reaches are printed (README,
+Response cache). The rule's guarantee is asserted: a question that differs in a number or a name
+is never answered from another's entry; this model's embedding does not separate every
+near-miss that differs in another word, and the test says how many were answered."""
 
 from __future__ import annotations
 

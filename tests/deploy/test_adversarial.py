@@ -39,6 +39,7 @@ from tests.helpers.proc_children import child_pids
 
 STATUS = "/tandem.worker.DecodeWorker/Status"
 GENERATE = "/tandem.worker.DecodeWorker/Generate"
+EMBED = "/tandem.worker.DecodeWorker/Embed"
 PROMPT = {"role": "user", "content": "the of and to in is"}
 
 
@@ -200,6 +201,15 @@ def test_every_attack_on_the_internal_plane_is_refused_counted_and_harmless(clus
         with pytest.raises(grpc.RpcError) as refused:
             next(iter(worker.Generate(pb.GenerateRequest(request_id="forged"), timeout=10)))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # 4b. An insider's Embed with a pooling number the protocol does not have (proto3
+        # keeps an unknown enum value as its number): refused as a bad argument, nothing queued.
+        embed = pb.EmbedRequest(request_id="forged", inputs=[pb.TokenIds(token_ids=[1, 2])],
+                                pooling=7)
+        with pytest.raises(grpc.RpcError) as refused:
+            worker.Embed(embed, timeout=30, metadata=(
+                (PROOF_HEADER, insider.proof(EMBED, body=request_bytes(embed))),))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown pooling 7" in refused.value.details()
 
     # 5. The launchers' worker list through a reverse proxy on the coordinator's own host.
     proxy_port, stop_proxy = _proxy(int(url.rsplit(":", 1)[1]))

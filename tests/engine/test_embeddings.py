@@ -13,6 +13,7 @@ from decode_node.worker import DecodeJob, DecodeWorker
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import SequenceChunk
+from common.pooling import Pooling
 from common.sampling_params import SamplingParams
 from reliability.model_factory import make_tiny_hf_model
 
@@ -30,15 +31,16 @@ def reference(model_dir) -> LLMEngine:
         cache=CacheConfig(block_size=BLOCK, num_blocks=64)), load_tokenizer=False)
 
 
-def reference_vector(engine: LLMEngine, ids: list[int], normalize: bool = True) -> torch.Tensor:
+def reference_vector(engine: LLMEngine, ids: list[int], normalize: bool = True,
+                     pooling: Pooling = Pooling.MEAN) -> torch.Tensor:
     """The final normed hidden states of one prompt from the model's own forward pass, in a
-    KV cache of its own, mean-pooled and L2-normalized here."""
+    KV cache of its own, pooled (their mean, or the last one) and L2-normalized here."""
     blocks = list(range(-(-len(ids) // BLOCK)))
     batch = engine.runner.prepare([SequenceChunk(ids, 0, blocks, needs_logits=False, is_decode=False)])
     kv = torch.zeros_like(engine.runner.kv_cache)
     with torch.inference_mode():
         hidden = engine.model.forward(batch, kv).double()
-    v = hidden.mean(dim=0)
+    v = hidden[-1] if pooling is Pooling.LAST else hidden.mean(dim=0)
     return v / v.norm() if normalize else v
 
 
@@ -86,14 +88,15 @@ def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, 
                                            frozenset(), 8, remote_prefill=False))
             vectors = await asyncio.wait_for(worker.embed(inputs), 60)
             raw = await asyncio.wait_for(worker.embed(inputs[1:2], normalize=False), 60)
+            last = await asyncio.wait_for(worker.embed(inputs, pooling=Pooling.LAST), 60)
             while not (await asyncio.wait_for(stream.get(), 60)).finished:
                 pass
             await asyncio.sleep(0.05)
-            return vectors, raw, engine.block_manager
+            return vectors, raw, last
         finally:
             worker.stop()
 
-    vectors, raw, _ = run(body)
+    vectors, raw, last = run(body)
     assert len(vectors) == len(inputs)
     for ids, v in zip(inputs, vectors):
         got = torch.tensor(v, dtype=torch.float64)
@@ -103,6 +106,11 @@ def test_embed_matches_the_engine_forward_pass_and_frees_every_block(model_dir, 
     torch.testing.assert_close(torch.tensor(raw[0], dtype=torch.float64),
                                reference_vector(reference, inputs[1], normalize=False),
                                atol=1e-4, rtol=1e-4)
+    # Last-token pooling: the last position's state, which differs from the mean.
+    for ids, v in zip(inputs, last):
+        want = reference_vector(reference, ids, pooling=Pooling.LAST)
+        torch.testing.assert_close(torch.tensor(v, dtype=torch.float64), want, atol=1e-4, rtol=1e-4)
+        assert (want - reference_vector(reference, ids)).abs().max() > 1e-2
     # The decode request finished and freed its blocks too; the embeddings kept none.
     engine.block_manager.reset_prefix_cache()  # the generate request registered its prefix
     check_pool(engine)
@@ -127,16 +135,18 @@ def test_embed_refuses_empty_and_overlong_inputs(model_dir):
     check_pool(engine)
 
 
-def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference):
+@pytest.mark.parametrize("pooling", list(Pooling))
+def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference, pooling):
     """Budget 16: a 70-token input takes five passes, and every one of them also carries the
-    running request's decode token (split-fuse); the vector equals the unchunked one."""
+    running request's decode token (split-fuse); the vector equals the unchunked one (for last
+    pooling: the last pass's last position, not an earlier pass's)."""
     engine = LLMEngine.from_path(model_dir, EngineConfig(
         role="decode", weight_format="fp32", cache=CacheConfig(block_size=BLOCK, num_blocks=64),
         scheduler=SchedulerConfig(max_num_batched_tokens=16)), load_tokenizer=False)
     gen = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0), "gen", max_tokens=40)
     engine.step()  # the prompt; "gen" decodes from here on
     ids = [(7 * i + 3) % 250 for i in range(70)]
-    engine.submit(engine.make_embedding_request(ids, request_id="emb"))
+    engine.submit(engine.make_embedding_request(ids, request_id="emb", pooling=pooling))
     passes, vector = [], None
     while vector is None:
         outs = engine.step()
@@ -146,14 +156,16 @@ def test_a_long_input_is_chunked_beside_a_running_decode(model_dir, reference):
     assert len(passes) == 5  # ceil(70 / 15): 15 embedding tokens + 1 decode token per pass
     assert all("gen" in p for p in passes)  # the stream got a token in every pass
     torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
-                               reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+                               reference_vector(reference, ids, pooling=pooling),
+                               atol=1e-4, rtol=1e-4)
     assert "emb" not in engine.scheduler.requests
     engine.abort_request(gen.request_id)
     engine.block_manager.reset_prefix_cache()
     check_pool(engine)
 
 
-def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
+@pytest.mark.parametrize("pooling", list(Pooling))
+def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference, pooling):
     """A pool too small for both: the embedding is preempted by the older decode's growth and
     recomputed from its first token; its vector still equals the reference."""
     engine = LLMEngine.from_path(model_dir, EngineConfig(
@@ -161,7 +173,7 @@ def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
         scheduler=SchedulerConfig(max_num_batched_tokens=24)), load_tokenizer=False)
     engine.add_request(list(range(1, 40)), SamplingParams(temperature=0.0), "gen", max_tokens=40)
     ids = [(5 * i + 1) % 250 for i in range(50)]
-    engine.submit(engine.make_embedding_request(ids, request_id="emb"))
+    engine.submit(engine.make_embedding_request(ids, request_id="emb", pooling=pooling))
     plans = record_plans(engine)
     vector = None
     for _ in range(200):
@@ -171,7 +183,8 @@ def test_a_preempted_input_is_pooled_from_its_recompute(model_dir, reference):
             break
     assert vector is not None and any("emb" in plan.preempted for plan in plans)
     torch.testing.assert_close(torch.tensor(vector, dtype=torch.float64),
-                               reference_vector(reference, ids), atol=1e-4, rtol=1e-4)
+                               reference_vector(reference, ids, pooling=pooling),
+                               atol=1e-4, rtol=1e-4)
     engine.block_manager.reset_prefix_cache()
     check_pool(engine)
 
