@@ -24,11 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from common.model_config import ModelConfig, RopeScaling
+from common.pooling import Pooling
 from common.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# llama.cpp's enum llama_pooling_type, as `<arch>.pooling_type` stores it: 0 none, 1 mean, 2 cls,
+# 3 last, 4 rank. Only last changes the default here; cls and rank belong to encoder and
+# reranker heads, which these decoders do not have, so they are read as mean.
+LLAMA_POOLING_LAST = 3
 
 # GGUF value type id -> struct format of one scalar. 8 (string) and 9 (array) are handled apart.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
@@ -235,6 +240,8 @@ def gguf_config(metadata: dict[str, Any], name: str | None = None) -> ModelConfi
             attention_bias=attention_bias,
             qk_norm=qk_norm,
             name=name or metadata.get("general.name") or "model",
+            pooling=Pooling.LAST if metadata.get(f"{arch}.pooling_type") == LLAMA_POOLING_LAST
+            else Pooling.MEAN,
         )
     except (ValueError, TypeError) as e:  # TypeError: float() of an array-valued key
         raise ModelFormatError(f"GGUF metadata describes an invalid model: {e}") from e

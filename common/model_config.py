@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import inf
 
+from common.pooling import Pooling
+
 
 def positive(obj: object, *names: str) -> None:
     for name in names:
@@ -55,6 +57,10 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: biases on q/k/v projections
     qk_norm: bool = False  # Qwen3: per-head RMSNorm (weights [head_dim]) on q and k before RoPE
     name: str = "model"
+    # The embedding routes' default pooling: the one the model file names (GGUF
+    # `<arch>.pooling_type` "last" for embedders trained on the last token: Qwen3-Embedding,
+    # e5-mistral), else mean (engine/embedding.py). A request's `pooling` overrides it.
+    pooling: Pooling = Pooling.MEAN
 
     def __post_init__(self) -> None:
         positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",

@@ -125,12 +125,12 @@ def _truncate(body: dict[str, Any]) -> bool:
     return value
 
 
-def _pooling(body: dict[str, Any]) -> Pooling:
-    """`pooling` (tandem's field on every embedding route; common/pooling.py): "mean" (the
-    default) or "last"."""
+def _pooling(body: dict[str, Any], model: ServedModel) -> Pooling:
+    """`pooling` (tandem's field on every embedding route; common/pooling.py): "mean" or
+    "last"; the model's own (ModelConfig.pooling, from its file) when absent."""
     value = body.get("pooling")
     if value is None:
-        return Pooling.MEAN
+        return model.config.pooling
     try:
         return Pooling.parse(value)
     except ValueError as exc:
@@ -166,7 +166,7 @@ class EmbeddingRoutes:
         items = _texts(body.get("input"), "input", tokens_allowed=False)
         dims = _dimensions(body, model.config.hidden_size)
         embeddings, count = await self._vectors(request, model, items, _context(body, model),
-                                                _truncate(body), True, timings, _pooling(body))
+                                                _truncate(body), True, timings, _pooling(body, model))
         embeddings = shorten(embeddings, dims)
         return JSONResponse({"model": name, "embeddings": embeddings,
                              "total_duration": _ns(_elapsed(timings)),
@@ -182,7 +182,7 @@ class EmbeddingRoutes:
         if len(items) != 1:
             raise RequestError("prompt must be a string")
         embeddings, _ = await self._vectors(request, model, items, _context(body, model), True,
-                                            False, timings, _pooling(body))
+                                            False, timings, _pooling(body, model))
         return JSONResponse({"embedding": embeddings[0]})
 
     async def openai_embeddings(self, request: Request) -> JSONResponse:
@@ -196,7 +196,7 @@ class EmbeddingRoutes:
         dims = _dimensions(body, model.config.hidden_size)
         # OpenAI refuses an input over the context; it never truncates.
         embeddings, count = await self._vectors(request, model, items, model.context_len, False,
-                                                True, timings, _pooling(body))
+                                                True, timings, _pooling(body, model))
         embeddings = shorten(embeddings, dims)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(v) if fmt == "base64" else v}

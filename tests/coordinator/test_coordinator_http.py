@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
 
 from coordinator.config import CoordinatorConfig
+from common.pooling import Pooling
+from common.rpc import worker_pb2 as pb
 
 from tests.helpers.coordinator_fakes import (
     DEADLINE_S, Script, coordinator_harness, load_model, make_tiny_model_dir, run, wait_until,
@@ -527,11 +530,35 @@ def test_embeddings_go_to_a_prefill_worker_when_one_is_live(model, tokens):
                 alone = await client.post(f"{h.url}/api/embed", json={"model": "tiny", "input": "hi"})
                 p1 = await h.add_worker("p1", "prefill", Script(tokens=tokens))
                 both = await client.post(f"{h.url}/api/embed", json={"model": "tiny", "input": "hi"})
-            return d1, p1, alone, both, h.coordinator.config
+                last = await client.post(f"{h.url}/v1/embeddings", json={
+                    "model": "tiny", "input": "hi", "pooling": "last"})
+            return d1, p1, alone, both, last, h.coordinator.config
 
-    d1, p1, alone, both, config = run(scenario())
-    assert alone.status_code == both.status_code == 200
+    d1, p1, alone, both, last, config = run(scenario())
+    assert alone.status_code == both.status_code == last.status_code == 200
     [on_decode] = [r for r in d1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
-    [on_prefill] = [r for r in p1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
+    on_prefill, with_last = [r for r in p1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
     assert on_decode.max_chunk_tokens == config.local_chunk_size
     assert on_prefill.max_chunk_tokens == config.chunk_size
+    assert on_decode.pooling == on_prefill.pooling == pb.EmbedRequest.POOLING_MEAN
+    assert with_last.pooling == pb.EmbedRequest.POOLING_LAST
+
+
+def test_a_model_whose_file_names_last_pooling_embeds_so_by_default(model, tokens):
+    """ModelConfig.pooling (GGUF `<arch>.pooling_type`) is the routes' default; a request's
+    `pooling` still chooses."""
+    last_model = replace(model, config=replace(model.config, pooling=Pooling.LAST))
+
+    async def scenario():
+        async with coordinator_harness(last_model) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                for body in ({}, {"pooling": "mean"}):
+                    r = await client.post(f"{h.url}/api/embed",
+                                          json={"model": "tiny", "input": "hi", **body})
+                    assert r.status_code == 200, r.text
+            return d1
+
+    d1 = run(scenario())
+    sent = [r.pooling for r in d1.requests if r.DESCRIPTOR.name == "EmbedRequest"]
+    assert sent == [pb.EmbedRequest.POOLING_LAST, pb.EmbedRequest.POOLING_MEAN]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
+from common.pooling import Pooling
 from common.model_config import RopeScaling
 from common.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from common.model_files import load_config
@@ -283,6 +284,12 @@ def test_gguf_metadata_is_plain_python(tmp_path):
     assert meta["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     config = gguf_config(meta)
     assert config.vocab_size == 320 and config.name == "tiny-test-model"
+    # The embedding default the file names (llama.cpp's enum llama_pooling_type): only "last"
+    # (3) changes it; none (0), mean (1), cls (2), rank (4) and an absent key read as mean.
+    assert config.pooling is Pooling.MEAN
+    for number, pooling in ((0, Pooling.MEAN), (1, Pooling.MEAN), (2, Pooling.MEAN),
+                            (3, Pooling.LAST), (4, Pooling.MEAN)):
+        assert gguf_config({**meta, "llama.pooling_type": number}).pooling is pooling, number
 
 
 def test_config_path_is_torch_free(tmp_path):
