@@ -63,11 +63,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def run_bench(base_url: str, model: str, tokenizer: str, workload: list[str]) -> dict:
+def run_bench(base_url: str, model: str, tokenizer: str, workload: list[str], seed: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "cli.main", "bench", "--backend", "openai", "--base-url", base_url,
                "--model", model, "--tokenizer", tokenizer, "--temperature", "0", "--no-progress",
-               "--result-json", out.name, *workload]
+               "--seed", str(seed), "--result-json", out.name, *workload]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())["levels"][0]["summary"]
 
@@ -109,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(servers["llama.cpp"] + "/health", procs[1], 120)
         model_names = {"llama.cpp": "model", "tandem": args.model}
         results: dict[str, dict[str, list[dict]]] = {}
-        for name in args.workloads.split(","):
+        for number, name in enumerate(args.workloads.split(",")):
             results[name] = {s: [] for s in servers}
-            for _ in range(args.rounds):
+            # Each round of each workload its own prompts (both servers the same ones): a repeat
+            # of an earlier round's would be answered from either server's prompt cache.
+            for round_index in range(args.rounds):
                 for server, url in servers.items():
-                    results[name][server].append(run_bench(url, model_names[server], gguf, WORKLOADS[name]))
+                    results[name][server].append(run_bench(
+                        url, model_names[server], gguf, WORKLOADS[name],
+                        seed=1000 * number + round_index))
         print(f"peer: {args.peer_server} (-t {args.threads}); tandem serve {args.tandem_args}; "
               f"median of {args.rounds} alternating rounds")
         print(f"{'workload':10} {'metric':14} {'llama.cpp':>10} {'tandem':>10} {'tandem/peer':>12}")

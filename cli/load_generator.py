@@ -194,11 +194,28 @@ class Backend:
 
 async def send(client: httpx.AsyncClient, backend: Backend, history: list[dict]
                ) -> tuple[Record, str]:
+    """One request, streamed and timed. A pooled keep-alive connection that the server had
+    already closed (llama-server closes idle ones) fails before any answer: that request is
+    sent once more, on a new connection, and timed from its first try."""
+    start = time.perf_counter()
+    try:
+        return await _send(client, backend, history, start)
+    except _NoAnswer:
+        return await _send(client, backend, history, start, last_try=True)
+
+
+class _NoAnswer(Exception):
+    """The connection closed before the server answered anything (no status line)."""
+
+
+async def _send(client: httpx.AsyncClient, backend: Backend, history: list[dict], start: float,
+                last_try: bool = False) -> tuple[Record, str]:
     record, pieces, chunks, figures = Record(), [], 0, None
     path, body = backend.request(history)
-    start = last = time.perf_counter()
+    last, answered = start, False
     try:
         async with client.stream("POST", backend.base_url + path, json=body) as r:
+            answered = True
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {r.status_code}: {text[:200]}")
@@ -221,6 +238,8 @@ async def send(client: httpx.AsyncClient, backend: Backend, history: list[dict]
         record.output_tokens = figures["output_tokens"] if figures else chunks
         record.ok = record.ttft is not None or record.output_tokens == 0
     except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, httpx.RemoteProtocolError) and not answered and not last_try:
+            raise _NoAnswer from exc
         record.error = f"{type(exc).__name__}: {exc}"[:300]
         record.latency = time.perf_counter() - start
     return record, "".join(pieces)

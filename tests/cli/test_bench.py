@@ -95,3 +95,53 @@ def test_bench_multi_turn_chat_over_openai_with_poisson_arrivals(api, tmp_path):
     assert s["completed"] == 6 and s["failed"] == 0
     prompts = [r["prompt_tokens"] for r in level["requests"]]
     assert len(prompts) == 6 and max(prompts) > min(prompts)  # later turns carry history
+
+
+def test_a_connection_closed_before_any_answer_is_sent_once_more():
+    """A server that closes a pooled keep-alive connection (llama-server does) drops the next
+    request sent on it before answering: `send` tries it once more on a new connection, and
+    counts it as failed only if that one dies too. A connection that dies mid-answer is a
+    failure at once."""
+    import asyncio
+
+    import httpx
+
+    from cli.load_generator import Backend, send
+
+    answer = (b'{"message": {"content": "hi"}, "done": false}\n'
+              b'{"message": {"content": ""}, "done": true, "prompt_eval_count": 3, '
+              b'"eval_count": 1}\n')
+
+    async def scenario(script: list[str]) -> tuple[list, int]:
+        connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            what = script[min(connections, len(script) - 1)]
+            connections += 1
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if what == "answer":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
+            elif what == "cut":  # the status line and half of the body
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(answer)
+                             + answer[:20])
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        backend = Backend("tandem", "chat", f"http://127.0.0.1:{port}", "m", 4, 0.0)
+        async with server, httpx.AsyncClient(timeout=10) as client:
+            out = await send(client, backend, [{"role": "user", "content": "hello"}])
+        return out, connections
+
+    (record, text), tries = asyncio.run(scenario(["close", "answer"]))
+    assert record.ok and text == "hi" and record.output_tokens == 1 and tries == 2
+    (record, _), tries = asyncio.run(scenario(["close", "close"]))
+    assert not record.ok and "RemoteProtocolError" in record.error and tries == 2
+    (record, _), tries = asyncio.run(scenario(["cut", "answer"]))
+    assert not record.ok and tries == 1
