@@ -3,23 +3,27 @@
     python -m benchmarks.validate_plan --profile PROFILE.json [--model smollm2] [--runs ...]
 
 Each run starts a local disaggregated cluster (benchmarks.bench_modes' topology: deploy.local,
-one torch thread per worker, prefill w8a8 and decode int4 as the profile measured them,
-every prompt prefilled on a prefill worker: prefill_threshold 0, since the simulator does
-not model conditional disaggregation), sends an open-loop Poisson load of chat prompts
+one torch thread per worker and no core lease, prefill w8a8 and decode int4 as the profile
+measured them, every prompt prefilled on a prefill worker: prefill_threshold 0, since the
+simulator does not model conditional disaggregation), sends an open-loop Poisson load of chat prompts
 (random words) streaming --output tokens each, and records every request's arrival, TTFT,
 token times and prompt_eval_count. The same requests (arrival, prompt tokens, output tokens)
 are then simulated with the profile on the same P:D, token budget and batch cap, and the
 table prints measured and simulated TTFT and TPOT p50/p99 with their ratio (sim/measured).
 
-A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. Expect the simulator to be optimistic where
-the host is shared: the profile was measured with a core to itself, while here the workers,
-the coordinator and the load generator share the host's cores.
+A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. The profile was measured with a core to
+itself, while here the workers, the coordinator and the load generator share the host's
+cores, so each run is simulated twice: "own" (a core per worker, as a planned cluster
+would have) and "shared" (the simulator's shared host: the cores this process may use,
+with the coordinator's and the load generator's CPU time over the load, measured from
+/proc, as background work; planner/simulator.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import random
 import tempfile
 import threading
@@ -58,6 +62,17 @@ def run_load(url: str, model: str, rate: float, count: int, output: int, seed: i
     return [(at, s) for at, s in results if s is not None and s.tokens >= 1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system, every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measured_times(samples) -> list[RequestTimes]:
     return [RequestTimes(at, at + s.ttft, at + s.ttft + sum(s.itls), s.tokens) for at, s in samples]
 
@@ -81,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     profile = CostProfile.load(args.profile)
     model_path = default_store().resolve(args.model)
+    cores = len(os.sched_getaffinity(0))
     opts = argparse.Namespace(device="cpu", no_cuda_graphs=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
@@ -89,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             prefill, decode, rate, count = int(prefill), int(decode), float(rate), int(count)
             topology = mode_topology(spec.replace(":", "_"), args.model, model_path, Path(tmp), 1, opts,
                                      prefill=prefill, decode=decode, chunk_size=BUDGET, prefill_threshold=0,
+                                     core_lease=False,  # a thread per worker, as the profile and the simulator
                                      worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", "w8a8",
                                                   "--decode-quant", "int4", "--max-num-seqs", str(MAX_BATCH)))
             print(f"run {spec}: starting {prefill} prefill + {decode} decode workers ...", flush=True)
@@ -96,21 +113,36 @@ def main(argv: list[str] | None = None) -> None:
             with cluster:
                 cluster.start()
                 warm_up(url, args.model)
+                coordinator = next(c.process.pid for c in cluster.children
+                                   if c.spec.name == "coordinator")
                 load_before = os.getloadavg()[0]
+                cpu_before = cpu_seconds(coordinator) + own_cpu_seconds()
+                started = time.perf_counter()
                 samples = run_load(url, args.model, rate, count, args.output, seed=len(rows))
+                background = ((cpu_seconds(coordinator) + own_cpu_seconds() - cpu_before)
+                              / (time.perf_counter() - started))
                 load_after = os.getloadavg()[0]
             measured = measured_times(samples)
             trace = [Request(t.arrival_s, s.prompt_tokens or 1, t.output_tokens)
                      for t, (_, s) in zip(measured, samples)]
-            simulated = simulate(trace, profile, ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)).times
-            rows.append((spec, len(samples), figures(measured), figures(simulated), load_before, load_after))
-    print(f"\nprofile: {profile.source}")
-    print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the load")
-    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9}  " + "  ".join(
+            own = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)
+            shared = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH, host_cores=cores,
+                                   background_cores=background)
+            rows.append((spec, len(samples), figures(measured),
+                         {name: figures(simulate(trace, profile, config).times)
+                          for name, config in (("own", own), ("shared", shared))},
+                         load_before, load_after, background))
+    print(f"\nprofile: {profile.source}; host cores: {cores}")
+    print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
+          "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
+          "worker, shared: the host's cores shared with bg")
+    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'sim':>6}  " + "  ".join(
         f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
-    for spec, n, meas, sim, lb, la in rows:
-        cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}" for k in meas)
-        print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f}  {cells}")
+    for spec, n, meas, sims, lb, la, bg in rows:
+        for name, sim in sims.items():
+            cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
+                              for k in meas)
+            print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f} {bg:4.2f} {name:>6}  {cells}")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,19 @@ which it finishes, so nothing walks the batch per step. ITL is recorded per segm
 mean step with a weight of B * steps (less the joiners' first gaps, each recorded on its own),
 so all gaps together add up exactly to the requests' first-token-to-finish times.
 
+A shared host (ClusterConfig.host_cores > 0): every worker runs on the same `host_cores`
+cores, beside `background_cores` of other work (the coordinator, a load generator), and the
+cores are shared equally among whatever computes (processor sharing): while n workers
+compute, each runs at min(1, host_cores / (n + background_cores)) of its profile's speed
+(the profile was measured with a core to itself). A prefill pass's remaining work is
+rescheduled exactly whenever n changes; a decode segment is cut at its next step boundary
+and resumes at the new speed. host_cores 0 (the default): each worker has its own cores.
+
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
 colocated workers, contention between transfers on a link, migration after a failure,
-network latency to the client, heterogeneous workers.
+network latency to the client, heterogeneous workers, and a worker borrowing an idle one's
+core (the core lease).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ class ClusterConfig:
     token_budget: int = 512          # tokens per prefill pass (tandem's --chunk-size)
     max_batch: int = 64              # running sequences per decode worker (--max-num-seqs)
     kv_blocks_per_decode: int = 0    # KV pool of a decode worker in blocks; 0 = unbounded
+    host_cores: float = 0.0          # > 0: every worker shares these cores (module docstring)
+    background_cores: float = 0.0    # ... with this much other work running on them
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "token_budget", "max_batch"):
@@ -55,6 +66,9 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks_per_decode < 0:
             raise ValueError(f"ClusterConfig.kv_blocks_per_decode must be >= 0, got {self.kv_blocks_per_decode}")
+        for name in ("host_cores", "background_cores"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,11 @@ class _Prefill:
     busy: bool = False
     chunks: list = field(default_factory=list)    # the running pass: (req, tokens)
     pass_tokens: int = 0
+    # Shared host: the running pass's work left (seconds at full speed) as of `since`, and
+    # the version of its live end event (older ones are stale).
+    work_left: float = 0.0
+    since: float = 0.0
+    version: int = 0
 
 
 @dataclass
@@ -102,6 +121,7 @@ class _Decode:
     t0: float = 0.0
     n: int = 0                       # steps in the current segment
     d0: float = 0.0                  # its first step's duration
+    slowdown: float = 1.0            # shared host: its steps' time over the profile's
     version: int = 0                 # bumped when a segment is cut: stale end events drop
 
 
@@ -125,6 +145,8 @@ class Simulator:
         self.busy_s = 0.0
         self.decode_tokens = 0
         self.decode_steps = 0
+        self.computing = 0               # workers computing now (busy prefill, active decode)
+        self.slowdown = 1.0              # shared host: time over the profile's, for all of them
 
     def push(self, t: float, kind: int, a, b=None) -> None:
         self.seq += 1
@@ -148,7 +170,8 @@ class Simulator:
                 continue
             t, _, kind, a, b = heapq.heappop(self.events)
             if kind == _PASS_END:
-                self.pass_end(t, a)
+                if b == self.prefills[a].version:
+                    self.pass_end(t, a)
             elif kind == _KV_READY:
                 self.kv_ready(t, a, b)
             elif kind == _SEG_END:
@@ -213,11 +236,19 @@ class Simulator:
             if not left:
                 break
         w.pass_tokens = self.c.token_budget - left
-        w.busy = True
         cost = self.p.prefill_pass_s(w.pass_tokens, pairs)
         self.passes += 1
         self.busy_s += cost
-        self.push(t + cost, _PASS_END, p)
+        w.work_left, w.since = cost, t
+        if not w.busy:
+            w.busy = True
+            self._computing(t, +1)
+        self._schedule_pass_end(p)
+
+    def _schedule_pass_end(self, p: int) -> None:
+        w = self.prefills[p]
+        w.version += 1
+        self.push(w.since + w.work_left * self.slowdown, _PASS_END, p, w.version)
 
     def pass_end(self, t: float, p: int) -> None:
         w = self.prefills[p]
@@ -231,9 +262,36 @@ class Simulator:
             self.push(landed + self.p.transfer_latency_s, _KV_READY, r.decode, r)
         w.queued_tokens -= w.pass_tokens
         heapq.heappush(self.prefill_heap, (w.queued_tokens, p))
-        w.busy = False
         if w.queue:
-            self.start_pass(t, p)
+            self.start_pass(t, p)  # still computing: the count of workers computing holds
+        else:
+            w.busy = False
+            self._computing(t, -1)
+
+    # -- a shared host --------------------------------------------------------------------------
+
+    def _computing(self, t: float, change: int) -> None:
+        """A worker started (+1) or stopped (-1) computing at t. On a shared host every other
+        computing worker's speed changes with it: prefill passes are rescheduled from the work
+        they have left, decode segments end at their next step boundary (and go on at the new
+        speed from there)."""
+        self.computing += change
+        if self.c.host_cores <= 0:
+            return
+        slowdown = max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
+        if slowdown == self.slowdown:
+            return
+        old, self.slowdown = self.slowdown, slowdown
+        for p, w in enumerate(self.prefills):
+            if w.busy and w.since < t:
+                w.work_left = max(0.0, w.work_left - (t - w.since) / old)
+                w.since = t
+                self._schedule_pass_end(p)
+            elif w.busy:  # started at t: its end was scheduled at the old speed
+                self._schedule_pass_end(p)
+        for d, w in enumerate(self.decodes):
+            if w.active and w.slowdown != slowdown:
+                self.cut(d, t)
 
     # -- decode workers -----------------------------------------------------------------------
 
@@ -265,7 +323,7 @@ class Simulator:
             self.push(w.t0 + self._steps_s(w, lo), _SEG_END, d, w.version)
 
     def _steps_s(self, w: _Decode, k: int) -> float:
-        return k * w.d0 + self.p.decode_per_ctx_token_s * w.running * k * (k - 1) / 2
+        return k * w.d0 + w.slowdown * self.p.decode_per_ctx_token_s * w.running * k * (k - 1) / 2
 
     def segment_end(self, t: float, d: int, version: int) -> None:
         w = self.decodes[d]
@@ -289,11 +347,14 @@ class Simulator:
             w.context_sum -= r.prompt + r.output
             self.free(t, d, r)
         w.active = False
-        self.boundary(t, d)
+        self.boundary(t, d, resumed=True)
+        if not w.active:  # nothing left to run: this worker stopped computing
+            self._computing(t, -1)
 
-    def boundary(self, t: float, d: int) -> None:
+    def boundary(self, t: float, d: int, resumed: bool = False) -> None:
         """A step boundary: waiting requests join up to max_batch, then the next segment runs
-        until the earliest finish (or until a landing request cuts it)."""
+        until the earliest finish (or until a landing request cuts it). resumed: right after
+        the worker's previous segment (it has been computing), else from idle."""
         w = self.decodes[d]
         while w.waiting and w.running < self.c.max_batch:
             r = w.waiting.popleft()
@@ -305,8 +366,11 @@ class Simulator:
         if not w.running:
             return
         w.active, w.t0 = True, t
+        if not resumed:
+            self._computing(t, +1)
+        w.slowdown = self.slowdown
         w.n = w.finishes[0][0] - w.step
-        w.d0 = self.p.decode_step_s(w.running, w.context_sum)
+        w.d0 = self.p.decode_step_s(w.running, w.context_sum) * w.slowdown
         w.version += 1
         self.push(t + self._steps_s(w, w.n), _SEG_END, d, w.version)
 

@@ -73,8 +73,8 @@ class CapWatcher(Simulator):
     """Records the largest batch any decode worker ran."""
     largest = 0
 
-    def boundary(self, t, d):
-        super().boundary(t, d)
+    def boundary(self, t, d, resumed=False):
+        super().boundary(t, d, resumed)
         self.largest = max(self.largest, self.decodes[d].running)
 
 
@@ -134,3 +134,31 @@ def test_scale_thousands_of_workers(profile):
     res = simulate(trace, profile, ClusterConfig(1000, 1000, token_budget=1024, max_batch=128))
     assert res.summary.requests == 50000
     assert all(t.finish_s >= t.first_token_s >= t.arrival_s for t in res.times)
+
+
+def test_a_shared_host_splits_its_cores_among_the_workers_computing(profile):
+    """host_cores: processor sharing. A prefill pass that runs while the only core also decodes
+    takes twice its profile's time; alone it takes its time; with background work beside it,
+    (1 + background) / cores times it. host_cores 0 is a core per worker (as before)."""
+    p = profile
+    overhead = p.coordinator_overhead_s
+    pass_s = p.prefill_pass_s(300, CostProfile.chunk_pairs(300, 0))
+    alone = simulate([Request(0.0, 300, 2)], p, ClusterConfig(1, 1, host_cores=1)).times[0]
+    assert alone.ttft_s == pytest.approx(overhead + pass_s)
+    busy = simulate([Request(0.0, 300, 2)], p,
+                    ClusterConfig(1, 1, host_cores=1, background_cores=0.5)).times[0]
+    assert busy.ttft_s == pytest.approx(overhead + 1.5 * pass_s)
+    assert busy.e2e_s - busy.ttft_s > alone.e2e_s - alone.ttft_s  # its decode step too
+    # A decodes a long answer; B's prompt arrives while it does: B's pass shares the core.
+    first = Request(0.0, 16, 4000)
+    start_b = 1.0 + overhead + p.prefill_pass_s(16, CostProfile.chunk_pairs(16, 0))
+    second = Request(start_b, 300, 2)
+    shared = simulate([first, second], p, ClusterConfig(1, 1, host_cores=1)).times
+    own = simulate([first, second], p, ClusterConfig(1, 1)).times
+    assert own[1].ttft_s == pytest.approx(overhead + pass_s)
+    assert shared[1].ttft_s == pytest.approx(overhead + 2 * pass_s)
+    # A's steps ran at half speed while B's pass ran, then at full speed again.
+    slower = shared[0].e2e_s - own[0].e2e_s
+    assert 0.5 * pass_s < slower < 1.5 * pass_s
+    with pytest.raises(ValueError, match="host_cores"):
+        ClusterConfig(1, 1, host_cores=-1)
