@@ -1,7 +1,7 @@
 """Measure a cost profile (planner/cost_profile.py) of this host and write it as JSON.
 
     python -m benchmarks.profile_host [MODEL] [--out profile.json] [--quick]
-        [--prefill-format w8a8] [--decode-format int4] [--threads 1] [--backend zmq]
+        [--prefill-format w8a8] [--decode-format int4] [--threads 1] [--backend zmq] [--no-served]
 
 Runs benchmarks.bench_engine's own measurement (run_level, in process, at this host's
 dispatch level) at a few prompt lengths and contexts, so the fit sees prefill passes of
@@ -9,6 +9,13 @@ several sizes and decode steps of several batches and contexts, and
 benchmarks.bench_kvtransfer (--json) for the transfer throughput of one backend; then fits
 the profile by least squares and writes it. --quick measures fewer and smaller points (for
 `tandem plan --measure` and tests); the fit is then rougher.
+
+Then, unless --quick or --no-served, what serving adds to the engine: a local cluster of one
+prefill and one decode worker (benchmarks.validate_plan's topology) answers SERVED_REQUESTS
+chats one at a time (no queue, no batch), and each one's measured TTFT and TPOT is set
+against the fitted profile's simulation of it alone. The medians of the differences become
+coordinator_overhead_s (tokenization, placement, the gRPC legs, the first token's way back)
+and decode_step_overhead_s (the worker's loop and each token's way to the client).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 from benchmarks.bench_engine import cpu_summary, run_level
@@ -47,6 +55,47 @@ def measure_transfer(backend: str, quick: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+SERVED_REQUESTS = 8  # one at a time; prompts of 40..300 words, 32 tokens out
+
+
+def measure_serving(model: str, profile, prefill_format: str, decode_format: str
+                    ) -> tuple[float, float, int]:
+    """(coordinator overhead s, decode step overhead s, requests measured): the medians of
+    measured minus simulated TTFT and TPOT over requests served one at a time."""
+    import random
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.bench_modes import WORDS, serving, stream, warm_up
+    from benchmarks.validate_plan import BUDGET, MAX_BATCH, served_topology
+    from common.model_store import default_store
+    from planner.simulator import ClusterConfig, simulate
+    from planner.trace import Request
+
+    rng = random.Random(7)
+    ttft, tpot = [], []
+    with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:
+        topology = served_topology("profile", model, default_store().resolve(model), Path(tmp), 1, 1,
+                                   prefill_format, decode_format)
+        cluster, url = serving(topology, model)
+        with cluster:
+            cluster.start()
+            warm_up(url, model)
+            for _ in range(SERVED_REQUESTS):
+                words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 300)))
+                s = stream(url, model, words, 32, "short")
+                if s is None or s.tokens < 2:
+                    continue
+                alone = simulate([Request(0.0, s.prompt_tokens or 1, s.tokens)], profile,
+                                 ClusterConfig(1, 1, BUDGET, MAX_BATCH)).times[0]
+                ttft.append(s.ttft - alone.ttft_s)
+                tpot.append(sum(s.itls) / len(s.itls) - alone.tpot_s)
+    if not ttft:
+        raise RuntimeError("no served request answered: cannot measure the serving overheads")
+    return max(0.0, statistics.median(ttft)), max(0.0, statistics.median(tpot)), len(ttft)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default="smollm2")
@@ -56,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="threads of one worker")
     p.add_argument("--backend", default="zmq", help="KV transfer backend to measure")
     p.add_argument("--no-transfer", action="store_true", help="skip the transfer measurement (free transfers)")
-    p.add_argument("--quick", action="store_true", help="fewer, smaller points")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller points; no served run")
+    p.add_argument("--no-served", action="store_true",
+                   help="skip the served run (serving overheads 0: the engine's costs alone)")
     args = p.parse_args(argv)
     configure_process(args.threads)
     engine = measure_engine(args.model, [args.prefill_format, args.decode_format], args.threads, args.quick)
@@ -66,6 +117,13 @@ def main(argv: list[str] | None = None) -> None:
                           decode_format=args.decode_format, backend=args.backend,
                           source=f"{cpu_summary()}; {model}; prefill {args.prefill_format}, decode "
                                  f"{args.decode_format}, {args.threads} thread(s), {args.backend}")
+    if not (args.quick or args.no_served):
+        coordinator_s, step_s, n = measure_serving(args.model, profile, args.prefill_format,
+                                                   args.decode_format)
+        profile = replace(profile, coordinator_overhead_s=coordinator_s,
+                          decode_step_overhead_s=step_s,
+                          source=f"{profile.source}; serving overheads from {n} requests served "
+                                 "one at a time")
     profile.save(args.out)
     print(json.dumps(profile.to_json(), indent=2))
 

@@ -39,6 +39,18 @@ from planner.trace import Request
 BUDGET, MAX_BATCH = 512, 64  # the cluster's --chunk-size and --max-num-seqs, simulated alike
 
 
+def served_topology(name: str, model: str, model_path: Path, log_dir: Path, prefill: int, decode: int,
+                    prefill_format: str = "w8a8", decode_format: str = "int4"):
+    """A local cluster as the simulator sees one: P prefill and D decode workers of one
+    thread each, no core lease, every prompt on a prefill worker (prefill_threshold 0)."""
+    opts = argparse.Namespace(device="cpu", no_cuda_graphs=True)
+    return mode_topology(name, model, model_path, log_dir, 1, opts, prefill=prefill, decode=decode,
+                         chunk_size=BUDGET, prefill_threshold=0,
+                         core_lease=False,  # a thread per worker, as the profile and the simulator
+                         worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", prefill_format,
+                                      "--decode-quant", decode_format, "--max-num-seqs", str(MAX_BATCH)))
+
+
 def run_load(url: str, model: str, rate: float, count: int, output: int, seed: int):
     """Open loop: request i is sent at its Poisson arrival whatever the others are doing."""
     rng = random.Random(seed)
@@ -97,17 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     profile = CostProfile.load(args.profile)
     model_path = default_store().resolve(args.model)
     cores = len(os.sched_getaffinity(0))
-    opts = argparse.Namespace(device="cpu", no_cuda_graphs=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
         for spec in args.runs:
             prefill, decode, rate, count = spec.split(":")
             prefill, decode, rate, count = int(prefill), int(decode), float(rate), int(count)
-            topology = mode_topology(spec.replace(":", "_"), args.model, model_path, Path(tmp), 1, opts,
-                                     prefill=prefill, decode=decode, chunk_size=BUDGET, prefill_threshold=0,
-                                     core_lease=False,  # a thread per worker, as the profile and the simulator
-                                     worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", "w8a8",
-                                                  "--decode-quant", "int4", "--max-num-seqs", str(MAX_BATCH)))
+            topology = served_topology(spec.replace(":", "_"), args.model, model_path, Path(tmp),
+                                       prefill, decode)
             print(f"run {spec}: starting {prefill} prefill + {decode} decode workers ...", flush=True)
             cluster, url = serving(topology, args.model)
             with cluster:

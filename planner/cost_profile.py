@@ -9,6 +9,11 @@
                    step reads; weights are read once per step, which is `a`).
     KV transfer    s = latency + bytes / bytes_per_s, bytes = tokens * kv_bytes_per_token
     coordinator    a fixed delay between arrival and the request reaching the workers.
+    serving        decode_step_overhead_s: what a served decode step adds to the engine's
+                   (the worker's loop, each token streamed to the coordinator and the client).
+                   It and the coordinator's delay are what a served request costs beyond the
+                   engine: benchmarks.profile_host measures both on a running cluster, one
+                   request at a time (0 where not measured).
 
 Fitted by least squares (planner/least_squares.py) from the JSON that
 `benchmarks.bench_engine --json` and `benchmarks.bench_kvtransfer --json` print; saved and
@@ -40,6 +45,7 @@ class CostProfile:
     transfer_bytes_per_s: float    # KV transfer throughput between a prefill and decode worker
     transfer_latency_s: float      # fixed cost of one request's transfer (grant, finish ack)
     coordinator_overhead_s: float = 0.0  # arrival -> request at the workers
+    decode_step_overhead_s: float = 0.0  # a served decode step beyond the engine's
     block_size: int = 16           # tokens per KV block
     source: str = ""               # what it was measured on (host CPU, model, format)
 
@@ -67,7 +73,8 @@ class CostProfile:
         return n * (ctx + n / 2)
 
     def decode_step_s(self, batch: int, context_sum: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context_sum
+        return (self.decode_base_s + self.decode_step_overhead_s + self.decode_per_seq_s * batch
+                + self.decode_per_ctx_token_s * context_sum)
 
     def transfer_s(self, tokens: int) -> float:
         return self.transfer_latency_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s

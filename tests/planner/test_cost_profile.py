@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -74,3 +75,15 @@ def test_rows_without_their_lengths_are_refused():
     runs = [[{"level": "x", "model": "m", "rows": [{"format": "f", "prefill_tok_s": 1.0, "decode": []}]}]]
     with pytest.raises(ValueError, match="prompt_len"):
         fit_profile(runs, None)
+
+
+def test_a_served_step_costs_the_engine_s_step_plus_its_overhead(tmp_path):
+    served = replace(TRUE, decode_step_overhead_s=0.002)
+    assert served.decode_step_s(4, 400) == pytest.approx(TRUE.decode_step_s(4, 400) + 0.002)
+    path = tmp_path / "served.json"
+    served.save(path)
+    assert CostProfile.load(path) == served
+    # A profile written before the field existed still loads, with no overhead.
+    old = {k: v for k, v in TRUE.to_json().items() if k != "decode_step_overhead_s"}
+    path.write_text(json.dumps(old))
+    assert CostProfile.load(path).decode_step_overhead_s == 0.0

@@ -1,0 +1,34 @@
+"""benchmarks.profile_host's served run: a real 1:1 cluster of a tiny model answers chats one
+at a time, and what serving adds to the profile's simulation of each becomes the profile's
+coordinator delay and decode step overhead."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.profile_host import SERVED_REQUESTS, measure_serving
+from reliability.model_factory import make_tiny_hf_model
+from tests.planner.conftest import make_profile
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # A context long enough for the warm-up's long prompt and the 300-word chats (byte-level
+    # tokens: ~2,000 of them).
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", "llama", max_position=8192)
+
+
+def test_the_served_run_measures_what_serving_adds(model_dir):
+    # A profile whose passes cost next to nothing: whatever the served requests took beyond it
+    # is serving (tokenization, the gRPC legs, the worker's loop, streaming to the client).
+    free = make_profile(prefill_base_s=1e-6, prefill_per_token_s=1e-9, prefill_per_pair_s=0.0,
+                        decode_base_s=1e-6, decode_per_seq_s=1e-9, decode_per_ctx_token_s=0.0,
+                        transfer_latency_s=0.0, transfer_bytes_per_s=1e15,
+                        coordinator_overhead_s=0.0)
+    coordinator_s, step_s, measured = measure_serving(str(model_dir), free, "fp32", "fp32")
+    assert measured == SERVED_REQUESTS
+    assert 0.0 < coordinator_s < 30.0 and 0.0 < step_s < 5.0
+    # Against a profile that already costs more than any served request took, nothing is
+    # left to attribute to serving: the overheads are clamped at 0, never negative.
+    slow = make_profile(prefill_base_s=60.0, decode_base_s=10.0, coordinator_overhead_s=0.0)
+    assert measure_serving(str(model_dir), slow, "fp32", "fp32")[:2] == (0.0, 0.0)
