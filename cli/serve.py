@@ -81,6 +81,9 @@ def register(subparsers) -> None:
                         "beside its decodes (coordinator default 64)")
     p.add_argument("--prefill-threshold", type=int,
                    help="prompts of at most this many tokens may prefill on the decode worker")
+    p.add_argument("--local-prefill-max-stall-ms", type=float,
+                   help="... and on a busy decode worker only if that stalls its running streams "
+                        "by at most this many ms (coordinator default 100)")
     add_engine_flags(p, "serve")
     add_worker_flags(p, "serve")
     p.add_argument("--no-core-lease", dest="core_lease", action="store_false",
@@ -131,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
                             threads=args.threads, num_blocks=args.num_blocks,
                             kv_dtype=args.kv_dtype, local_chunk_size=args.local_chunk_size,
+                            local_prefill_max_stall_ms=args.local_prefill_max_stall_ms,
                             speculative=args.speculative,
                             max_streams=args.max_streams, device=args.device,
                             cuda_graphs=not args.no_cuda_graphs,

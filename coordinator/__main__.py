@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
                    help="largest prefill chunk per pass on a prefill worker (sent with each request); "
                         "also the budget assumed for workers that do not report one")
+    p.add_argument("--local-prefill-max-stall-ms", type=float,
+                   default=DEFAULTS.local_prefill_max_stall_s * 1e3,
+                   help="prefill a short prompt on a busy decode worker only if that stalls its "
+                        "running streams by at most this many ms (0: never on a busy one)")
     p.add_argument("--local-chunk-size", type=int, default=DEFAULTS.local_chunk_size,
                    help="largest prefill chunk per pass for a prompt prefilled on a decode worker")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue)
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             **{name: getattr(args, name) for _, name, _ in CONNECTION_FLAGS},
             prefill_threshold=args.prefill_threshold,
             chunk_size=args.chunk_size, local_chunk_size=args.local_chunk_size, max_queue=args.max_queue,
+            local_prefill_max_stall_s=args.local_prefill_max_stall_ms / 1e3,
             max_running_per_worker=args.max_running_per_worker,
             queue_timeout_s=args.queue_timeout, load_timeout_s=args.load_timeout,
             keep_alive_s=_default_keep_alive(),

@@ -38,6 +38,11 @@ class CoordinatorConfig:
     # chunk_size tokens; a prompt prefilled on a decode worker goes in chunks of at most
     # local_chunk_size, so each step of that worker's decode batch grows by little (ITL).
     local_chunk_size: int = 64
+    # A short prompt is prefilled on a busy decode worker only if that costs its running
+    # streams at most this much extra time (its tokens at the worker's measured cost per
+    # prompt token, placement.local_prefill_stall_fits); an idle decode worker has no stream
+    # to stall. 0: never on a busy one.
+    local_prefill_max_stall_s: float = 0.1
     max_queue: int = 64  # requests waiting for a slot; more are refused with 503
     max_running_per_worker: int = 32  # concurrent requests per decode/colocated worker
     queue_timeout_s: float = 30.0  # longest wait for a slot before a 503
@@ -133,6 +138,9 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
+        if not self.local_prefill_max_stall_s >= 0:  # also refuses nan
+            raise ValueError(f"local_prefill_max_stall_s must be >= 0, got "
+                             f"{self.local_prefill_max_stall_s!r}")
         import ipaddress  # noqa: PLC0415
 
         for network in self.internal_api_from:

@@ -55,6 +55,7 @@ transport the receiver listens on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -213,6 +214,16 @@ def local_prefill_pays(decode: WorkerSnapshot, prefill: WorkerSnapshot, tokens: 
         _queued_prompt(prefill) + tokens) * remote
 
 
+def local_prefill_stall_fits(decode: WorkerSnapshot, tokens: int, max_stall_s: float) -> bool:
+    """Whether prefilling `tokens` on the decode worker delays its running streams by at most
+    max_stall_s: every step that carries a chunk of the prompt takes that chunk's time longer,
+    so over the prompt the streams lose its tokens at the worker's measured cost. A worker with
+    nothing running loses nothing; an unknown cost leaves the choice to the token rule."""
+    if _running(decode) == 0 or decode.load.prefill_token_seconds <= 0.0:
+        return True
+    return tokens * decode.load.prefill_token_seconds <= max_stall_s
+
+
 def _queued_prompt(w: WorkerSnapshot) -> int:
     return w.load.queued_prefill_tokens + w.assigned_prefill_tokens
 
@@ -220,11 +231,13 @@ def _queued_prompt(w: WorkerSnapshot) -> int:
 def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
           prefill_threshold: int, default_budget: int,
           overlap_weight: float = OVERLAP_WEIGHT, cache_salt: bytes = b"",
-          scored: bool = False) -> Placement | None:
+          scored: bool = False, max_stall_s: float = math.inf) -> Placement | None:
     """None when no decode-capable worker is alive. scored: the request wants its prompt
     tokens' logprobs (echo, lm-eval's loglikelihood): prefilled on a prefill worker whenever one
     is compatible, in the prefill format, whatever the queues, so that a prompt scores the same
-    alone or in a batch (a local prefill would score it in the decode format)."""
+    alone or in a batch (a local prefill would score it in the decode format). max_stall_s:
+    the most a local prefill may delay the decode worker's running streams
+    (local_prefill_stall_fits; CoordinatorConfig.local_prefill_max_stall_s)."""
     prompt = Prompt(prompt_ids, cache_salt)
     chosen = choose_decode(workers, prompt, overlap_weight)
     if chosen is None:
@@ -242,7 +255,8 @@ def place(workers: Sequence[WorkerSnapshot], prompt_ids: Sequence[int], *,
     prefill, prefill_overlap = remote
     if (not scored and uncached_tokens <= prefill_threshold
             and has_spare_budget(decode, uncached_tokens, default_budget)
-            and local_prefill_pays(decode, prefill, uncached_tokens)):
+            and local_prefill_pays(decode, prefill, uncached_tokens)
+            and local_prefill_stall_fits(decode, uncached_tokens, max_stall_s)):
         return Placement(decode, None, f"short uncached part ({uncached_tokens} tokens), decode "
                          f"worker has spare budget; {cached}", overlap)
     return Placement(decode, prefill, f"remote prefill on {prefill.worker_id} ({prefill_overlap} "

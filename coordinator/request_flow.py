@@ -133,7 +133,7 @@ class RequestFlow:
         placement = place(workers, prompt_ids,
                           prefill_threshold=self.config.prefill_threshold,
                           default_budget=self.config.chunk_size, cache_salt=cache_salt,
-                          scored=scored)
+                          scored=scored, max_stall_s=self.config.local_prefill_max_stall_s)
         if placement is None:
             raise NoWorkers("no live decode worker is registered; retry once workers are up")
         return placement

@@ -118,6 +118,7 @@ class Topology:
     num_blocks: int | None = None  # KV pool size per worker, in blocks (else from --kv-cache-gb)
     kv_dtype: str = CacheConfig.kv_dtype  # KV cache element type of every worker (part of the KV layout)
     local_chunk_size: int | None = None  # largest prefill chunk of a prompt prefilled on a decode worker
+    local_prefill_max_stall_ms: float | None = None  # None = the coordinator's default
     speculative: str | None = None  # --speculative of decode and colocated workers (None = off)
     device: str = DEFAULT_DEVICE  # every worker's --device (engine/device.py); each worker resolves it
     cuda_graphs: bool = True  # False: every worker gets --no-cuda-graphs
@@ -248,6 +249,9 @@ class Topology:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
+        stall = self.local_prefill_max_stall_ms
+        if stall is not None and not (isinstance(stall, (int, float)) and stall >= 0):
+            raise ValueError(f"local_prefill_max_stall_ms must be >= 0, got {stall!r}")
         if self.local_chunk_size is not None and self.local_chunk_size > self.chunk_size:
             raise ValueError(f"local_chunk_size ({self.local_chunk_size}) cannot exceed chunk_size "
                              f"({self.chunk_size}), the per-pass token budget of the decode worker "
@@ -291,6 +295,7 @@ class Topology:
         threshold = 0 if self.batch_invariant and not self.colocated else self.prefill_threshold
         for flag, value in (("--prefill-threshold", threshold),
                             ("--local-chunk-size", self.local_chunk_size),
+                            ("--local-prefill-max-stall-ms", self.local_prefill_max_stall_ms),
                             ("--max-streams", self.max_streams)):
             if value is not None:
                 flags += [flag, str(value)]

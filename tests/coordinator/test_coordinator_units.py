@@ -194,6 +194,9 @@ def test_request_timings():
 def test_config_validates():
     with pytest.raises(ValueError, match="max_queue"):
         CoordinatorConfig(max_queue=-1)
+    for stall in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="local_prefill_max_stall_s must be >= 0"):
+            CoordinatorConfig(local_prefill_max_stall_s=stall)
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
         CoordinatorConfig(heartbeat_interval_s=0)
     assert CoordinatorConfig(heartbeat_interval_s=0.5, heartbeat_misses=4).heartbeat_deadline_s == 2

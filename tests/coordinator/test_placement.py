@@ -215,6 +215,30 @@ def test_measured_prompt_costs_send_a_short_prompt_where_it_is_cheaper():
         assert got.prefill is None
 
 
+def test_a_local_prefill_may_stall_a_busy_decode_worker_s_streams_only_so_long():
+    """local_prefill_stall_fits: on a decode worker with running streams, a short prompt is
+    prefilled there only if its tokens at the worker's cost delay those streams by at most
+    max_stall_s; an idle worker stalls no one; an unknown cost leaves the token rule."""
+    short = dict(hashes=cached(PROMPT, 38))  # 32 tokens to compute
+    prefill = worker("p1", "prefill", token_s=0.0039)
+    # The 135M: 32 * 3.8 ms = 122 ms. Local on an idle worker, whatever the cap.
+    idle = worker("d1", token_s=0.0038, **short)
+    assert place([idle, prefill], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
+    # Busy (running streams, or requests this coordinator sent since): over a 100 ms cap it
+    # goes remote, under a 200 ms one it stays; with no cap (the default) it stays.
+    for busy in (dict(running=3), dict(assigned=2)):
+        d1 = worker("d1", token_s=0.0038, **short, **busy)
+        assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.1).prefill.worker_id == "p1"
+        assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.2).prefill is None
+        assert place([d1, prefill], PROMPT, **SHORT).prefill is None
+    # No prefill worker to send it to: local all the same.
+    d1 = worker("d1", token_s=0.0038, running=3, **short)
+    assert place([d1], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
+    # A cost not yet measured: the token rule alone.
+    d1 = worker("d1", token_s=0.0, running=3, **short)
+    assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
+
+
 def test_a_request_scoring_its_prompt_is_prefilled_remotely_whenever_it_can_be():
     short = dict(hashes=cached(PROMPT, 38))  # 32 tokens: local by the token rule
     ws = [worker("d1", **short), worker("p1", "prefill")]

@@ -232,10 +232,11 @@ def test_plan_carries_each_engine_flag_to_the_roles_that_use_it(tmp_path):
 
     t = Topology(model="m", model_path=tmp_path / "m.gguf", log_dir=tmp_path, prefill=1, decode=2,
                  chunk_size=128, prefill_quant="w8a8", decode_quant="int8", threads=2,
-                 num_blocks=300, local_chunk_size=32, max_streams=7)
+                 num_blocks=300, local_chunk_size=32, max_streams=7, local_prefill_max_stall_ms=250)
     specs, _ = plan(t, ports())
     coord = coordinator_parser().parse_args(specs[0].argv[3:])
-    assert (coord.chunk_size, coord.local_chunk_size, coord.max_streams) == (128, 32, 7)
+    assert (coord.chunk_size, coord.local_chunk_size, coord.max_streams,
+            coord.local_prefill_max_stall_ms) == (128, 32, 7, 250)
     for flag in ("--prefill-quant", "--decode-quant", "--threads", "--num-blocks"):
         assert flag not in specs[0].argv
     prefill, *decodes = specs[1:]
@@ -279,6 +280,8 @@ def test_plan_leaves_unset_flags_to_each_process(tmp_path):
     ("max_streams", 0, "max_streams must be >= 1"),
     ("local_chunk_size", 0, "local_chunk_size must be >= 1"),
     ("local_chunk_size", 1024, r"local_chunk_size \(1024\) cannot exceed chunk_size \(512\)"),
+    ("local_prefill_max_stall_ms", -1, "local_prefill_max_stall_ms must be >= 0"),
+    ("local_prefill_max_stall_ms", float("nan"), "local_prefill_max_stall_ms must be >= 0"),
 ])
 def test_topology_refuses_bad_engine_flags(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -319,10 +322,11 @@ def test_tandem_serve_passes_its_flags_into_the_topology(tmp_path, monkeypatch):
     assert cli.main.main(["serve", "--model", str(model_dir), "--prefill-quant", "bf16",
                             "--decode-quant", "int8", "--threads", "2", "--num-blocks", "64",
                             "--max-streams", "9", "--chunk-size", "256", "--local-chunk-size", "48",
+                            "--local-prefill-max-stall-ms", "40",
                             "--log-dir", str(tmp_path / "logs")]) == 0
     t = seen["t"]
     assert (t.prefill_quant, t.decode_quant, t.threads, t.num_blocks, t.max_streams, t.chunk_size,
-            t.local_chunk_size) == ("bf16", "int8", 2, 64, 9, 256, 48)
+            t.local_chunk_size, t.local_prefill_max_stall_ms) == ("bf16", "int8", 2, 64, 9, 256, 48, 40)
     assert t.model_path == model_dir
 
 
