@@ -218,8 +218,12 @@ def local_prefill_stall_fits(decode: WorkerSnapshot, tokens: int, max_stall_s: f
     """Whether prefilling `tokens` on the decode worker delays its running streams by at most
     max_stall_s: every step that carries a chunk of the prompt takes that chunk's time longer,
     so over the prompt the streams lose its tokens at the worker's measured cost. A worker with
-    nothing running loses nothing; an unknown cost leaves the choice to the token rule."""
-    if _running(decode) == 0 or decode.load.prefill_token_seconds <= 0.0:
+    nothing running loses nothing; an unknown cost leaves the choice to the token rule.
+    Running means this coordinator's requests there now (assigned_requests, exact at every
+    moment), not the worker's last heartbeat: that one still counts a lone client's previous
+    request, finished a moment ago, and would send each of its prompts remote. Streams of
+    another coordinator sharing the worker are not weighed."""
+    if decode.assigned_requests == 0 or decode.load.prefill_token_seconds <= 0.0:
         return True
     return tokens * decode.load.prefill_token_seconds <= max_stall_s
 

@@ -224,18 +224,21 @@ def test_a_local_prefill_may_stall_a_busy_decode_worker_s_streams_only_so_long()
     # The 135M: 32 * 3.8 ms = 122 ms. Local on an idle worker, whatever the cap.
     idle = worker("d1", token_s=0.0038, **short)
     assert place([idle, prefill], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
-    # Busy (running streams, or requests this coordinator sent since): over a 100 ms cap it
-    # goes remote, under a 200 ms one it stays; with no cap (the default) it stays.
-    for busy in (dict(running=3), dict(assigned=2)):
-        d1 = worker("d1", token_s=0.0038, **short, **busy)
-        assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.1).prefill.worker_id == "p1"
-        assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.2).prefill is None
-        assert place([d1, prefill], PROMPT, **SHORT).prefill is None
+    # Busy (requests this coordinator has running there): over a 100 ms cap it goes remote,
+    # under a 200 ms one it stays; with no cap (the default) it stays.
+    d1 = worker("d1", token_s=0.0038, assigned=2, **short)
+    assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.1).prefill.worker_id == "p1"
+    assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.2).prefill is None
+    assert place([d1, prefill], PROMPT, **SHORT).prefill is None
+    # The worker's last heartbeat still counting a request this coordinator has seen finish
+    # (a lone client's previous one) is no stream to stall.
+    d1 = worker("d1", token_s=0.0038, running=1, assigned=0, **short)
+    assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.1).prefill is None
     # No prefill worker to send it to: local all the same.
-    d1 = worker("d1", token_s=0.0038, running=3, **short)
+    d1 = worker("d1", token_s=0.0038, assigned=3, **short)
     assert place([d1], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
     # A cost not yet measured: the token rule alone.
-    d1 = worker("d1", token_s=0.0, running=3, **short)
+    d1 = worker("d1", token_s=0.0, assigned=3, **short)
     assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.0).prefill is None
 
 
