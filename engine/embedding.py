@@ -8,8 +8,8 @@ an abort (the client left) ends it between two passes with its blocks freed. Eac
 the engine the chunk's pooling state (pool_state: the sum of its hidden states, or its last
 one; ModelRunner.execute `pooled`); the engine folds them per request (pool_step; chunks of one
 request run in order, one per pass) and, once the whole prompt is computed, finishes the
-request with the vector (pooled_vector). It samples nothing and never reads the prefix cache (pooling needs
-every position's hidden state, which a cached block does not hold).
+request with the vector (pooled_vector). It samples nothing and never reads the prefix cache
+(pooling needs every position's hidden state, which a cached block does not hold).
 
 Pooling. Ollama takes the pooling type from the GGUF's `<arch>.pooling_type` (mean for most
 embedding models, CLS or last for some). A decoder-only chat model (SmolLM2, Llama) has none;
