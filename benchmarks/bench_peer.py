@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:10} {label:14} {peer or 0:10.1f} {ours or 0:10.1f} {ratio:>12}")
             outs = {s: sum(x["output_tokens"] for x in v) for s, v in per_server.items()}
             fails = {s: sum(x["failed"] for x in v) for s, v in per_server.items()}
+            again = {s: sum(x.get("retried", 0) for x in v) for s, v in per_server.items()}
             print(f"{name:10} {'tokens, failed':14} {outs['llama.cpp']:>6},{fails['llama.cpp']:<3} "
                   f"{outs['tandem']:>6},{fails['tandem']:<3}")
+            print(f"{name:10} {'sent twice':14} {again['llama.cpp']:>10} {again['tandem']:>10}")
         return 0
     finally:
         stop_servers(procs)

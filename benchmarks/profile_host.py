@@ -58,10 +58,11 @@ def measure_transfer(backend: str, quick: bool) -> dict:
 SERVED_REQUESTS = 8  # one at a time; prompts of 40..300 words, 32 tokens out
 
 
-def measure_serving(model: str, profile, prefill_format: str, decode_format: str
-                    ) -> tuple[float, float, int]:
+def measure_serving(model: str, profile, prefill_format: str, decode_format: str,
+                    threads: int = 1) -> tuple[float, float, int]:
     """(coordinator overhead s, decode step overhead s, requests measured): the medians of
-    measured minus simulated TTFT and TPOT over requests served one at a time."""
+    measured minus simulated TTFT and TPOT over requests served one at a time, by workers of
+    `threads` threads each (the profile's)."""
     import random
     import statistics
     import tempfile
@@ -77,7 +78,7 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
     ttft, tpot = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:
         topology = served_topology("profile", model, default_store().resolve(model), Path(tmp), 1, 1,
-                                   prefill_format, decode_format)
+                                   prefill_format, decode_format, threads)
         cluster, url = serving(topology, model)
         with cluster:
             cluster.start()
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                                  f"{args.decode_format}, {args.threads} thread(s), {args.backend}")
     if not (args.quick or args.no_served):
         coordinator_s, step_s, n = measure_serving(args.model, profile, args.prefill_format,
-                                                   args.decode_format)
+                                                   args.decode_format, args.threads)
         profile = replace(profile, coordinator_overhead_s=coordinator_s,
                           decode_step_overhead_s=step_s,
                           source=f"{profile.source}; serving overheads from {n} requests served "

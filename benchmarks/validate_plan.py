@@ -40,11 +40,11 @@ BUDGET, MAX_BATCH = 512, 64  # the cluster's --chunk-size and --max-num-seqs, si
 
 
 def served_topology(name: str, model: str, model_path: Path, log_dir: Path, prefill: int, decode: int,
-                    prefill_format: str = "w8a8", decode_format: str = "int4"):
-    """A local cluster as the simulator sees one: P prefill and D decode workers of one
-    thread each, no core lease, every prompt on a prefill worker (prefill_threshold 0)."""
+                    prefill_format: str = "w8a8", decode_format: str = "int4", threads: int = 1):
+    """A local cluster as the simulator sees one: P prefill and D decode workers of `threads`
+    threads each, no core lease, every prompt on a prefill worker (prefill_threshold 0)."""
     opts = argparse.Namespace(device="cpu", no_cuda_graphs=True)
-    return mode_topology(name, model, model_path, log_dir, 1, opts, prefill=prefill, decode=decode,
+    return mode_topology(name, model, model_path, log_dir, threads, opts, prefill=prefill, decode=decode,
                          chunk_size=BUDGET, prefill_threshold=0,
                          core_lease=False,  # a thread per worker, as the profile and the simulator
                          worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", prefill_format,

@@ -95,6 +95,7 @@ class Record:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    retried: bool = False  # sent once more: its first try's connection closed unanswered
 
     @property
     def tpot(self) -> float | None:
@@ -196,12 +197,16 @@ async def send(client: httpx.AsyncClient, backend: Backend, history: list[dict]
                ) -> tuple[Record, str]:
     """One request, streamed and timed. A pooled keep-alive connection that the server had
     already closed (llama-server closes idle ones) fails before any answer: that request is
-    sent once more, on a new connection, and timed from its first try."""
+    sent once more (httpx drops the dead connection; the pool may hand out another idle one),
+    timed from its first try, and counted as retried (`retried` in the summary: a server that
+    took the request and then died before answering is answered twice so, and shows there)."""
     start = time.perf_counter()
     try:
         return await _send(client, backend, history, start)
     except _NoAnswer:
-        return await _send(client, backend, history, start, last_try=True)
+        record, text = await _send(client, backend, history, start, last_try=True)
+        record.retried = True
+        return record, text
 
 
 class _NoAnswer(Exception):
@@ -313,6 +318,7 @@ def summarize(records: list[Record], duration: float, slo_ttft_ms: float | None,
     output = sum(r.output_tokens for r in ok)
     return {
         "completed": len(ok), "failed": len(records) - len(ok),
+        "retried": sum(r.retried for r in records),
         "errors": sorted({r.error for r in records if not r.ok})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
@@ -332,7 +338,8 @@ def _fmt(v: float | None) -> str:
 
 def print_level(label: str, s: dict[str, Any], slo: bool) -> None:
     print(f"============ {label} ============")
-    print(f"requests: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.2f} s")
+    print(f"requests: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.2f} s"
+          + (f" ({s['retried']} sent twice: a closed keep-alive connection)" if s.get("retried") else ""))
     for error in s["errors"]:
         print(f"  error: {error}")
     print(f"request throughput (req/s): {s['request_throughput']:.2f}")

@@ -217,7 +217,9 @@ def local_prefill_pays(decode: WorkerSnapshot, prefill: WorkerSnapshot, tokens: 
 def local_prefill_stall_fits(decode: WorkerSnapshot, tokens: int, max_stall_s: float) -> bool:
     """Whether prefilling `tokens` on the decode worker delays its running streams by at most
     max_stall_s: every step that carries a chunk of the prompt takes that chunk's time longer,
-    so over the prompt the streams lose its tokens at the worker's measured cost. A worker with
+    so over the prompt the streams lose its tokens at the worker's measured cost, after the
+    local prefills this coordinator has already sent there (a burst of short prompts is
+    weighed together, not each alone). A worker with
     nothing running loses nothing; an unknown cost leaves the choice to the token rule.
     Running means this coordinator's requests there now (assigned_requests, exact at every
     moment), not the worker's last heartbeat: that one still counts a lone client's previous
@@ -225,7 +227,7 @@ def local_prefill_stall_fits(decode: WorkerSnapshot, tokens: int, max_stall_s: f
     another coordinator sharing the worker are not weighed."""
     if decode.assigned_requests == 0 or decode.load.prefill_token_seconds <= 0.0:
         return True
-    return tokens * decode.load.prefill_token_seconds <= max_stall_s
+    return (decode.assigned_prefill_tokens + tokens) * decode.load.prefill_token_seconds <= max_stall_s
 
 
 def _queued_prompt(w: WorkerSnapshot) -> int:

@@ -21,9 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.ollama_request import _ROLES
 from common.logprobs import MAX_LOGPROBS
+from common.pooling import Pooling
 from common.sampling_params import MAX_BIAS, MAX_COUNT, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 Count = Field(default=None, ge=0, le=MAX_COUNT)
+# tandem's `pooling` on every embedding route (embedding_routes._pooling): "mean" or "last".
+PoolingName = Literal[tuple(p.value for p in Pooling)]  # type: ignore[valid-type]
 
 
 class _Body(BaseModel):
@@ -156,6 +159,7 @@ class EmbedRequest(_Body):
     options: _EmbedOptions | None = None
     dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
     keep_alive: KeepAlive = None
+    pooling: PoolingName | None = None  # tandem's; default the model file's, else mean
 
 
 class EmbeddingsRequest(_Body):
@@ -165,6 +169,7 @@ class EmbeddingsRequest(_Body):
     prompt: str = Field(min_length=1)
     options: _EmbedOptions | None = None
     keep_alive: KeepAlive = None
+    pooling: PoolingName | None = None
 
 
 # ---- OpenAI ----------------------------------------------------------------------------------
@@ -285,7 +290,7 @@ class OpenAIEmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None  # 1..the hidden size: truncated and re-normalized
     user: str | None = None
-
+    pooling: PoolingName | None = None
 
 class ResponsesInputPart(_Body):
     type: Literal["input_text", "output_text", "text"]

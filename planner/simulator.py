@@ -67,7 +67,7 @@ class ClusterConfig:
         if self.kv_blocks_per_decode < 0:
             raise ValueError(f"ClusterConfig.kv_blocks_per_decode must be >= 0, got {self.kv_blocks_per_decode}")
         for name in ("host_cores", "background_cores"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # also refuses nan
                 raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
@@ -105,6 +105,7 @@ class _Prefill:
     # the version of its live end event (older ones are stale).
     work_left: float = 0.0
     since: float = 0.0
+    pass_start: float = 0.0
     version: int = 0
 
 
@@ -238,8 +239,7 @@ class Simulator:
         w.pass_tokens = self.c.token_budget - left
         cost = self.p.prefill_pass_s(w.pass_tokens, pairs)
         self.passes += 1
-        self.busy_s += cost
-        w.work_left, w.since = cost, t
+        w.work_left, w.since, w.pass_start = cost, t, t
         if not w.busy:
             w.busy = True
             self._computing(t, +1)
@@ -252,6 +252,7 @@ class Simulator:
 
     def pass_end(self, t: float, p: int) -> None:
         w = self.prefills[p]
+        self.busy_s += t - w.pass_start  # wall time: longer than its cost on a shared host
         for r, n in w.chunks:
             r.remaining -= n
             if r.remaining:
@@ -365,9 +366,9 @@ class Simulator:
             w.joiners.append(r)
         if not w.running:
             return
-        w.active, w.t0 = True, t
-        if not resumed:
+        if not resumed:  # counted before it is active: the rescale finds no segment of its own to cut
             self._computing(t, +1)
+        w.active, w.t0 = True, t
         w.slowdown = self.slowdown
         w.n = w.finishes[0][0] - w.step
         w.d0 = self.p.decode_step_s(w.running, w.context_sum) * w.slowdown

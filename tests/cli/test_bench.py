@@ -141,7 +141,8 @@ def test_a_connection_closed_before_any_answer_is_sent_once_more():
 
     (record, text), tries = asyncio.run(scenario(["close", "answer"]))
     assert record.ok and text == "hi" and record.output_tokens == 1 and tries == 2
+    assert record.retried and summarize([record], 1.0, None, None)["retried"] == 1
     (record, _), tries = asyncio.run(scenario(["close", "close"]))
     assert not record.ok and "RemoteProtocolError" in record.error and tries == 2
     (record, _), tries = asyncio.run(scenario(["cut", "answer"]))
-    assert not record.ok and tries == 1
+    assert not record.ok and not record.retried and tries == 1

@@ -230,6 +230,12 @@ def test_a_local_prefill_may_stall_a_busy_decode_worker_s_streams_only_so_long()
     assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.1).prefill.worker_id == "p1"
     assert place([d1, prefill], PROMPT, **SHORT, max_stall_s=0.2).prefill is None
     assert place([d1, prefill], PROMPT, **SHORT).prefill is None
+    # Local prefills already sent there count: 20 queued + 32 tokens at 3.8 ms = 198 ms (the
+    # prefill worker's own queue of 64 keeps local_prefill_pays true either way).
+    d1 = worker("d1", token_s=0.0038, assigned=2, assigned_tokens=20, **short)
+    queued = worker("p1", "prefill", token_s=0.0039, queued=64)
+    assert place([d1, queued], PROMPT, **SHORT, max_stall_s=0.15).prefill.worker_id == "p1"
+    assert place([d1, queued], PROMPT, **SHORT, max_stall_s=0.2).prefill is None
     # The worker's last heartbeat still counting a request this coordinator has seen finish
     # (a lone client's previous one) is no stream to stall.
     d1 = worker("d1", token_s=0.0038, running=1, assigned=0, **short)

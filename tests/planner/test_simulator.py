@@ -162,3 +162,16 @@ def test_a_shared_host_splits_its_cores_among_the_workers_computing(profile):
     assert 0.5 * pass_s < slower < 1.5 * pass_s
     with pytest.raises(ValueError, match="host_cores"):
         ClusterConfig(1, 1, host_cores=-1)
+
+
+def test_a_shared_host_counts_a_pass_s_wall_time_as_busy_and_refuses_nan(profile):
+    """prefill_busy is the share of the run a prefill worker computed: on a shared host a pass
+    lasts longer than its cost, and that longer time is what the worker was busy."""
+    trace = [Request(0.0, 300, 2)]
+    own = simulate(trace, profile, ClusterConfig(1, 1))
+    shared = simulate(trace, profile, ClusterConfig(1, 1, host_cores=1, background_cores=1.0))
+    pass_s = profile.prefill_pass_s(300, CostProfile.chunk_pairs(300, 0))
+    assert own.prefill_busy * own.summary.duration_s == pytest.approx(pass_s)
+    assert shared.prefill_busy * shared.summary.duration_s == pytest.approx(2 * pass_s)
+    with pytest.raises(ValueError, match="background_cores"):
+        ClusterConfig(1, 1, background_cores=float("nan"))
