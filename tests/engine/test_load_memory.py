@@ -39,7 +39,13 @@ _MEASURE = textwrap.dedent("""
                     out[key] = int(value.split()[0]) * 1024
         return out
 
-    def held_bytes(obj, seen):
+    def held_bytes(obj, seen, visited=None):
+        # visited: every object walked, so that a cycle (an enum member's class names the
+        # member again: ModelConfig.pooling) is walked once.
+        visited = set() if visited is None else visited
+        if id(obj) in visited:
+            return 0
+        visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             if storage.data_ptr() in seen:
@@ -47,9 +53,9 @@ _MEASURE = textwrap.dedent("""
             seen.add(storage.data_ptr())
             return storage.nbytes()
         if isinstance(obj, (list, tuple)):
-            return sum(held_bytes(o, seen) for o in obj)
+            return sum(held_bytes(o, seen, visited) for o in obj)
         if hasattr(obj, "__dict__"):
-            return sum(held_bytes(o, seen) for o in vars(obj).values())
+            return sum(held_bytes(o, seen, visited) for o in vars(obj).values())
         return 0
 
     path, fmt = sys.argv[1], sys.argv[2]
