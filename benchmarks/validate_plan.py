@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import random
 import tempfile
 import threading
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_modes import WORDS, mode_topology, serving, stream, warm_up
+from common.processes import cpu_seconds
 from planner.cost_profile import CostProfile
 from planner.metrics import RequestTimes, percentile
 from planner.simulator import ClusterConfig, simulate
@@ -74,17 +74,6 @@ def run_load(url: str, model: str, rate: float, count: int, output: int, seed: i
     return [(at, s) for at, s in results if s is not None and s.tokens >= 1]
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's CPU time so far (user + system, every thread), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def measured_times(samples) -> list[RequestTimes]:
     return [RequestTimes(at, at + s.ttft, at + s.ttft + sum(s.itls), s.tokens) for at, s in samples]
 
@@ -124,10 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                 coordinator = next(c.process.pid for c in cluster.children
                                    if c.spec.name == "coordinator")
                 load_before = os.getloadavg()[0]
-                cpu_before = cpu_seconds(coordinator) + own_cpu_seconds()
+                # Background: the coordinator's CPU and this process's (the load generator).
+                cpu_before = cpu_seconds(coordinator) + time.process_time()
                 started = time.perf_counter()
                 samples = run_load(url, args.model, rate, count, args.output, seed=len(rows))
-                background = ((cpu_seconds(coordinator) + own_cpu_seconds() - cpu_before)
+                background = ((cpu_seconds(coordinator) + time.process_time() - cpu_before)
                               / (time.perf_counter() - started))
                 load_after = os.getloadavg()[0]
             measured = measured_times(samples)

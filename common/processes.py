@@ -7,20 +7,33 @@ import os
 from pathlib import Path
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if there is no such live
-    process: a zombie (state Z or X) counts as gone, its address space is torn down."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (the state) on, or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
     # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    state, start = fields[0], fields[19]  # fields 3 and 22
-    if state in (b"Z", b"X", b"x"):
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if there is no such live
+    process: a zombie (state Z or X) counts as gone, its address space is torn down."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X", b"x"):
         return None
-    return int(start)
+    return int(fields[19])  # field 22
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time a process has used so far, user and system, every thread (fields 14 and
+    15), or None if there is no such process."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def started_at(pid: int) -> float | None:

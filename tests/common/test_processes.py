@@ -1,0 +1,33 @@
+"""common/processes.py: a process's start time and CPU time, read from /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from common.processes import cpu_seconds, start_time
+
+
+def test_cpu_time_is_the_process_s_own_and_none_once_it_is_gone():
+    child = subprocess.Popen([sys.executable, "-c", "sum(i * i for i in range(10**7))"])
+    child.wait()  # reaped: no such process any more
+    assert cpu_seconds(child.pid) is None and start_time(child.pid) is None
+    before = cpu_seconds(os.getpid())
+    sum(i * i for i in range(2 * 10**6))
+    after, own = cpu_seconds(os.getpid()), time.process_time()
+    assert after >= before
+    # Clock ticks (1/100 s) against the kernel's exact count: the same time, coarser.
+    assert abs(after - own) < 0.1
+
+
+def test_a_zombie_has_no_start_time():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(3000):  # until it has exited but is not yet reaped: state Z
+        if start_time(child.pid) is None:
+            break
+        time.sleep(0.01)
+    assert start_time(child.pid) is None, "the child never exited"
+    assert cpu_seconds(child.pid) is not None  # the zombie's stat is still there to read
+    child.wait()
