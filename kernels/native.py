@@ -56,8 +56,9 @@ import torch
 from kernels import native_cache
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("copy_crc32c.cpp", "decode_layers.cpp", "int4_linear.cpp", "int8_linear.cpp", "paged_decode.cpp",
-           "q6k_linear.cpp", "rms_norm.cpp", "rotary_kv_write.cpp", "silu_and_mul.cpp", "thread_pool.cpp")
+SOURCES = ("copy_crc32c.cpp", "decode_layers.cpp", "int4_amx.cpp", "int4_linear.cpp", "int8_linear.cpp",
+           "paged_decode.cpp", "q6k_linear.cpp", "rms_norm.cpp", "rotary_kv_write.cpp", "silu_and_mul.cpp",
+           "thread_pool.cpp")
 HEADERS = ("simd.h", "thread_pool.h")
 MAX_THREADS = 256  # thread_pool.cpp kMaxThreads
 LEVELS = ("default", "avx2", "avx512", "avx512vnni")
@@ -67,6 +68,11 @@ LEVEL_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
 LEVEL_FLAGS["avx512vnni"] = LEVEL_FLAGS["avx512"] + ["-mavx512vnni"]
+# Flags one source gets at one level on top of the level's: the AMX tile kernel
+# (csrc/int4_amx.cpp) only in the avx512vnni build, the level of every CPU with AMX. A compiler
+# that does not know the flags builds that source without them (its entry points then say "no
+# AMX"), so an older g++ still gets every other kernel.
+SOURCE_LEVEL_FLAGS = {("int4_amx.cpp", "avx512vnni"): ["-mamx-tile", "-mamx-int8"]}
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno", "-fvisibility=hidden"]
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -74,6 +80,8 @@ _SIGNATURES = {
     # name: argument types (every function returns int: 0 = ok, else a shape error code)
     "tandem_int4_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
     "tandem_int4a8_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_int4_amx_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64],
+    "tandem_amx_available": [],
     "tandem_q4k_linear": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
                           ctypes.c_int],
     "tandem_int8_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
@@ -174,6 +182,7 @@ def _build(level: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(source_digest().encode())
     digest.update(" ".join([cxx, *flags, version]).encode())
+    digest.update(repr(sorted((src, f) for (src, lvl), f in SOURCE_LEVEL_FLAGS.items() if lvl == level)).encode())
     key = digest.hexdigest()
     out = native_cache.trusted_dir(cache_root()) / f"tandem_{level}_{key[:16]}.so"
     if native_cache.verified(out, key):
@@ -187,28 +196,41 @@ def _build(level: str) -> Path:
             return out
         with tempfile.TemporaryDirectory(dir=out.parent) as work:
             tmp = Path(work) / out.name
-            _compile(cxx, flags, Path(work), tmp)
+            _compile(cxx, flags, Path(work), tmp, level)
             native_cache.install(tmp, out, key)
     return out
 
 
-def _compile(cxx: str, flags: list[str], work: Path, library: Path) -> None:
+def _compile(cxx: str, flags: list[str], work: Path, library: Path, level: str = "") -> None:
     """Each source to an object, as many compilers at once as this process has cores (the
-    sources took ~10 s in one g++ run on one core), then one link."""
+    sources took ~10 s in one g++ run on one core), then one link. A source with flags of its
+    own at this level (SOURCE_LEVEL_FLAGS) is compiled again without them if they fail."""
     compile_flags = [f for f in flags if f != "-shared"]
-    jobs = [([cxx, *compile_flags, "-c", "-I", str(CSRC), str(CSRC / src), "-o", str(work / f"{src}.o")], src)
-            for src in SOURCES]
+
+    def command(src: str, extra: list[str]) -> list[str]:
+        return [cxx, *compile_flags, *extra, "-c", "-I", str(CSRC), str(CSRC / src), "-o", str(work / f"{src}.o")]
+
+    jobs = []
+    for src in SOURCES:
+        extra = SOURCE_LEVEL_FLAGS.get((src, level), [])
+        jobs.append([command(src, extra)] + ([command(src, [])] if extra else []))
     width = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    running: list[tuple[subprocess.Popen, list[str]]] = []
+    running: list[tuple[subprocess.Popen, list[list[str]]]] = []
     failures = []
     while jobs or running:
         while jobs and len(running) < width:
-            cmd, _ = jobs.pop(0)
-            running.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), cmd))
-        proc, cmd = running.pop(0)
+            tries = jobs.pop(0)
+            running.append((subprocess.Popen(tries[0], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                            tries))
+        proc, tries = running.pop(0)
         _, err = proc.communicate()
         if proc.returncode != 0:
-            failures.append(f"{' '.join(cmd)}:\n{err[-2000:]}")
+            if len(tries) > 1:
+                logging.getLogger("tandem.kernels").warning("%s failed, built without its level flags: %s",
+                                                         tries[0][-3], err[-300:])
+                jobs.append(tries[1:])
+            else:
+                failures.append(f"{' '.join(tries[0])}:\n{err[-2000:]}")
     if failures:
         raise NativeUnavailable("building the native kernels failed:\n" + "\n".join(failures))
     cmd = [cxx, *flags, *(str(work / f"{src}.o") for src in SOURCES), "-o", str(library)]
@@ -308,6 +330,16 @@ def available() -> bool:
         return True
     except NativeUnavailable as e:
         logging.getLogger("tandem.kernels").warning("native CPU kernels unavailable, using aten's: %s", e)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def amx_available(level: str | None = None) -> bool:
+    """Whether `level`'s build (default: this process's) has the AMX tile kernels and the OS
+    lets this process use the tiles (csrc/int4_amx.cpp; asked once per process)."""
+    try:
+        return library(level).tandem_amx_available() == 1
+    except NativeUnavailable:
         return False
 
 

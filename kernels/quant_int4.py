@@ -37,6 +37,13 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
                layout would round d sc and dmin mn to fp16; and 4.625 bits a weight, not 5.
                ("q4_ka8": the same arrays under int4a8.) Where "q4_1" would be chosen, a Q4_K
                matrix takes it.
+    "q4_1x":   the "q4_1" layout's values in AMX tile order, for kernels/csrc/int4_amx.cpp
+               (x rounded to int16 per row exactly as for "q4_1", so the same integer dots, on
+               AMX-INT8 tiles): weight uint8 [N, Kp / 2] holding, per block of 16 output rows
+               and group, 256 bytes (to_tile_order), and d and m fp16 [N, Kp / 32] holding per
+               block and group the 16 rows' values side by side. Needs N % 16 == 0 and a CPU and
+               OS that grant AMX (native.amx_available); offered to the layout choice only there.
+               A Q4_K matrix takes "q4_k" instead (its exact scales).
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
                aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
                with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
@@ -155,6 +162,8 @@ def default_layout(device: torch.device) -> str:
     if device.type != "cpu" or triton_layouts(device):
         return "nibbles"
     candidates = [name for name, ok in (("q4_1", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
+    if "q4_1" in candidates and native.amx_available():
+        candidates.append(AMX_LAYOUT)
     if not candidates:
         return "nibbles"
     if len(candidates) == 1:
@@ -169,7 +178,7 @@ def default_layout(device: torch.device) -> str:
 
 def _step_time(layout: str, seconds: float) -> float:
     """A kernel's measured time as the layout choice weighs it (NATIVE_STEP_GAIN)."""
-    return seconds / NATIVE_STEP_GAIN if layout in Q4_1_LAYOUTS else seconds
+    return seconds / NATIVE_STEP_GAIN if layout in Q4_1_LAYOUTS + AMX_LAYOUTS else seconds
 
 
 def _time_layout(layout: str) -> float:
@@ -222,8 +231,13 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
         if int8_activations and device.type == "cpu" and native.available():
             layout = "q4_1a8"
         layout = layout or default_layout(device)
+        if layout == AMX_LAYOUT and (out_features % AMX_BLOCK or (
+                isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K")):
+            layout = "q4_1"  # the tiles' blocks of 16 rows; a Q4_K matrix's exact scales (below)
         if (layout in Q4_1_LAYOUTS and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K"):
             layout = Q4_K_LAYOUTS[Q4_1_LAYOUTS.index(layout)]  # its own scales, exactly
+    if layout == AMX_LAYOUT:
+        return pack_q4_1x(q4_1_blocks(weight), in_features, bias)
     if layout in Q4_K_LAYOUTS:
         return pack_q4_k(weight, bias, layout)
     if layout in Q4_1_LAYOUTS:
@@ -238,7 +252,11 @@ Q4_1_LAYOUTS = ("q4_1", "q4_1a8")
 # A Q4_K matrix's nibbles in the same chunk order with its own scales (pack_q4_k), for the
 # same tiles: int16 activations ("q4_k") or int8 per group ("q4_ka8").
 Q4_K_LAYOUTS = ("q4_k", "q4_ka8")
-NATIVE_LAYOUTS = Q4_1_LAYOUTS + Q4_K_LAYOUTS
+# The "q4_1" values in AMX tile order (kernels/csrc/int4_amx.cpp), blocks of AMX_BLOCK rows.
+AMX_LAYOUT = "q4_1x"
+AMX_LAYOUTS = (AMX_LAYOUT,)
+AMX_BLOCK = 16
+NATIVE_LAYOUTS = Q4_1_LAYOUTS + Q4_K_LAYOUTS + AMX_LAYOUTS
 A8_LAYOUTS = ("q4_1a8", "q4_ka8")
 _Q4_K_ROWS_PER_PASS = 1024  # rows repacked at a time: a large matrix's temporaries stay small
 CHUNK_GROUPS = 16  # groups per chunk of the "q4_1" layout's nibbles (kernels/csrc/int4_linear.cpp)
@@ -307,6 +325,52 @@ def pack_q4_1(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None,
                         layout=layout, group_size=GROUP_SIZE)
 
 
+def pack_q4_1x(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) -> PackedLinear:
+    """Q4_1 blocks [N, G * 20] (N % 16 == 0) -> the "q4_1x" layout: the same values as
+    pack_q4_1's, in AMX tile order (to_tile_order)."""
+    n = blocks.shape[0]
+    if n % AMX_BLOCK:
+        raise ValueError(f"the {AMX_LAYOUT} layout needs a multiple of {AMX_BLOCK} output rows, got {n}")
+    b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1, BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    return PackedLinear("int4", in_features, n, to_tile_order(b[..., 4:]), bias, scales=_to_tile_rows(d),
+                        zeros=_to_tile_rows(m), layout=AMX_LAYOUT, group_size=GROUP_SIZE)
+
+
+def _to_tile_rows(v: torch.Tensor) -> torch.Tensor:
+    """[N, G] per row and group -> the same shape holding [N / 16, G, 16]: per block of 16 rows
+    and group, the 16 rows' values side by side (what one epilogue load takes)."""
+    n, g = v.shape
+    return v.reshape(n // AMX_BLOCK, AMX_BLOCK, g).transpose(1, 2).reshape(n, g).contiguous()
+
+
+def _from_tile_rows(v: torch.Tensor) -> torch.Tensor:
+    n, g = v.shape
+    return v.reshape(n // AMX_BLOCK, g, AMX_BLOCK).transpose(1, 2).reshape(n, g)
+
+
+def to_tile_order(nibbles: torch.Tensor) -> torch.Tensor:
+    """ggml's group bytes uint8 [N, G, 16] -> the "q4_1x" weight [N, G * 16] holding, per block
+    b of 16 rows and group g, 256 bytes: run c (0..3) of 64, byte j = q[16 b + j / 4][8 c + j % 4]
+    | q[16 b + j / 4][8 c + 4 + j % 4] << 4 (int4_amx.cpp: the run's low nibbles are B tile
+    row 2 c, its high ones row 2 c + 1)."""
+    n, groups, _ = nibbles.shape
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, G, 32], q[k] for k = 0..31
+    q = q.reshape(n // AMX_BLOCK, AMX_BLOCK, groups, 4, 2, 4)  # [b, row, g, c, half, i]: k = 8c + 4half + i
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # [b, row, g, c, i]
+    return packed.permute(0, 2, 3, 1, 4).reshape(n, groups * 16).contiguous()  # [b, g, c, row, i]
+
+
+def from_tile_order(weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_tile_order: [N, G * 16] -> ggml's group bytes [N, G, 16]."""
+    n, groups = weight.shape[0], weight.shape[1] // 16
+    packed = weight.reshape(n // AMX_BLOCK, groups, 4, AMX_BLOCK, 4).permute(0, 3, 1, 2, 4)  # [b, row, g, c, i]
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-2)  # [b, row, g, c, half, i]
+    q = q.reshape(n, groups, 32)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
 def _chunk_transposes(groups: int) -> list[tuple[int, int]]:
     """(first group, groups) of each chunk of a row: 16 groups each, the last one fewer."""
     return [(g, min(CHUNK_GROUPS, groups - g)) for g in range(0, groups, CHUNK_GROUPS)]
@@ -332,6 +396,10 @@ def from_chunk_order(weight: torch.Tensor) -> torch.Tensor:
 def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" or "q4_k" layer: w = q d + m, d
     and m the fp32 values the kernel forms (for "q4_k": d sc and -(dmin mn), exact)."""
+    if packed.layout == AMX_LAYOUT:
+        qs = from_tile_order(packed.weight)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        return q, _from_tile_rows(packed.scales).float(), _from_tile_rows(packed.zeros).float()
     qs = from_chunk_order(packed.weight)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
     if packed.layout in Q4_K_LAYOUTS:
@@ -469,6 +537,10 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
             xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales[0].data_ptr(),
             packed.scales[1].data_ptr(), packed.zeros.data_ptr(), n, native.ptr(packed.bias),
             y.data_ptr(), n, int(packed.layout in A8_LAYOUTS)), "q4_k linear")
+    elif packed.layout == AMX_LAYOUT:
+        native.check(lib.tandem_int4_amx_linear(
+            xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),
+            packed.zeros.data_ptr(), n, native.ptr(packed.bias), y.data_ptr(), n), "int4 AMX linear")
     else:
         kernel = lib.tandem_int4a8_linear if packed.layout == "q4_1a8" else lib.tandem_int4_linear
         native.check(kernel(

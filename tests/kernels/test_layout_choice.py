@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kernels import layout_choice
+from kernels import layout_choice, native
 
 
 def test_measures_once_picks_the_fastest_and_remembers(tmp_path, monkeypatch):
@@ -106,6 +106,7 @@ def test_int4_times_a_streamed_model_over_matrices_beyond_the_cache(tmp_path, mo
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.setattr(layout_choice, "_memo", {})
     monkeypatch.setattr(layout_choice, "last_level_cache_bytes", lambda: 4 << 20)
+    monkeypatch.setattr(native, "amx_available", lambda level=None: False)  # tiles: test_int4_amx.py
     passes = []
     real = quant_int4._time_passes
     monkeypatch.setattr(quant_int4, "_time_passes",

@@ -1,0 +1,286 @@
+// int4 linear for decode on AMX-INT8 tiles: y[M, N] = x[M, K] @ W^T (+ bias), fp32 in and out,
+// the "q4_1x" layout (kernels/quant_int4.py). The same arithmetic as tandem_int4_linear
+// (int4_linear.cpp): x rounded to int16 per row with one fp32 scale, each group's exact float
+// sum S kept, and
+//
+//     y[r, n] = dx[r] * sum_g d_g * (q_g . xq[r, g])  +  sum_g m_g * S[r, g]
+//
+// where each group's integer dot q_g . xq[r, g] is the very number the AVX-512 kernel sums;
+// only the float order of the two sums differs (kernels/quant_int4.py `reference` bounds both).
+//
+// Why: at batch 8 the AVX-512 kernel is bound by its integer multiplies (one vpdpwssd per 32
+// weights and row), so a step at M = 8 cost 1.9x one at M = 1 on a 1B model's 672 MB of
+// weights. One tdpbusd multiplies a 16 x 32 tile of activations by a 32 x 16 tile of weights.
+// Measured with a throw-away harness on a Sapphire Rapids class core (one thread, a 524,288 x
+// 2,048 matrix streamed from memory): M = 8 over M = 1 1.90x for the AVX-512 kernel, 1.36-1.46x
+// for this scheme, and M = 1 as fast as the AVX-512 kernel's.
+//
+// int16 activations on an int8 unit: xq = 256 hi + lo with lo = xq & 255 (u8) and
+// hi' = (xq >> 8) + 128 (u8), so with Q the sum of a group's 32 q,
+//
+//     q . xq = 256 (hi' . q) + lo . q - 32768 Q
+//
+// One tdpbusd per group takes an A tile of 2R rows (the R rows' hi' then their lo, 32 bytes:
+// one group) and a B tile of the group's q for 16 weight rows (8 rows of 64 bytes, VNNI order:
+// tile row kk holds, per weight row n, q[n][4 kk .. 4 kk + 3] as int8). |hi' . q| <= 32 * 255 *
+// 15 < 2^17: every int32 is exact, and so is the float of the group's dot (< 2^24).
+//
+// Weights ("q4_1x"), per block of 16 weight rows b and group g, 256 bytes at (b G + g) 256:
+// 4 runs c of 64 bytes, byte j of run c = q[16 b + j / 4][32 g + 8 c + j % 4]
+// | q[16 b + j / 4][32 g + 8 c + 4 + j % 4] << 4, so a run's low nibbles are B tile row 2 c and
+// its high nibbles row 2 c + 1 (build_tile: two ands and a shift a run). d and m: fp16
+// [N / 16, G, 16], the 16 weight rows' scales of group g side by side (one load per step).
+// N % 16 == 0 and K % 32 == 0 (the layout's packer guarantees both).
+//
+// Pipelining (measured in the harness): a tileloadd of a buffer stored just before costs ~70
+// cycles (stores are not forwarded to tile loads), so B tiles are built LA steps ahead into a
+// ring, and a C tile's int32 are read back LE steps after its tilestored. The steps run over
+// (block, group) flattened, so the pipeline does not drain at each block's end.
+//
+// Batch invariance: a row of x goes through the same integer dots (exact) and the same float
+// epilogue in the same order whatever row tile it falls in, whatever M and thread count.
+// Threads take contiguous slices of blocks; each output is computed by one thread.
+//
+// Availability: only the avx512vnni build compiles the tiles (native.py adds -mamx-tile
+// -mamx-int8 there); the OS must grant this process the tile data state (Linux
+// arch_prctl(ARCH_REQ_XCOMP_PERM), which a VM may refuse: a tile instruction then dies with
+// SIGILL). tandem_amx_available() asks once; kernels/quant_int4.py offers the layout only where
+// it says 1, and tandem_int4_amx_linear refuses to run (code 3) where it does not.
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define TANDEM_HAS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#endif
+
+#ifdef TANDEM_HAS_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MR 8          // rows of x per tile: A and C tiles hold 2 * 8 = 16 rows
+#define LA 6              // B tiles built this many steps ahead
+#define LE 2              // C tiles read back this many steps behind
+#define RING 8            // >= LA + 2 and >= LE + 2, a power of 2
+#define QRING 16          // qsum ring: written LA ahead, read LE behind
+#define PF_BYTES 4096     // weight prefetch distance
+#define SUB_BYTES 262144  // M > 8: weight bytes per sub-slice, re-read (from L2) by each row tile
+static_assert(LA + 2 <= RING && LE + 2 <= RING && LA + LE + 2 <= QRING, "rings");
+
+static int amx_permission() {
+    // Granted per process; asking again is harmless. The CPUID bits are checked first so an old
+    // kernel's EINVAL and a CPU without AMX read the same: no.
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    if (!tile || !int8) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+}
+
+static int amx_ok() {
+    static std::atomic<int> state{-1};
+    int s = state.load(std::memory_order_acquire);
+    if (s < 0) {
+        s = amx_permission();
+        state.store(s, std::memory_order_release);
+    }
+    return s;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// tmm0/tmm3: A (2R rows x 32 bytes); tmm1/tmm4: B (8 rows x 64 bytes); tmm2/tmm5: C (2R x 16 int32).
+// Per thread: the configuration is thread state.
+static void configure_tiles(int rows_a) {
+    alignas(64) TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[3] = (uint8_t)rows_a, c.colsb[0] = c.colsb[3] = 32;
+    c.rows[1] = c.rows[4] = 8, c.colsb[1] = c.colsb[4] = 64;
+    c.rows[2] = c.rows[5] = (uint8_t)rows_a, c.colsb[2] = c.colsb[5] = 64;
+    _tile_loadconfig(&c);
+}
+
+// One group's 256 packed bytes -> its B tile [8][64] of q as int8, and qsum[n] = 32768 * Q_n.
+static inline void build_tile(const uint8_t* p, uint8_t* buf, int32_t* qsum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(p + 64 * c));
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        _mm512_store_si512(buf + 64 * (2 * c), lo);
+        _mm512_store_si512(buf + 64 * (2 * c + 1), hi);
+        s = _mm512_add_epi8(s, _mm512_add_epi8(lo, hi));  // <= 8 * 15 per byte
+    }
+    // The 4 bytes of lane n are weight row n's: one dpbusd by ones sums them (Q_n <= 480).
+    _mm512_store_si512(qsum, _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1)), 15));
+}
+
+// x [M, ldx] -> per row tile (rows m0.. of up to AMX_MR), 2 R rows of K bytes at xa + 2 m0 K:
+// hi' of its R rows, then their lo; dx [M]; S [M, G] exact group sums. The rounding is
+// int4_linear.cpp quantize_rows': xq = rne(x * (32767 / max|x|)).
+static void quantize_split(const float* x, int64_t m, int64_t k, int64_t ldx, uint8_t* xa, float* dx, float* S) {
+    const int64_t groups = k / 32;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t m0 = r / AMX_MR * AMX_MR, rt = m - m0 < AMX_MR ? m - m0 : AMX_MR;
+        uint8_t* hi_row = xa + (2 * m0 + (r - m0)) * k;
+        uint8_t* lo_row = xa + (2 * m0 + rt + (r - m0)) * k;
+        const float* xr = x + r * ldx;
+        const float amax = abs_max(xr, k);
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i b255 = _mm512_set1_epi32(255), b128 = _mm512_set1_epi32(128);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 v0 = _mm512_loadu_ps(xr + 32 * g), v1 = _mm512_loadu_ps(xr + 32 * g + 16);
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(h ? v1 : v0, vinv));  // |q| <= 32767
+                const __m512i hi = _mm512_xor_si512(_mm512_and_si512(_mm512_srai_epi32(q, 8), b255), b128);
+                _mm_storeu_si128((__m128i*)(hi_row + 32 * g + 16 * h), _mm512_cvtepi32_epi8(hi));
+                _mm_storeu_si128((__m128i*)(lo_row + 32 * g + 16 * h), _mm512_cvtepi32_epi8(_mm512_and_si512(q, b255)));
+            }
+            S[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        }
+        dx[r] = amax / 32767.f;
+    }
+}
+
+struct AmxArgs {
+    int64_t k, groups, n;
+    const uint8_t* qs;
+    const uint16_t* d16;
+    const uint16_t* m16;
+    const float* bias;
+    const uint8_t* xa;
+    const float* dx;
+    const float* S;
+    float* y;
+    int64_t ldy;
+};
+
+// Blocks [b0, b1) for rows m0 .. m0 + R of x (tiles configured for 2R rows).
+template <int R>
+static void amx_blocks(const AmxArgs& a, int64_t m0, int64_t b0, int64_t b1) {
+    const int64_t G = a.groups, K = a.k, T = (b1 - b0) * G;
+    alignas(64) uint8_t bbuf[RING][512];
+    alignas(64) int32_t qring[QRING][16];
+    alignas(64) int32_t cbuf[RING][2 * AMX_MR * 16];
+    const uint8_t* w0 = a.qs + b0 * G * 256;
+    const char* wend = (const char*)(a.qs + (a.n / 16) * G * 256);
+    const uint8_t* xa = a.xa + 2 * m0 * K;
+    const float* S = a.S + m0 * G;
+    __m512 acc1[R], acc2[R];
+    for (int r = 0; r < R; r++) acc1[r] = acc2[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < LA && i < T; i++) build_tile(w0 + i * 256, bbuf[i % RING], qring[i % QRING]);
+    const auto epilogue = [&](int64_t j) {
+        const int64_t b = b0 + j / G, g = j % G;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.d16 + (b * G + g) * 16)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.m16 + (b * G + g) * 16)));
+        const int32_t* c = cbuf[j % RING];
+        const __m512i qq = _mm512_load_si512(qring[j % QRING]);
+        for (int r = 0; r < R; r++) {
+            const __m512i hi = _mm512_load_si512(c + 16 * r), lo = _mm512_load_si512(c + 16 * (R + r));
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), qq);
+            acc1[r] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(dot), acc1[r]);
+            acc2[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(S[r * G + g]), acc2[r]);
+        }
+        if (g == G - 1) {
+            const __m512 vb = a.bias ? _mm512_loadu_ps(a.bias + 16 * b) : _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m512 out = _mm512_fmadd_ps(_mm512_set1_ps(a.dx[m0 + r]), acc1[r], acc2[r]);
+                _mm512_storeu_ps(a.y + (m0 + r) * a.ldy + 16 * b, _mm512_add_ps(out, vb));
+                acc1[r] = acc2[r] = _mm512_setzero_ps();
+            }
+        }
+    };
+    // Step i: build tile i + LA, multiply tile i; the tile registers alternate so consecutive
+    // steps do not wait on each other.
+#define TANDEM_AMX_STEP(i, TA, TB, TC)                                                             \
+    do {                                                                                           \
+        if ((i) + LA < T) build_tile(w0 + ((i) + LA) * 256, bbuf[((i) + LA) % RING], qring[((i) + LA) % QRING]); \
+        _tile_loadd(TB, bbuf[(i) % RING], 64);                                                     \
+        _tile_loadd(TA, xa + 32 * ((i) % G), K);                                                   \
+        _tile_zero(TC);                                                                            \
+        _tile_dpbusd(TC, TA, TB);                                                                  \
+        _tile_stored(TC, cbuf[(i) % RING], 64);                                                    \
+    } while (0)
+    int64_t done = 0;  // steps whose epilogue ran
+    for (int64_t i = 0; i < T; i += 2) {
+        const char* p = (const char*)(w0 + (i + LA) * 256) + PF_BYTES;
+        for (int off = 0; off < 512; off += 64)
+            if (p + off < wend) _mm_prefetch(p + off, _MM_HINT_T0);
+        TANDEM_AMX_STEP(i, 0, 1, 2);
+        if (i + 1 < T) TANDEM_AMX_STEP(i + 1, 3, 4, 5);
+        for (; done + LE < i + 2 && done < T; done++) epilogue(done);
+    }
+#undef TANDEM_AMX_STEP
+    for (; done < T; done++) epilogue(done);
+}
+
+static void amx_rows(const AmxArgs& a, int64_t m, int64_t b0, int64_t b1) {
+    // One row tile: the whole slice in one pipeline. More: sub-slices small enough to stay in
+    // L2 while every row tile passes over them, so the weights come from memory once.
+    const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (a.groups * 256) > 1 ? SUB_BYTES / (a.groups * 256) : 1);
+    for (int64_t s0 = b0; s0 < b1; s0 += sub) {
+        const int64_t s1 = s0 + sub < b1 ? s0 + sub : b1;
+        for (int64_t m0 = 0; m0 < m; m0 += AMX_MR) {
+            const int r = (int)(m - m0 < AMX_MR ? m - m0 : AMX_MR);
+            configure_tiles(2 * r);
+#define TANDEM_AMX_TILE(R) amx_blocks<R>(a, m0, s0, s1)
+            switch (r) {
+                case 1: TANDEM_AMX_TILE(1); break;
+                case 2: TANDEM_AMX_TILE(2); break;
+                case 3: TANDEM_AMX_TILE(3); break;
+                case 4: TANDEM_AMX_TILE(4); break;
+                case 5: TANDEM_AMX_TILE(5); break;
+                case 6: TANDEM_AMX_TILE(6); break;
+                case 7: TANDEM_AMX_TILE(7); break;
+                default: TANDEM_AMX_TILE(8); break;
+            }
+#undef TANDEM_AMX_TILE
+        }
+    }
+    _tile_release();
+}
+#endif  // TANDEM_HAS_AMX
+
+// 1 where this build has the tile kernels and the OS lets this process use them (asked once).
+TANDEM_API int tandem_amx_available() {
+#ifdef TANDEM_HAS_AMX
+    return amx_ok();
+#else
+    return 0;
+#endif
+}
+
+// The "q4_1x" layer (header comment). Codes: 1 K % 32, 2 negative sizes or N % 16, 3 no AMX here.
+TANDEM_API int tandem_int4_amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs,
+                                      const uint16_t* d16, const uint16_t* m16, int64_t n, const float* bias,
+                                      float* y, int64_t ldy) {
+    if (k % 32) return 1;
+    if (m < 0 || n < 0 || n % 16) return 2;
+#ifdef TANDEM_HAS_AMX
+    if (!amx_ok()) return 3;
+    if (m == 0 || n == 0) return 0;
+    const int64_t groups = k / 32;
+    const auto xa = aligned_zeros<uint8_t>((size_t)(2 * m * k));
+    const auto dx = aligned_zeros<float>((size_t)m), sums = aligned_zeros<float>((size_t)(m * groups));
+    // x is quantized once, before the split: every thread reads the same xa, dx and sums.
+    quantize_split(x, m, k, ldx, xa.get(), dx.get(), sums.get());
+    const AmxArgs args{k, groups, n, qs, d16, m16, bias, xa.get(), dx.get(), sums.get(), y, ldy};
+    tandem::parallel_for(0, n / 16, 1, [&](int64_t b0, int64_t b1) { amx_rows(args, m, b0, b1); });
+    return 0;
+#else
+    (void)x, (void)ldx, (void)qs, (void)d16, (void)m16, (void)bias, (void)y, (void)ldy;
+    return 3;
+#endif
+}

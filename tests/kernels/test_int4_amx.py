@@ -1,0 +1,191 @@
+"""The "q4_1x" layout and its AMX tile kernel (kernels/csrc/int4_amx.cpp): the packing is the
+"q4_1" layout's values in another order (tested on every host); where this host's CPU and OS
+grant AMX tiles, the kernel equals its reference, its rows are bit-equal whatever batch and
+thread count they run at, and a model decodes the same bits natively and in the layer loop;
+the layout is offered to the layout choice only where the tiles work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from kernels import layout_choice, native, quant_int4
+from kernels.linear import packed_linear_reference
+
+CPU = torch.device("cpu")
+AMX = native.available() and native.amx_available()
+needs_amx = pytest.mark.skipif(not AMX, reason="this host's CPU or OS does not grant AMX tiles (or no "
+                                               "native kernels): the tile kernel cannot run here")
+# (N, K): one block; groups per block odd (K = 96: the pipeline's last step alone); a short
+# tail of blocks; the default model's and a 1B model's shapes.
+SHAPES = [(16, 32), (48, 96), (64, 576), (96, 1536), (256, 2048)]
+ROWS = [1, 3, 8, 9, 17]
+
+
+@pytest.fixture(autouse=True)
+def serial_afterwards():
+    yield
+    native.set_threads(1)
+
+
+def test_tile_order_holds_the_q4_1_layout_s_values():
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        tiles = quant_int4.pack(w, None, CPU, layout="q4_1x")
+        chunks = quant_int4.pack(w, None, CPU, layout="q4_1")
+        assert tiles.layout == "q4_1x" and tiles.weight.shape == chunks.weight.shape
+        assert torch.equal(quant_int4.dequantize(tiles), quant_int4.dequantize(chunks))
+        nibbles = quant_int4.from_chunk_order(chunks.weight)
+        assert torch.equal(quant_int4.from_tile_order(quant_int4.to_tile_order(nibbles)), nibbles)
+
+
+def test_tile_order_bytes_are_the_kernel_s():
+    """Byte j of run c of block b, group g: q[16 b + j / 4][8 c + j % 4] | q[..][8 c + 4 + j % 4] << 4."""
+    n, k = 32, 64
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    nibbles = q.reshape(n, k // 32, 32)
+    tiles = quant_int4.to_tile_order(nibbles[..., :16] | (nibbles[..., 16:] << 4)).reshape(-1)
+    for b in range(n // 16):
+        for g in range(k // 32):
+            for c in range(4):
+                for j in range(64):
+                    row, kk = 16 * b + j // 4, 32 * g + 8 * c + j % 4
+                    want = int(q[row, kk]) | int(q[row, kk + 4]) << 4
+                    assert int(tiles[(b * (k // 32) + g) * 256 + 64 * c + j]) == want
+
+
+def test_packing_rows_not_in_blocks_of_16_is_refused():
+    w = torch.randn(40, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_int4.pack_q4_1x(quant_int4.q4_1_blocks(w), 64, None)
+
+
+def test_the_choice_never_picks_tiles_it_cannot_run(monkeypatch):
+    """Where the tiles are not granted, "q4_1x" is not a candidate; where it would be chosen,
+    a matrix whose rows are not whole blocks, or a Q4_K matrix, takes its usual layout."""
+    monkeypatch.setattr(native, "amx_available", lambda level=None: False)
+    seen = []
+    monkeypatch.setattr(layout_choice, "fastest_layout", lambda fmt, candidates, *a, **kw: seen.append(candidates)
+                        or candidates[0])
+    quant_int4.default_layout(CPU)
+    if seen:
+        assert "q4_1x" not in seen[0]
+    monkeypatch.setattr(quant_int4, "default_layout", lambda device: "q4_1x")
+    assert quant_int4.pack(torch.randn(40, 64), None, CPU).layout == "q4_1"
+    assert quant_int4.pack(torch.randn(48, 64), None, CPU).layout == "q4_1x"
+    from tests.kernels.test_native_kquant import kquant
+    assert quant_int4.pack(kquant("Q4_K", 16, 256, seed=2), None, CPU).layout == "q4_k"
+
+
+def test_the_kernel_refuses_bad_shapes_with_a_code():
+    if not native.available():
+        pytest.skip("no native kernels built on this host")
+    lib = native.library()
+    x, y = torch.randn(1, 64), torch.empty(1, 40)
+    w, d = torch.zeros(40, 32, dtype=torch.uint8), torch.zeros(40, 2, dtype=torch.float16)
+    args = (x.data_ptr(), 1, 64, 64, w.data_ptr(), d.data_ptr(), d.data_ptr())
+    assert lib.tandem_int4_amx_linear(x.data_ptr(), 1, 48, 48, w.data_ptr(), d.data_ptr(), d.data_ptr(),
+                                      16, None, y.data_ptr(), 16) == 1  # K % 32
+    assert lib.tandem_int4_amx_linear(*args, 40, None, y.data_ptr(), 40) == 2  # N % 16
+    # Where this build or OS has no tiles, the kernel says so rather than dying on SIGILL.
+    assert lib.tandem_int4_amx_linear(*args, 32, None, y.data_ptr(), 40) == (0 if AMX else 3)
+
+
+def _os_grants_tiles() -> bool:
+    """arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked from Python (x86-64 Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0
+
+
+def test_the_build_has_tiles_wherever_the_host_grants_them():
+    """A compiler that took the AMX flags and a CPU and OS that grant the tiles: the kernel must
+    be available (a source that stopped compiling with the flags would otherwise fall back
+    silently, kernels/native.py)."""
+    if not native.available() or native.dispatch_level() != "avx512vnni":
+        pytest.skip("the tile kernel is built only at the avx512vnni level, which this process does not run")
+    if not all(native._has_cpu_flag(f) for f in ("amx_tile", "amx_int8")) or not _os_grants_tiles():
+        assert not native.amx_available()
+        return
+    import subprocess
+    probe = subprocess.run([native._compiler(), "-mamx-tile", "-mamx-int8", "-x", "c++", "-fsyntax-only", "-"],
+                           input="int main() { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("this compiler does not take -mamx-tile")
+    assert native.amx_available()
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_amx_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
+    """The same integer dots as "q4_1" (int16 activations): the outputs agree to float rounding."""
+    gen = torch.Generator().manual_seed(n * k)
+    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    tiles = quant_int4.pack(w, bias, CPU, layout="q4_1x")
+    chunks = quant_int4.pack(w, bias, CPU, layout="q4_1")
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen) * 3
+        y = quant_int4.int4_linear_native(x, tiles)
+        ref = packed_linear_reference(x, tiles)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(y, quant_int4.int4_linear_native(x, chunks), rtol=1e-5,
+                                   atol=1e-5 * ref.abs().max().item())
+
+
+@needs_amx
+def test_amx_kernel_on_gguf_blocks_and_zero_rows():
+    from tests.kernels.test_native_linear import q4_1_tensor
+    qt = q4_1_tensor(32, 256, seed=5)
+    packed = quant_int4.pack(qt, None, CPU, layout="q4_1x")
+    x = torch.zeros(3, 256)
+    x[1, :32] = 1.0  # one all-zero group beside a non-zero one; rows 0 and 2 all zero
+    torch.testing.assert_close(quant_int4.int4_linear_native(x, packed), packed_linear_reference(x, packed),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(quant_int4.int4_linear_native(x, packed)[0], torch.zeros(32))
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(48, 96), (96, 1536)])
+def test_amx_rows_are_bit_equal_whatever_batch_and_threads(n, k):
+    """Batch invariance: a row's output does not depend on the rows beside it, on where it falls
+    in the 8-row tiles, or on the thread count (each block of outputs is one thread's)."""
+    gen = torch.Generator().manual_seed(k)
+    packed = quant_int4.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), CPU, layout="q4_1x")
+    rows = torch.randn(17, k, generator=gen) * 2
+    alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed)[0] for i in range(17)]
+    for threads in (1, 2, 4):
+        native.set_threads(threads)
+        for batch in (3, 8, 9, 17):
+            for start in (0, 17 - batch):
+                y = quant_int4.int4_linear_native(rows[start:start + batch], packed)
+                for i in range(batch):
+                    assert torch.equal(y[i], alone[start + i]), (threads, batch, start, i)
+
+
+@needs_amx
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_a_model_in_tiles_decodes_the_same_bits_natively_and_in_the_loop(tmp_path, monkeypatch, batch):
+    from tests.engine.test_native_decode import assert_same_bits, both_ways, build
+
+    monkeypatch.setattr(quant_int4, "default_layout", lambda device: "q4_1x")
+    model = build(tmp_path)
+    assert model.layers[0].gate_up.layout == "q4_1x"
+    assert_same_bits(*both_ways(model, batch))
+
+
+@needs_amx
+def test_a_child_process_that_was_never_granted_tiles_asks_for_them(tmp_path):
+    """The grant is per process: a fresh interpreter's first tile call asks the OS itself."""
+    import subprocess
+    import sys
+    code = ("import torch; from kernels import quant_int4; "
+            "p = quant_int4.pack(torch.randn(32, 64), None, torch.device('cpu'), layout='q4_1x'); "
+            "print(float(quant_int4.int4_linear_native(torch.ones(1, 64), p).abs().sum()) > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
