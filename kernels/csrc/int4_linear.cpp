@@ -43,7 +43,8 @@
 // per-group layout took 155-194 ms at M = 1 and 373-414 ms at M = 8, this one 122-150 and
 // 348-389. At M = 8 both are bound by the 512-bit integer multiplies, which the reorder does
 // not reduce: one vpmaddwd (or vpdpwssd, in the avx512vnni build) per 32 weights and row.
-// Fewer needs int8 activations (vpdpbusd, 64 per instruction): the a8 variant below.
+// Fewer needs int8 activations (vpdpbusd, 64 per instruction): the a8 variant below; or
+// AMX tiles, with these very integer dots (int4_amx.cpp, the "q4_1x" layout).
 //
 // xq is stored in the matching order (quantize_rows), per row KQ = 512 * chunks int16, a tail
 // chunk zero-padded; for chunk c and load t, 32 lanes at 512 c + 64 t hold x_{g, 2t+b} and the
