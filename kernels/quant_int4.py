@@ -43,7 +43,8 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
                and group, 256 bytes (to_tile_order), and d and m fp16 [N, Kp / 32] holding per
                block and group the 16 rows' values side by side. Needs N % 16 == 0 and a CPU and
                OS that grant AMX (native.amx_available); offered to the layout choice only there.
-               A Q4_K matrix takes "q4_k" instead (its exact scales).
+               ("q4_kx": a Q4_K matrix where "q4_1x" is chosen, its nibbles in the same tile
+               order and its own scales as "q4_k" has them, in tile rows: exact.)
     "cpu":     aten._convert_weight_to_int4pack_for_cpu's blocked uint8 [Np, Kp/2] (internal to
                aten, so this module never decodes it by hand), run by _weight_int4pack_mm_for_cpu
                with bf16 activations. Measured (torch 2.13) limits: N % 16 == 0 and
@@ -231,14 +232,17 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
         if int8_activations and device.type == "cpu" and native.available():
             layout = "q4_1a8"
         layout = layout or default_layout(device)
-        if layout == AMX_LAYOUT and (out_features % AMX_BLOCK or (
-                isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K")):
-            layout = "q4_1"  # the tiles' blocks of 16 rows; a Q4_K matrix's exact scales (below)
-        if (layout in Q4_1_LAYOUTS and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K"):
+        is_q4_k = isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q4_K"
+        if layout == AMX_LAYOUT:
+            if out_features % AMX_BLOCK:  # the tiles take blocks of 16 rows
+                layout = "q4_1"
+            elif is_q4_k:
+                layout = Q4_K_AMX_LAYOUT  # its own scales, exactly, in tiles
+        if layout in Q4_1_LAYOUTS and is_q4_k:
             layout = Q4_K_LAYOUTS[Q4_1_LAYOUTS.index(layout)]  # its own scales, exactly
     if layout == AMX_LAYOUT:
         return pack_q4_1x(q4_1_blocks(weight), in_features, bias)
-    if layout in Q4_K_LAYOUTS:
+    if layout in Q4_K_LAYOUTS + (Q4_K_AMX_LAYOUT,):
         return pack_q4_k(weight, bias, layout)
     if layout in Q4_1_LAYOUTS:
         return pack_q4_1(q4_1_blocks(weight), in_features, bias, layout)
@@ -254,7 +258,10 @@ Q4_1_LAYOUTS = ("q4_1", "q4_1a8")
 Q4_K_LAYOUTS = ("q4_k", "q4_ka8")
 # The "q4_1" values in AMX tile order (kernels/csrc/int4_amx.cpp), blocks of AMX_BLOCK rows.
 AMX_LAYOUT = "q4_1x"
-AMX_LAYOUTS = (AMX_LAYOUT,)
+# A Q4_K matrix where "q4_1x" is chosen: its nibbles in the same tile order, its own scales
+# (sc, mn, and per super-block d, dmin) in tile rows (pack_q4_k).
+Q4_K_AMX_LAYOUT = "q4_kx"
+AMX_LAYOUTS = (AMX_LAYOUT, Q4_K_AMX_LAYOUT)
 AMX_BLOCK = 16
 NATIVE_LAYOUTS = Q4_1_LAYOUTS + Q4_K_LAYOUTS + AMX_LAYOUTS
 A8_LAYOUTS = ("q4_1a8", "q4_ka8")
@@ -299,16 +306,23 @@ def pack_q4_k(weight: QuantizedTensor, bias: torch.Tensor | None, layout: str = 
         raise ValueError(f"the {layout} layout takes Q4_K GGUF blocks, got "
                          f"{getattr(weight, 'ggml_type', type(weight).__name__)}")
     n, k = weight.shape
+    tiles = layout == Q4_K_AMX_LAYOUT
+    if tiles and n % AMX_BLOCK:
+        raise ValueError(f"the {layout} layout needs a multiple of {AMX_BLOCK} output rows, got {n}")
+    order = to_tile_order if tiles else to_chunk_order
     supers = k // 256
     data = np.asarray(weight.data).reshape(n, supers, 144)
     qs = torch.empty(n, k // 2, dtype=torch.uint8)
-    for r0 in range(0, n, _Q4_K_ROWS_PER_PASS):
+    for r0 in range(0, n, _Q4_K_ROWS_PER_PASS):  # whole blocks of 16 rows a pass (tile order)
         part = np.ascontiguousarray(data[r0:r0 + _Q4_K_ROWS_PER_PASS]).reshape(-1, 144)
         q = torch.from_numpy(q4_k_q(part)).reshape(-1, k)  # [rows, K] in 0..15
-        qs[r0:r0 + q.shape[0]] = to_chunk_order(_group_bytes(q))
+        qs[r0:r0 + q.shape[0]] = order(_group_bytes(q))
     sc, mn = k4_scales_mins(np.ascontiguousarray(data[..., 4:16]).reshape(-1, 12))
     scales = torch.from_numpy(np.stack([sc.reshape(n, -1), mn.reshape(n, -1)]))  # [2, N, G]
     dm = torch.from_numpy(np.ascontiguousarray(data[..., 0:4]).view(np.float16).reshape(n, supers, 2).copy())
+    if tiles:  # [N / 16, G, 16] each; dm [N / 16, supers, 2, 16] (int4_amx.cpp Q4KTileScales)
+        scales = torch.stack([_to_tile_rows(scales[0]), _to_tile_rows(scales[1])])
+        dm = _to_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
     return PackedLinear("int4", k, n, qs, bias, scales=scales.contiguous(), zeros=dm, layout=layout,
                         group_size=GROUP_SIZE)
 
@@ -396,15 +410,18 @@ def from_chunk_order(weight: torch.Tensor) -> torch.Tensor:
 def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q float [N, G, 32], d [N, G], m [N, G]) of a "q4_1" or "q4_k" layer: w = q d + m, d
     and m the fp32 values the kernel forms (for "q4_k": d sc and -(dmin mn), exact)."""
-    if packed.layout == AMX_LAYOUT:
-        qs = from_tile_order(packed.weight)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-        return q, _from_tile_rows(packed.scales).float(), _from_tile_rows(packed.zeros).float()
-    qs = from_chunk_order(packed.weight)
+    qs = from_tile_order(packed.weight) if packed.layout in AMX_LAYOUTS else from_chunk_order(packed.weight)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-    if packed.layout in Q4_K_LAYOUTS:
-        dm = packed.zeros.float()  # [N, G / 8, 2]
-        sc, mn = packed.scales.float().reshape(2, packed.out_features, -1, 8)
+    if packed.layout == AMX_LAYOUT:
+        return q, _from_tile_rows(packed.scales).float(), _from_tile_rows(packed.zeros).float()
+    if packed.layout in Q4_K_LAYOUTS + (Q4_K_AMX_LAYOUT,):
+        dm, sc, mn = packed.zeros, packed.scales[0], packed.scales[1]
+        if packed.layout == Q4_K_AMX_LAYOUT:
+            n, supers = dm.shape[0], dm.shape[1]
+            dm = _from_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
+            sc, mn = _from_tile_rows(sc), _from_tile_rows(mn)
+        dm = dm.float()  # [N, G / 8, 2]
+        sc, mn = (t.float().reshape(packed.out_features, -1, 8) for t in (sc, mn))
         return q, (dm[..., 0:1] * sc).flatten(1), -(dm[..., 1:2] * mn).flatten(1)
     return q, packed.scales.float(), packed.zeros.float()
 
@@ -537,6 +554,11 @@ def int4_linear_native(x: torch.Tensor, packed: PackedLinear, level: str | None 
             xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales[0].data_ptr(),
             packed.scales[1].data_ptr(), packed.zeros.data_ptr(), n, native.ptr(packed.bias),
             y.data_ptr(), n, int(packed.layout in A8_LAYOUTS)), "q4_k linear")
+    elif packed.layout == Q4_K_AMX_LAYOUT:
+        native.check(lib.tandem_q4k_amx_linear(
+            xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales[0].data_ptr(),
+            packed.scales[1].data_ptr(), packed.zeros.data_ptr(), n, native.ptr(packed.bias),
+            y.data_ptr(), n), "q4_k AMX linear")
     elif packed.layout == AMX_LAYOUT:
         native.check(lib.tandem_int4_amx_linear(
             xf.data_ptr(), m, kp, kp, packed.weight.data_ptr(), packed.scales.data_ptr(),

@@ -24,6 +24,8 @@ int tandem_int4a8_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*
                          const uint16_t*, int64_t, const float*, float*, int64_t);
 int tandem_int4_amx_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint16_t*,
                            const uint16_t*, int64_t, const float*, float*, int64_t);
+int tandem_q4k_amx_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                          const uint8_t*, const uint16_t*, int64_t, const float*, float*, int64_t);
 int tandem_q4k_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
                       const uint8_t*, const uint16_t*, int64_t, const float*, float*, int64_t, int);
 int tandem_int8_linear(const float*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
@@ -82,7 +84,7 @@ struct TandemDecodeArgs {
     int64_t table_stride, nseq;
 };
 
-enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7, Q5K = 8, INT4AMX = 9 };
+enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7, Q5K = 8, INT4AMX = 9, Q4KAMX = 10 };
 
 static int projection_width(const TandemProj& p) {
     int64_t n = 0;
@@ -109,6 +111,10 @@ static int project(const TandemProj& p, const float* x, int64_t m, float* y, int
             case INT4AMX:
                 rc = tandem_int4_amx_linear(x, m, l.k, l.k, (const uint8_t*)l.w, (const uint16_t*)l.a,
                                             (const uint16_t*)l.b, l.n, l.bias, out, ldy);
+                break;
+            case Q4KAMX:
+                rc = tandem_q4k_amx_linear(x, m, l.k, l.k, (const uint8_t*)l.w, (const uint8_t*)l.a,
+                                           (const uint8_t*)l.b, (const uint16_t*)l.c, l.n, l.bias, out, ldy);
                 break;
             case Q4K:
             case Q4KA8:

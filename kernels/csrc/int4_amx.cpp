@@ -30,7 +30,8 @@
 // | q[16 b + j / 4][32 g + 8 c + 4 + j % 4] << 4, so a run's low nibbles are B tile row 2 c and
 // its high nibbles row 2 c + 1 (build_tile: two ands and a shift a run). d and m: fp16
 // [N / 16, G, 16], the 16 weight rows' scales of group g side by side (one load per step).
-// N % 16 == 0 and K % 32 == 0 (the layout's packer guarantees both).
+// N % 16 == 0 and K % 32 == 0 (the layout's packer guarantees both). The "q4_kx" layout: a
+// Q4_K matrix's nibbles in the same order and its own scales in tile rows (Q4KTileScales).
 //
 // Pipelining (measured in the harness): a tileloadd of a buffer stored just before costs ~70
 // cycles (stores are not forwarded to tile loads), so B tiles are built LA steps ahead into a
@@ -154,11 +155,39 @@ static void quantize_split(const float* x, int64_t m, int64_t k, int64_t ldx, ui
     }
 }
 
+// The float scales of step (block b, group g) for its 16 weight rows, w = q d + m: the
+// "q4_1x" layout's fp16 d and m, or the "q4_kx" layout's Q4_K scales (int4_linear.cpp
+// Q4KScales: d sc and -(dmin mn), exact in fp32, the products ggml's dequantizer forms).
+struct Q41TileScales {
+    const uint16_t* d16;  // [N / 16, G, 16]
+    const uint16_t* m16;  // [N / 16, G, 16]
+    int64_t groups;
+    inline void operator()(int64_t b, int64_t g, __m512& dv, __m512& mv) const {
+        const int64_t at = (b * groups + g) * 16;
+        dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + at)));
+        mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m16 + at)));
+    }
+};
+struct Q4KTileScales {
+    const uint8_t* sc;    // [N / 16, G, 16]
+    const uint8_t* mins;  // [N / 16, G, 16]
+    const uint16_t* dm;   // [N / 16, G / 8, 2, 16]: per super-block the rows' d, then their dmin
+    int64_t groups;
+    inline void operator()(int64_t b, int64_t g, __m512& dv, __m512& mv) const {
+        const int64_t at = (b * groups + g) * 16;
+        const uint16_t* h = dm + (b * (groups / 8) + g / 8) * 32;
+        const __m512 vs = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + at))));
+        const __m512 vm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mins + at))));
+        dv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)), vs);
+        mv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 16))), vm));
+    }
+};
+
+template <class Scales>
 struct AmxArgs {
     int64_t k, groups, n;
     const uint8_t* qs;
-    const uint16_t* d16;
-    const uint16_t* m16;
+    Scales scales;
     const float* bias;
     const uint8_t* xa;
     const float* dx;
@@ -168,8 +197,8 @@ struct AmxArgs {
 };
 
 // Blocks [b0, b1) for rows m0 .. m0 + R of x (tiles configured for 2R rows).
-template <int R>
-static void amx_blocks(const AmxArgs& a, int64_t m0, int64_t b0, int64_t b1) {
+template <int R, class Scales>
+static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t b1) {
     const int64_t G = a.groups, K = a.k, T = (b1 - b0) * G;
     alignas(64) uint8_t bbuf[RING][512];
     alignas(64) int32_t qring[QRING][16];
@@ -183,8 +212,8 @@ static void amx_blocks(const AmxArgs& a, int64_t m0, int64_t b0, int64_t b1) {
     for (int64_t i = 0; i < LA && i < T; i++) build_tile(w0 + i * 256, bbuf[i % RING], qring[i % QRING]);
     const auto epilogue = [&](int64_t j) {
         const int64_t b = b0 + j / G, g = j % G;
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.d16 + (b * G + g) * 16)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.m16 + (b * G + g) * 16)));
+        __m512 dv, mv;
+        a.scales(b, g, dv, mv);
         const int32_t* c = cbuf[j % RING];
         const __m512i qq = _mm512_load_si512(qring[j % QRING]);
         for (int r = 0; r < R; r++) {
@@ -226,7 +255,8 @@ static void amx_blocks(const AmxArgs& a, int64_t m0, int64_t b0, int64_t b1) {
     for (; done < T; done++) epilogue(done);
 }
 
-static void amx_rows(const AmxArgs& a, int64_t m, int64_t b0, int64_t b1) {
+template <class Scales>
+static void amx_rows(const AmxArgs<Scales>& a, int64_t m, int64_t b0, int64_t b1) {
     // One row tile: the whole slice in one pipeline. More: sub-slices small enough to stay in
     // L2 while every row tile passes over them, so the weights come from memory once.
     const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (a.groups * 256) > 1 ? SUB_BYTES / (a.groups * 256) : 1);
@@ -262,13 +292,10 @@ TANDEM_API int tandem_amx_available() {
 #endif
 }
 
-// The "q4_1x" layer (header comment). Codes: 1 K % 32, 2 negative sizes or N % 16, 3 no AMX here.
-TANDEM_API int tandem_int4_amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs,
-                                      const uint16_t* d16, const uint16_t* m16, int64_t n, const float* bias,
-                                      float* y, int64_t ldy) {
-    if (k % 32) return 1;
-    if (m < 0 || n < 0 || n % 16) return 2;
 #ifdef TANDEM_HAS_AMX
+template <class Scales>
+static int amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs, const Scales& scales,
+                      int64_t n, const float* bias, float* y, int64_t ldy) {
     if (!amx_ok()) return 3;
     if (m == 0 || n == 0) return 0;
     const int64_t groups = k / 32;
@@ -276,11 +303,38 @@ TANDEM_API int tandem_int4_amx_linear(const float* x, int64_t m, int64_t k, int6
     const auto dx = aligned_zeros<float>((size_t)m), sums = aligned_zeros<float>((size_t)(m * groups));
     // x is quantized once, before the split: every thread reads the same xa, dx and sums.
     quantize_split(x, m, k, ldx, xa.get(), dx.get(), sums.get());
-    const AmxArgs args{k, groups, n, qs, d16, m16, bias, xa.get(), dx.get(), sums.get(), y, ldy};
+    const AmxArgs<Scales> args{k, groups, n, qs, scales, bias, xa.get(), dx.get(), sums.get(), y, ldy};
     tandem::parallel_for(0, n / 16, 1, [&](int64_t b0, int64_t b1) { amx_rows(args, m, b0, b1); });
     return 0;
+}
+#endif
+
+// The "q4_1x" layer (header comment). Codes: 1 K % 32, 2 negative sizes or N % 16, 3 no AMX here.
+TANDEM_API int tandem_int4_amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs,
+                                      const uint16_t* d16, const uint16_t* m16, int64_t n, const float* bias,
+                                      float* y, int64_t ldy) {
+    if (k % 32) return 1;
+    if (m < 0 || n < 0 || n % 16) return 2;
+#ifdef TANDEM_HAS_AMX
+    return amx_linear(x, m, k, ldx, qs, Q41TileScales{d16, m16, k / 32}, n, bias, y, ldy);
 #else
     (void)x, (void)ldx, (void)qs, (void)d16, (void)m16, (void)bias, (void)y, (void)ldy;
+    return 3;
+#endif
+}
+
+// The "q4_kx" layer: a Q4_K matrix's nibbles in the same tile order, its own scales (sc and mn
+// per group, fp16 d and dmin per super-block of 8 groups) in tile rows. Codes: 1 K % 256, else
+// as above.
+TANDEM_API int tandem_q4k_amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs,
+                                     const uint8_t* sc, const uint8_t* mins, const uint16_t* dm, int64_t n,
+                                     const float* bias, float* y, int64_t ldy) {
+    if (k % 256) return 1;
+    if (m < 0 || n < 0 || n % 16) return 2;
+#ifdef TANDEM_HAS_AMX
+    return amx_linear(x, m, k, ldx, qs, Q4KTileScales{sc, mins, dm, k / 32}, n, bias, y, ldy);
+#else
+    (void)x, (void)ldx, (void)qs, (void)sc, (void)mins, (void)dm, (void)bias, (void)y, (void)ldy;
     return 3;
 #endif
 }

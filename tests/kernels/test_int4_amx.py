@@ -1,5 +1,5 @@
-"""The "q4_1x" layout and its AMX tile kernel (kernels/csrc/int4_amx.cpp): the packing is the
-"q4_1" layout's values in another order (tested on every host); where this host's CPU and OS
+"""The "q4_1x" and "q4_kx" layouts and their AMX tile kernel (kernels/csrc/int4_amx.cpp): the
+packing is the "q4_1" (or "q4_k") layout's values in another order (tested on every host); where this host's CPU and OS
 grant AMX tiles, the kernel equals its reference, its rows are bit-equal whatever batch and
 thread count they run at, and a model decodes the same bits natively and in the layer loop;
 the layout is offered to the layout choice only where the tiles work.
@@ -44,6 +44,17 @@ def test_tile_order_holds_the_q4_1_layout_s_values():
         assert torch.equal(quant_int4.from_tile_order(quant_int4.to_tile_order(nibbles)), nibbles)
 
 
+def test_q4_k_tiles_hold_the_q4_k_layout_s_values():
+    from tests.kernels.test_native_kquant import kquant
+    for n, k in [(16, 256), (48, 512), (32, 2048)]:
+        qt = kquant("Q4_K", n, k, seed=n)
+        tiles = quant_int4.pack(qt, None, CPU, layout="q4_kx")
+        plain = quant_int4.pack(qt, None, CPU, layout="q4_k")
+        assert tiles.layout == "q4_kx"
+        assert torch.equal(quant_int4.dequantize(tiles), quant_int4.dequantize(plain))
+        assert torch.equal(quant_int4.dequantize(tiles), qt.dequantize())  # the file's values, exactly
+
+
 def test_tile_order_bytes_are_the_kernel_s():
     """Byte j of run c of block b, group g: q[16 b + j / 4][8 c + j % 4] | q[..][8 c + 4 + j % 4] << 4."""
     n, k = 32, 64
@@ -79,7 +90,8 @@ def test_the_choice_never_picks_tiles_it_cannot_run(monkeypatch):
     assert quant_int4.pack(torch.randn(40, 64), None, CPU).layout == "q4_1"
     assert quant_int4.pack(torch.randn(48, 64), None, CPU).layout == "q4_1x"
     from tests.kernels.test_native_kquant import kquant
-    assert quant_int4.pack(kquant("Q4_K", 16, 256, seed=2), None, CPU).layout == "q4_k"
+    assert quant_int4.pack(kquant("Q4_K", 16, 256, seed=2), None, CPU).layout == "q4_kx"
+    assert quant_int4.pack(kquant("Q4_K", 40, 256, seed=2), None, CPU).layout == "q4_k"
 
 
 def test_the_kernel_refuses_bad_shapes_with_a_code():
@@ -137,6 +149,23 @@ def test_amx_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("n,k", [(16, 256), (48, 512), (256, 2048)])
+def test_q4_k_tile_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
+    from tests.kernels.test_native_kquant import kquant
+    qt, bias = kquant("Q4_K", n, k, seed=k), torch.randn(n, generator=torch.Generator().manual_seed(n))
+    tiles = quant_int4.pack(qt, bias, CPU, layout="q4_kx")
+    plain = quant_int4.pack(qt, bias, CPU, layout="q4_k")
+    gen = torch.Generator().manual_seed(k)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen) * 3
+        y = quant_int4.int4_linear_native(x, tiles)
+        ref = packed_linear_reference(x, tiles)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(y, quant_int4.int4_linear_native(x, plain), rtol=1e-5,
+                                   atol=1e-5 * ref.abs().max().item())
+
+
+@needs_amx
 def test_amx_kernel_on_gguf_blocks_and_zero_rows():
     from tests.kernels.test_native_linear import q4_1_tensor
     qt = q4_1_tensor(32, 256, seed=5)
@@ -149,12 +178,14 @@ def test_amx_kernel_on_gguf_blocks_and_zero_rows():
 
 
 @needs_amx
-@pytest.mark.parametrize("n,k", [(48, 96), (96, 1536)])
-def test_amx_rows_are_bit_equal_whatever_batch_and_threads(n, k):
+@pytest.mark.parametrize("layout,n,k", [("q4_1x", 48, 96), ("q4_1x", 96, 1536), ("q4_kx", 48, 512)])
+def test_amx_rows_are_bit_equal_whatever_batch_and_threads(layout, n, k):
     """Batch invariance: a row's output does not depend on the rows beside it, on where it falls
     in the 8-row tiles, or on the thread count (each block of outputs is one thread's)."""
+    from tests.kernels.test_native_kquant import kquant
     gen = torch.Generator().manual_seed(k)
-    packed = quant_int4.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), CPU, layout="q4_1x")
+    weight = kquant("Q4_K", n, k, seed=3) if layout == "q4_kx" else torch.randn(n, k, generator=gen)
+    packed = quant_int4.pack(weight, torch.randn(n, generator=gen), CPU, layout=layout)
     rows = torch.randn(17, k, generator=gen) * 2
     alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed)[0] for i in range(17)]
     for threads in (1, 2, 4):
@@ -175,6 +206,17 @@ def test_a_model_in_tiles_decodes_the_same_bits_natively_and_in_the_loop(tmp_pat
     model = build(tmp_path)
     assert model.layers[0].gate_up.layout == "q4_1x"
     assert_same_bits(*both_ways(model, batch))
+
+
+@needs_amx
+def test_a_q4_k_m_mix_in_tiles_decodes_the_same_bits(tmp_path, monkeypatch):
+    """Q4_K matrices in "q4_kx" beside Q6_K ones (a q|k|v stack of kernels), bf16 KV."""
+    from tests.engine.test_native_decode import assert_same_bits, both_ways, build
+
+    monkeypatch.setattr(quant_int4, "default_layout", lambda device: "q4_1x")
+    model = build(tmp_path, "int4", "Q4_K", types={"attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"})
+    assert model.layers[0].gate_up.layout == "q4_kx" and model.layers[0].qkv.fmt == "stack"
+    assert_same_bits(*both_ways(model, 3, kv_dtype=torch.bfloat16))
 
 
 @needs_amx
