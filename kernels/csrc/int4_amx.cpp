@@ -197,8 +197,11 @@ struct AmxArgs {
 };
 
 // Blocks [b0, b1) for rows m0 .. m0 + R of x (tiles configured for 2R rows).
+// pre, preq (or null): the B tiles and qsums of these blocks' steps, built beforehand (M > 8:
+// once per sub-slice, for every row tile); else each is built LA steps ahead into a ring.
 template <int R, class Scales>
-static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t b1) {
+static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t b1, const uint8_t* pre,
+                       const int32_t* preq) {
     const int64_t G = a.groups, K = a.k, T = (b1 - b0) * G;
     alignas(64) uint8_t bbuf[RING][512];
     alignas(64) int32_t qring[QRING][16];
@@ -209,13 +212,14 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
     const float* S = a.S + m0 * G;
     __m512 acc1[R], acc2[R];
     for (int r = 0; r < R; r++) acc1[r] = acc2[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < LA && i < T; i++) build_tile(w0 + i * 256, bbuf[i % RING], qring[i % QRING]);
+    if (!pre)
+        for (int64_t i = 0; i < LA && i < T; i++) build_tile(w0 + i * 256, bbuf[i % RING], qring[i % QRING]);
     const auto epilogue = [&](int64_t j) {
         const int64_t b = b0 + j / G, g = j % G;
         __m512 dv, mv;
         a.scales(b, g, dv, mv);
         const int32_t* c = cbuf[j % RING];
-        const __m512i qq = _mm512_load_si512(qring[j % QRING]);
+        const __m512i qq = _mm512_load_si512(pre ? preq + 16 * j : qring[j % QRING]);
         for (int r = 0; r < R; r++) {
             const __m512i hi = _mm512_load_si512(c + 16 * r), lo = _mm512_load_si512(c + 16 * (R + r));
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), qq);
@@ -235,8 +239,9 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
     // steps do not wait on each other.
 #define TANDEM_AMX_STEP(i, TA, TB, TC)                                                             \
     do {                                                                                           \
-        if ((i) + LA < T) build_tile(w0 + ((i) + LA) * 256, bbuf[((i) + LA) % RING], qring[((i) + LA) % QRING]); \
-        _tile_loadd(TB, bbuf[(i) % RING], 64);                                                     \
+        if (!pre && (i) + LA < T)                                                                  \
+            build_tile(w0 + ((i) + LA) * 256, bbuf[((i) + LA) % RING], qring[((i) + LA) % QRING]); \
+        _tile_loadd(TB, pre ? pre + 512 * (i) : bbuf[(i) % RING], 64);                             \
         _tile_loadd(TA, xa + 32 * ((i) % G), K);                                                   \
         _tile_zero(TC);                                                                            \
         _tile_dpbusd(TC, TA, TB);                                                                  \
@@ -245,8 +250,9 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
     int64_t done = 0;  // steps whose epilogue ran
     for (int64_t i = 0; i < T; i += 2) {
         const char* p = (const char*)(w0 + (i + LA) * 256) + PF_BYTES;
-        for (int off = 0; off < 512; off += 64)
-            if (p + off < wend) _mm_prefetch(p + off, _MM_HINT_T0);
+        if (!pre)
+            for (int off = 0; off < 512; off += 64)
+                if (p + off < wend) _mm_prefetch(p + off, _MM_HINT_T0);
         TANDEM_AMX_STEP(i, 0, 1, 2);
         if (i + 1 < T) TANDEM_AMX_STEP(i + 1, 3, 4, 5);
         for (; done + LE < i + 2 && done < T; done++) epilogue(done);
@@ -257,15 +263,23 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
 
 template <class Scales>
 static void amx_rows(const AmxArgs<Scales>& a, int64_t m, int64_t b0, int64_t b1) {
-    // One row tile: the whole slice in one pipeline. More: sub-slices small enough to stay in
-    // L2 while every row tile passes over them, so the weights come from memory once.
-    const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (a.groups * 256) > 1 ? SUB_BYTES / (a.groups * 256) : 1);
+    // One row tile: the whole slice in one pipeline, each tile built once. More: sub-slices
+    // whose tiles, built once up front, stay in L2 while every row tile passes over them, so
+    // the weights come from memory once and each tile is built once whatever M is.
+    const int64_t G = a.groups;
+    const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (G * 256) > 1 ? SUB_BYTES / (G * 256) : 1);
+    AlignedBuffer<uint8_t> pre;
+    AlignedBuffer<int32_t> preq;
+    if (m > AMX_MR) pre = aligned_zeros<uint8_t>((size_t)(sub * G * 512)), preq = aligned_zeros<int32_t>((size_t)(sub * G * 16));
     for (int64_t s0 = b0; s0 < b1; s0 += sub) {
         const int64_t s1 = s0 + sub < b1 ? s0 + sub : b1;
+        if (m > AMX_MR)
+            for (int64_t i = 0; i < (s1 - s0) * G; i++)
+                build_tile(a.qs + (s0 * G + i) * 256, pre.get() + 512 * i, preq.get() + 16 * i);
         for (int64_t m0 = 0; m0 < m; m0 += AMX_MR) {
             const int r = (int)(m - m0 < AMX_MR ? m - m0 : AMX_MR);
             configure_tiles(2 * r);
-#define TANDEM_AMX_TILE(R) amx_blocks<R>(a, m0, s0, s1)
+#define TANDEM_AMX_TILE(R) amx_blocks<R>(a, m0, s0, s1, m > AMX_MR ? pre.get() : nullptr, preq.get())
             switch (r) {
                 case 1: TANDEM_AMX_TILE(1); break;
                 case 2: TANDEM_AMX_TILE(2); break;

@@ -166,6 +166,19 @@ def test_q4_k_tile_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
 
 
 @needs_amx
+def test_prefill_sized_passes_stay_on_the_tiles():
+    """No dense cut-over for the tile layouts: 200 rows run the tile kernel (its bits), where
+    the chunk layout would dequantize and run an fp32 GEMM."""
+    gen = torch.Generator().manual_seed(7)
+    packed = quant_int4.pack(torch.randn(64, 576, generator=gen), None, CPU, layout="q4_1x")
+    x = torch.randn(200, 576, generator=gen)
+    assert x.shape[0] >= quant_int4.NATIVE_DENSE_MIN_ROWS
+    assert torch.equal(quant_int4.forward(x, packed), quant_int4.int4_linear_native(x, packed))
+    ref = packed_linear_reference(x, packed)
+    torch.testing.assert_close(quant_int4.forward(x, packed), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@needs_amx
 def test_amx_kernel_on_gguf_blocks_and_zero_rows():
     from tests.kernels.test_native_linear import q4_1_tensor
     qt = q4_1_tensor(32, 256, seed=5)
