@@ -73,7 +73,7 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4a8", "w8a8")
 # memory-bound (weight-only formats read fewer bytes per token).
 # "auto" (the default): chosen by the model's size against the host's memory when the model is
 # read (engine/format_choice.py).
-PREFILL_FORMATS = ("auto", "fp32", "bf16", "w8a8")
+PREFILL_FORMATS = ("auto", "fp32", "bf16", "w8a8", "int4")
 DECODE_FORMATS = ("fp32", "bf16", "int8", "int4", "int4a8")
 # What an engine does. A prefill worker computes prompts and sends their KV; a decode worker
 # decodes (and prefills short prompts locally, split-fuse); a colocated engine does both in

@@ -25,7 +25,7 @@ from common.model_config import ModelConfig
 from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, check_kv_dtype
 from engine.device import resolve_device
 from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
-from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes
+from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes, int4_native_projections
 from engine.embedding import pool_step, pooled_vector
 from common.malloc_policy import loading_weights
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
@@ -43,7 +43,7 @@ from common.request_id import log_extra
 from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
-from kernels import batch_invariance
+from kernels import batch_invariance, native
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,9 @@ class LLMEngine:
         with loading_weights():  # peak: the model plus one matrix's temporaries
             loaded = load_model(Path(path))
             if AUTO_FORMAT in (main_format, second_format):
-                choice = choose_prefill_format(loaded.config, host_memory_bytes())
+                tiles = (target.type == "cpu" and native.available() and native.amx_available()
+                         and int4_native_projections(loaded.weights))
+                choice = choose_prefill_format(loaded.config, host_memory_bytes(), int4_tiles=tiles)
                 log.log(logging.INFO if choice.fits else logging.WARNING,
                         "prefill weight format auto: %s (%s)", choice.format, choice.reason)
                 main_format = choice.format if main_format == AUTO_FORMAT else main_format

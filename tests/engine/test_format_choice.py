@@ -66,3 +66,22 @@ def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog):
     assert colocated.model.formats == ("int8", "fp32")
     with pytest.raises(ValueError, match="weight_format must be one of"):
         EngineConfig(role="decode", weight_format=AUTO_FORMAT)  # decode formats are never auto
+
+
+def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path, monkeypatch, caplog):
+    """Where int4 runs on AMX tiles and every projection is a 4-bit block int4 holds as stored,
+    auto is int4 whatever the model's size; elsewhere the memory rule stands."""
+    from engine import llm_engine
+    from reliability.model_factory import make_tiny_gguf
+
+    assert choose_prefill_format(LLAMA3_8B, 24 * GIB, int4_tiles=True).format == "int4"
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, int4_tiles=False).format == "fp32"
+    q4 = make_tiny_gguf(tmp_path / "q4.gguf", "Q4_1").path
+    f32 = make_tiny_gguf(tmp_path / "f32.gguf", "F32").path
+    for granted, path, want in ((True, q4, "int4"), (False, q4, "fp32"), (True, f32, "fp32")):
+        monkeypatch.setattr(llm_engine.native, "amx_available", lambda level=None, g=granted: g)
+        with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+            engine = LLMEngine.from_path(path, EngineConfig.for_role(
+                "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)), load_tokenizer=False)
+        assert engine.config.weight_format == want, (granted, path)
+        assert f"prefill weight format auto: {want}" in caplog.text
