@@ -274,7 +274,7 @@ def test_plan_leaves_unset_flags_to_each_process(tmp_path):
 
 @pytest.mark.parametrize("field,value,message", [
     ("decode_quant", "w8a8", "decode_quant must be one of fp32, bf16, int8, int4"),
-    ("prefill_quant", "int4", "prefill_quant must be one of auto, fp32, bf16, w8a8"),
+    ("prefill_quant", "int4a8", "prefill_quant must be one of auto, fp32, bf16, w8a8, int4"),
     ("threads", 0, "threads must be >= 1"),
     ("num_blocks", 0, "num_blocks must be >= 1"),
     ("max_streams", 0, "max_streams must be >= 1"),
@@ -294,7 +294,7 @@ def test_worker_processes_refuse_bad_engine_flags(capsys):
 
     base = ["--model", "m", "--port", "1"]
     parser = worker_arg_parser("decode_node", ("decode", "colocated"))
-    for bad in (["--decode-quant", "w8a8"], ["--prefill-quant", "int4"]):  # argparse: choices
+    for bad in (["--decode-quant", "w8a8"], ["--prefill-quant", "int4a8"]):  # argparse: choices
         with pytest.raises(SystemExit):
             parser.parse_args(base + bad)
     assert "invalid choice: 'w8a8'" in capsys.readouterr().err
