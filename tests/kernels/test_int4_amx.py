@@ -132,30 +132,17 @@ def test_the_build_has_tiles_wherever_the_host_grants_them():
 
 
 @needs_amx
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_amx_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
-    """The same integer dots as "q4_1" (int16 activations): the outputs agree to float rounding."""
-    gen = torch.Generator().manual_seed(n * k)
-    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    tiles = quant_int4.pack(w, bias, CPU, layout="q4_1x")
-    chunks = quant_int4.pack(w, bias, CPU, layout="q4_1")
-    for m in ROWS:
-        x = torch.randn(m, k, generator=gen) * 3
-        y = quant_int4.int4_linear_native(x, tiles)
-        ref = packed_linear_reference(x, tiles)
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-        torch.testing.assert_close(y, quant_int4.int4_linear_native(x, chunks), rtol=1e-5,
-                                   atol=1e-5 * ref.abs().max().item())
-
-
-@needs_amx
-@pytest.mark.parametrize("n,k", [(16, 256), (48, 512), (256, 2048)])
-def test_q4_k_tile_kernel_equals_its_reference_and_the_avx512_kernel(n, k):
+@pytest.mark.parametrize("tiles_layout,n,k", [("q4_1x", n, k) for n, k in SHAPES]
+                         + [("q4_kx", 16, 256), ("q4_kx", 48, 512), ("q4_kx", 256, 2048)])
+def test_amx_kernel_equals_its_reference_and_the_avx512_kernel(tiles_layout, n, k):
+    """The same integer dots as "q4_1" / "q4_k" (int16 activations): the outputs agree with the
+    AVX-512 kernel's and the reference's to float rounding."""
     from tests.kernels.test_native_kquant import kquant
-    qt, bias = kquant("Q4_K", n, k, seed=k), torch.randn(n, generator=torch.Generator().manual_seed(n))
-    tiles = quant_int4.pack(qt, bias, CPU, layout="q4_kx")
-    plain = quant_int4.pack(qt, bias, CPU, layout="q4_k")
-    gen = torch.Generator().manual_seed(k)
+    gen = torch.Generator().manual_seed(n * k)
+    w = kquant("Q4_K", n, k, seed=k) if tiles_layout == "q4_kx" else torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    tiles = quant_int4.pack(w, bias, CPU, layout=tiles_layout)
+    plain = quant_int4.pack(w, bias, CPU, layout={"q4_1x": "q4_1", "q4_kx": "q4_k"}[tiles_layout])
     for m in ROWS:
         x = torch.randn(m, k, generator=gen) * 3
         y = quant_int4.int4_linear_native(x, tiles)
