@@ -12,7 +12,7 @@ test_native_decode.py holds them equal), and the loop stays for every pass it do
     out = native.run(batch, kv_cache, plan)     # per pass: (hidden, residual), or None to fall back
 
 A model qualifies when every projection of its decode copy (LlamaForCausalLM.main) is in a
-native CPU layout (int4 "q4_1"/"q4_1a8"/"q4_1x"/"q4_k"/"q4_ka8"/"q4_kx", int8 "native"/"q6_k"/"q8_0"/"q5_k", or a stack of
+native CPU layout (int4 "q4_1"/"q4_1a8"/"q4_1x"/"q4_k"/"q4_ka8"/"q4_kx", int8 "native"/"q6_k"/"q6_kx"/"q8_0"/"q5_k", or a stack of
 those; kernels/linear.py) with no K padding, its norms and RoPE tables are fp32 on the CPU, and
 the native kernels load. A pass qualifies when every sequence in it is a one-token decode or a
 speculative verification (its rows attended as decodes at their own positions, kernels/
@@ -37,7 +37,7 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 KINDS = {("int4", "q4_1"): 1, ("int4a8", "q4_1a8"): 2, ("int4", "q4_k"): 3, ("int4a8", "q4_ka8"): 4,
          ("int8", "native"): 5, ("int8", quant_q6_k.LAYOUT): 6, ("int8", quant_q8_0.LAYOUT): 7,
          ("int8", quant_q5_k.LAYOUT): 8, ("int4", quant_int4.AMX_LAYOUT): 9,
-         ("int4", quant_int4.Q4_K_AMX_LAYOUT): 10}
+         ("int4", quant_int4.Q4_K_AMX_LAYOUT): 10, ("int8", quant_q6_k.AMX_LAYOUT): 11}
 MAX_PARTS = 3
 
 
@@ -81,7 +81,7 @@ def _linear(p: PackedLinear) -> _Linear | None:
             arrays = (p.scales[0], p.scales[1], p.zeros)
         else:
             arrays = (p.scales, p.zeros, None)
-    elif p.layout == quant_q6_k.LAYOUT:
+    elif p.layout in quant_q6_k.LAYOUTS:
         arrays = (p.scales, p.zeros, None)
     elif p.layout == quant_q8_0.LAYOUT:
         arrays = (p.scales, None, None)

@@ -36,6 +36,8 @@ log = logging.getLogger("tandem.kernels")
 _memo: dict[str, str] = {}
 # Weights of the model whose layers are being packed (model_weights); 0: none known.
 _model_weights: contextvars.ContextVar[int] = contextvars.ContextVar("tandem_model_weights", default=0)
+# Whether the layers being packed run prompt-sized passes only (prompt_passes).
+_prompt_passes: contextvars.ContextVar[bool] = contextvars.ContextVar("tandem_prompt_passes", default=False)
 _FALLBACK_CACHE_BYTES = 32 << 20  # where sysfs does not say
 ROUNDS = 3  # alternations of the candidates when timing them
 # Entered around each timing (set_timing_guard): where the choice is made for more native
@@ -62,6 +64,24 @@ def model_weights(count: int):
         yield
     finally:
         _model_weights.reset(token)
+
+
+@contextlib.contextmanager
+def prompt_passes(only: bool = True):
+    """Layers packed inside run prompt-sized passes only (a prefill worker's copy, a colocated
+    engine's prefill copy) when `only`: a layout choice that has a kernel made for many rows
+    takes it there rather than the one measured at decode sizes (quant_int4.default_layout,
+    quant_q6_k.default_layout)."""
+    token = _prompt_passes.set(only)
+    try:
+        yield
+    finally:
+        _prompt_passes.reset(token)
+
+
+def runs_prompt_passes() -> bool:
+    """Whether the layers being packed run prompt-sized passes only (prompt_passes)."""
+    return _prompt_passes.get()
 
 
 @functools.cache  # asked once per matrix packed; the host's caches do not change under us

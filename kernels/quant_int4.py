@@ -164,17 +164,22 @@ def default_layout(device: torch.device) -> str:
     """CUDA: "nibbles" (Triton). CPU: the faster of the native "q4_1" kernel and aten's
     "cpu" kernel on this host, measured once (kernels/layout_choice.py): aten's int4 GEMV is
     fast on some AVX-512 hosts and ~2 GB/s on AVX2-only ones; the native kernel's time counts
-    NATIVE_STEP_GAIN less, for the native decode path it opens."""
+    NATIVE_STEP_GAIN less, for the native decode path it opens. Where AMX tiles are granted
+    the tile layout is a third candidate, and the only one for layers that run prompt passes
+    only (kernels/layout_choice.py prompt_passes): no other kernel comes near it there."""
     if device.type != "cpu" or triton_layouts(device):
         return "nibbles"
+    from kernels.layout_choice import fastest_layout, runs_prompt_passes, streams_weights
+
     candidates = [name for name, ok in (("q4_1", native.available()), ("cpu", _HAS_CPU_KERNEL)) if ok]
     if "q4_1" in candidates and native.amx_available():
+        if runs_prompt_passes():  # tiles built once a pass: ~2x an fp32 GEMM at 64-256 rows
+            return AMX_LAYOUT
         candidates.append(AMX_LAYOUT)
     if not candidates:
         return "nibbles"
     if len(candidates) == 1:
         return candidates[0]
-    from kernels.layout_choice import fastest_layout, streams_weights
 
     # ~0.56 bytes a weight (4 bits, an fp16 scale and offset per 32) in either layout.
     if streams_weights(0.5625):
@@ -326,8 +331,8 @@ def pack_q4_k(weight: QuantizedTensor, bias: torch.Tensor | None, layout: str = 
     scales = torch.from_numpy(np.stack([sc.reshape(n, -1), mn.reshape(n, -1)]))  # [2, N, G]
     dm = torch.from_numpy(np.ascontiguousarray(data[..., 0:4]).view(np.float16).reshape(n, supers, 2).copy())
     if tiles:  # [N / 16, G, 16] each; dm [N / 16, supers, 2, 16] (int4_amx.cpp Q4KTileScales)
-        scales = torch.stack([_to_tile_rows(scales[0]), _to_tile_rows(scales[1])])
-        dm = _to_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
+        scales = torch.stack([to_tile_rows(scales[0]), to_tile_rows(scales[1])])
+        dm = to_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
     return PackedLinear("int4", k, n, qs, bias, scales=scales.contiguous(), zeros=dm, layout=layout,
                         group_size=GROUP_SIZE)
 
@@ -353,18 +358,18 @@ def pack_q4_1x(blocks: np.ndarray, in_features: int, bias: torch.Tensor | None) 
     b = torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1, BLOCK_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
-    return PackedLinear("int4", in_features, n, to_tile_order(b[..., 4:]), bias, scales=_to_tile_rows(d),
-                        zeros=_to_tile_rows(m), layout=AMX_LAYOUT, group_size=GROUP_SIZE)
+    return PackedLinear("int4", in_features, n, to_tile_order(b[..., 4:]), bias, scales=to_tile_rows(d),
+                        zeros=to_tile_rows(m), layout=AMX_LAYOUT, group_size=GROUP_SIZE)
 
 
-def _to_tile_rows(v: torch.Tensor) -> torch.Tensor:
+def to_tile_rows(v: torch.Tensor) -> torch.Tensor:
     """[N, G] per row and group -> the same shape holding [N / 16, G, 16]: per block of 16 rows
     and group, the 16 rows' values side by side (what one epilogue load takes)."""
     n, g = v.shape
     return v.reshape(n // AMX_BLOCK, AMX_BLOCK, g).transpose(1, 2).reshape(n, g).contiguous()
 
 
-def _from_tile_rows(v: torch.Tensor) -> torch.Tensor:
+def from_tile_rows(v: torch.Tensor) -> torch.Tensor:
     n, g = v.shape
     return v.reshape(n // AMX_BLOCK, g, AMX_BLOCK).transpose(1, 2).reshape(n, g)
 
@@ -418,13 +423,13 @@ def _q4_1_parts(packed: PackedLinear) -> tuple[torch.Tensor, torch.Tensor, torch
     qs = from_tile_order(packed.weight) if packed.layout in AMX_LAYOUTS else from_chunk_order(packed.weight)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
     if packed.layout == AMX_LAYOUT:
-        return q, _from_tile_rows(packed.scales).float(), _from_tile_rows(packed.zeros).float()
+        return q, from_tile_rows(packed.scales).float(), from_tile_rows(packed.zeros).float()
     if packed.layout in Q4_K_LAYOUTS + (Q4_K_AMX_LAYOUT,):
         dm, sc, mn = packed.zeros, packed.scales[0], packed.scales[1]
         if packed.layout == Q4_K_AMX_LAYOUT:
             n, supers = dm.shape[0], dm.shape[1]
-            dm = _from_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
-            sc, mn = _from_tile_rows(sc), _from_tile_rows(mn)
+            dm = from_tile_rows(dm.reshape(n, supers * 2)).reshape(n, supers, 2)
+            sc, mn = from_tile_rows(sc), from_tile_rows(mn)
         dm = dm.float()  # [N, G / 8, 2]
         sc, mn = (t.float().reshape(packed.out_features, -1, 8) for t in (sc, mn))
         return q, (dm[..., 0:1] * sc).flatten(1), -(dm[..., 1:2] * mn).flatten(1)

@@ -22,6 +22,9 @@ Layouts (PackedLinear.layout), chosen by the device given to pack():
               the native kernel (kernels/quant_q6_k.py, kernels/csrc/q6k_linear.cpp): where
               the "native" layout would be chosen, a Q6_K matrix takes this one instead, so
               it is read at 6.5625 bits a weight and never requantized.
+    "q6_kx":  the same values in AMX tile order (kernels/quant_q6_k.py `default_layout`): where
+              the CPU and OS grant AMX tiles, the rows are whole blocks of 16 and the host's
+              measurement picks it.
     "q5_k":   a GGUF Q5_K matrix's own 5-bit q, sub-block scales and mins (kernels/quant_q5_k.py,
               the same kernel): where "native" would be chosen, so a Q5_K_M file is read at
               6.625 bits a weight with the file's values, not requantized to 8.
@@ -73,13 +76,13 @@ def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, devi
     if layout is None:
         layout = default_layout(device)
         if layout == "native" and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q6_K":
-            layout = quant_q6_k.LAYOUT
+            layout = quant_q6_k.default_layout(out_features)
         elif layout == "native" and quant_q8_0.fits(weight):
             layout = quant_q8_0.LAYOUT
         elif layout == "native" and isinstance(weight, QuantizedTensor) and weight.ggml_type == "Q5_K":
             layout = quant_q5_k.LAYOUT
-    if layout == quant_q6_k.LAYOUT:
-        return quant_q6_k.pack(weight, bias)
+    if layout in quant_q6_k.LAYOUTS:
+        return quant_q6_k.pack(weight, bias, layout)
     if layout == quant_q8_0.LAYOUT:
         return quant_q8_0.pack(weight, bias)
     if layout == quant_q5_k.LAYOUT:
@@ -105,6 +108,7 @@ def default_layout(device: torch.device) -> str:
 
 # a GGUF type's own blocks, each read by its native kernel (forward) and defined by its module
 _BLOCK_LAYOUTS = {quant_q6_k.LAYOUT: (quant_q6_k, quant_q6_k.q6k_linear_native),
+                  quant_q6_k.AMX_LAYOUT: (quant_q6_k, quant_q6_k.q6k_linear_native),
                   quant_q8_0.LAYOUT: (quant_q8_0, quant_q8_0.q8_0_linear_native),
                   quant_q5_k.LAYOUT: (quant_q5_k, quant_q5_k.q5k_linear_native)}
 
@@ -134,7 +138,9 @@ def reference(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
 def forward(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """x: [M, K] -> [M, N] in x's dtype."""
     if packed.layout == "native" or packed.layout in _BLOCK_LAYOUTS:
-        if x.shape[0] >= NATIVE_DENSE_MIN_ROWS and not batch_invariance.enabled():
+        # The tile layout has no cut-over: it builds each weight tile once per pass, whatever M.
+        if (x.shape[0] >= NATIVE_DENSE_MIN_ROWS and packed.layout != quant_q6_k.AMX_LAYOUT
+                and not batch_invariance.enabled()):
             return linear_reference(x, dequantize(packed), packed.bias)
         if packed.layout in _BLOCK_LAYOUTS:
             return _BLOCK_LAYOUTS[packed.layout][1](x, packed)

@@ -32,6 +32,8 @@ int tandem_int8_linear(const float*, int64_t, int64_t, int64_t, const int8_t*, i
                        const float*, const float*, float*, int64_t);
 int tandem_q6k_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const int8_t*,
                       const uint16_t*, int64_t, const float*, float*, int64_t);
+int tandem_q6k_amx_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const int8_t*,
+                          const uint16_t*, int64_t, const float*, float*, int64_t);
 int tandem_q8_0_linear(const float*, int64_t, int64_t, int64_t, const int8_t*, const uint16_t*, int64_t,
                        const float*, float*, int64_t);
 int tandem_q5k_linear(const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*, const uint8_t*,
@@ -84,7 +86,7 @@ struct TandemDecodeArgs {
     int64_t table_stride, nseq;
 };
 
-enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7, Q5K = 8, INT4AMX = 9, Q4KAMX = 10 };
+enum { INT4 = 1, INT4A8 = 2, Q4K = 3, Q4KA8 = 4, INT8 = 5, Q6K = 6, Q8_0 = 7, Q5K = 8, INT4AMX = 9, Q4KAMX = 10, Q6KAMX = 11 };
 
 static int projection_width(const TandemProj& p) {
     int64_t n = 0;
@@ -127,8 +129,10 @@ static int project(const TandemProj& p, const float* x, int64_t m, float* y, int
                                         l.bias, out, ldy);
                 break;
             case Q6K:
-                rc = tandem_q6k_linear(x, m, l.k, l.k, (const uint8_t*)l.w, (const int8_t*)l.a,
-                                       (const uint16_t*)l.b, l.n, l.bias, out, ldy);
+            case Q6KAMX:  // the same arrays, in AMX tile order
+                rc = (l.kind == Q6K ? tandem_q6k_linear : tandem_q6k_amx_linear)(
+                    x, m, l.k, l.k, (const uint8_t*)l.w, (const int8_t*)l.a, (const uint16_t*)l.b, l.n, l.bias, out,
+                    ldy);
                 break;
             case Q8_0:
                 rc = tandem_q8_0_linear(x, m, l.k, l.k, (const int8_t*)l.w, (const uint16_t*)l.a, l.n,

@@ -33,10 +33,19 @@
 // N % 16 == 0 and K % 32 == 0 (the layout's packer guarantees both). The "q4_kx" layout: a
 // Q4_K matrix's nibbles in the same order and its own scales in tile rows (Q4KTileScales).
 //
+// The "q6_kx" layout (Q6_K, tandem_q6k_amx_linear): the integer dots of q6k_linear.cpp, a step
+// per sub-block of 16 (A tiles of 16 bytes, B tiles of 4 rows holding q - 32 as int8, so the
+// only offset is -32768 times the sum of q - 32; each sub-block's dot scaled by its own d sc).
+// A step per pair of sub-blocks (each sub-block's x in A rows of its own, zeros elsewhere)
+// halved the tile operations and ran M = 1 1.3x faster, but M = 8 0.8x (an 8192 x 2048 matrix
+// in cache, one thread), as a tile then held 4 rows of x: not kept, since batches are what the
+// tiles are for.
+//
 // Pipelining (measured in the harness): a tileloadd of a buffer stored just before costs ~70
 // cycles (stores are not forwarded to tile loads), so B tiles are built LA steps ahead into a
-// ring, and a C tile's int32 are read back LE steps after its tilestored. The steps run over
-// (block, group) flattened, so the pipeline does not drain at each block's end.
+// ring, and a C tile's int32 are read back LE steps after its tilestored, which itself waits
+// for the next step's tdpbusd to be issued (amx_blocks). The steps run over (block, group)
+// flattened, so the pipeline does not drain at each block's end.
 //
 // Batch invariance: a row of x goes through the same integer dots (exact) and the same float
 // epilogue in the same order whatever row tile it falls in, whatever M and thread count.
@@ -100,14 +109,14 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-// tmm0/tmm3: A (2R rows x 32 bytes); tmm1/tmm4: B (8 rows x 64 bytes); tmm2/tmm5: C (2R x 16 int32).
-// Per thread: the configuration is thread state.
-static void configure_tiles(int rows_a) {
+// tmm0/tmm3: A (2R rows x KSTEP bytes); tmm1/tmm4: B (KSTEP / 4 rows x 64 bytes); tmm2/tmm5: C
+// (2R x 16 int32). Per thread: the configuration is thread state.
+static void configure_tiles(int rows_a, int kstep) {
     alignas(64) TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[3] = (uint8_t)rows_a, c.colsb[0] = c.colsb[3] = 32;
-    c.rows[1] = c.rows[4] = 8, c.colsb[1] = c.colsb[4] = 64;
+    c.rows[0] = c.rows[3] = (uint8_t)rows_a, c.colsb[0] = c.colsb[3] = (uint16_t)kstep;
+    c.rows[1] = c.rows[4] = (uint8_t)(kstep / 4), c.colsb[1] = c.colsb[4] = 64;
     c.rows[2] = c.rows[5] = (uint8_t)rows_a, c.colsb[2] = c.colsb[5] = 64;
     _tile_loadconfig(&c);
 }
@@ -125,6 +134,31 @@ static inline void build_tile(const uint8_t* p, uint8_t* buf, int32_t* qsum) {
     }
     // The 4 bytes of lane n are weight row n's: one dpbusd by ones sums them (Q_n <= 480).
     _mm512_store_si512(qsum, _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1)), 15));
+}
+
+// One Q6_K step's 192 packed bytes (16 weight rows x one sub-block of 16) -> its B tile [4][64]
+// of q - 32 as int8, and qsum[n] = 32768 * sum(q - 32). Bytes 0..127: run c's low nibbles are
+// tile row 2 c's low 4 bits, its high nibbles row 2 c + 1's; bytes 128..191: bits 2 k, 2 k + 1
+// of byte j are tile row k's byte j's high 2 bits (kernels/quant_q6_k.py `to_tile_order`).
+static inline void build_q6_tile(const uint8_t* p, uint8_t* buf, int32_t* qsum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi8(3), b32 = _mm512_set1_epi8(32);
+    const __m512i h = _mm512_loadu_si512((const void*)(p + 128));
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 2; c++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(p + 64 * c));
+        // 16-bit shifts: each byte is masked after, and a byte's high bits (<= 3) shifted left
+        // by 4 stay inside it.
+        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * c), m3);
+        const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * c + 2), m3);
+        const __m512i r0 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_slli_epi16(h0, 4)), b32);
+        const __m512i r1 = _mm512_sub_epi8(
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_slli_epi16(h1, 4)), b32);
+        _mm512_store_si512(buf + 64 * (2 * c), r0);
+        _mm512_store_si512(buf + 64 * (2 * c + 1), r1);
+        s = _mm512_add_epi8(s, _mm512_add_epi8(r0, r1));  // 4 values in -32..31: -128..124, an int8
+    }
+    // Lane n's 4 signed bytes are weight row n's: one dpbusd of ones by them sums them.
+    _mm512_store_si512(qsum, _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), s), 15));
 }
 
 // x [M, ldx] -> per row tile (rows m0.. of up to AMX_MR), 2 R rows of K bytes at xa + 2 m0 K:
@@ -158,7 +192,14 @@ static void quantize_split(const float* x, int64_t m, int64_t k, int64_t ldx, ui
 // The float scales of step (block b, group g) for its 16 weight rows, w = q d + m: the
 // "q4_1x" layout's fp16 d and m, or the "q4_kx" layout's Q4_K scales (int4_linear.cpp
 // Q4KScales: d sc and -(dmin mn), exact in fp32, the products ggml's dequantizer forms).
-struct Q41TileScales {
+// A step is one group of 32 weights of a block: A tiles of 32 bytes, B tiles of 8 rows, a
+// 256-byte step of nibbles, and an offset term m S.
+struct Int4Step {
+    static constexpr int KSTEP = 32, STEP_BYTES = 256;
+    static constexpr bool HAS_MIN = true;
+    static inline void build(const uint8_t* p, uint8_t* buf, int32_t* qsum) { build_tile(p, buf, qsum); }
+};
+struct Q41TileScales : Int4Step {
     const uint16_t* d16;  // [N / 16, G, 16]
     const uint16_t* m16;  // [N / 16, G, 16]
     int64_t groups;
@@ -168,7 +209,7 @@ struct Q41TileScales {
         mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m16 + at)));
     }
 };
-struct Q4KTileScales {
+struct Q4KTileScales : Int4Step {
     const uint8_t* sc;    // [N / 16, G, 16]
     const uint8_t* mins;  // [N / 16, G, 16]
     const uint16_t* dm;   // [N / 16, G / 8, 2, 16]: per super-block the rows' d, then their dmin
@@ -182,10 +223,28 @@ struct Q4KTileScales {
         mv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 16))), vm));
     }
 };
+// The "q6_kx" layout (Q6_K): a step is one sub-block of 16 (A tiles of 16 bytes, B tiles of 4
+// rows, 192 bytes of 6-bit q), w = (d sc) (q - 32) with q - 32 in the B tile itself, so no
+// offset term: dv = d sc (exact in fp32: 11 by 8 significant bits), mv unused.
+struct Q6KStep {
+    static constexpr int KSTEP = 16, STEP_BYTES = 192;
+    static constexpr bool HAS_MIN = false;
+    static inline void build(const uint8_t* p, uint8_t* buf, int32_t* qsum) { build_q6_tile(p, buf, qsum); }
+};
+struct Q6KTileScales : Q6KStep {
+    const int8_t* sc;   // [N / 16, K / 16, 16]
+    const uint16_t* d;  // [N / 16, K / 256, 16]
+    int64_t groups;     // sub-blocks a row: K / 16
+    inline void operator()(int64_t b, int64_t g, __m512& dv, __m512&) const {
+        const int64_t at = (b * groups + g) * 16;
+        const __m512 vs = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + at))));
+        dv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + (b * (groups / 16) + g / 16) * 16))), vs);
+    }
+};
 
 template <class Scales>
 struct AmxArgs {
-    int64_t k, groups, n;
+    int64_t k, groups, n;  // groups: steps a row, K / KSTEP
     const uint8_t* qs;
     Scales scales;
     const float* bias;
@@ -202,21 +261,27 @@ struct AmxArgs {
 template <int R, class Scales>
 static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t b1, const uint8_t* pre,
                        const int32_t* preq) {
+    constexpr int KSTEP = Scales::KSTEP, SB = Scales::STEP_BYTES, BT = 16 * KSTEP;  // BT: a B tile's bytes
     const int64_t G = a.groups, K = a.k, T = (b1 - b0) * G;
-    alignas(64) uint8_t bbuf[RING][512];
+    alignas(64) uint8_t bbuf[RING][BT];
     alignas(64) int32_t qring[QRING][16];
     alignas(64) int32_t cbuf[RING][2 * AMX_MR * 16];
-    const uint8_t* w0 = a.qs + b0 * G * 256;
-    const char* wend = (const char*)(a.qs + (a.n / 16) * G * 256);
+    const uint8_t* w0 = a.qs + b0 * G * SB;
+    const char* wend = (const char*)(a.qs + (a.n / 16) * G * SB);
     const uint8_t* xa = a.xa + 2 * m0 * K;
-    const float* S = a.S + m0 * G;
+    const float* S = Scales::HAS_MIN ? a.S + m0 * G : nullptr;  // group sums: int4 steps only
     __m512 acc1[R], acc2[R];
     for (int r = 0; r < R; r++) acc1[r] = acc2[r] = _mm512_setzero_ps();
     if (!pre)
-        for (int64_t i = 0; i < LA && i < T; i++) build_tile(w0 + i * 256, bbuf[i % RING], qring[i % QRING]);
+        for (int64_t i = 0; i < LA && i < T; i++) Scales::build(w0 + i * SB, bbuf[i % RING], qring[i % QRING]);
+    // Step j is (block b0 + j / G, group j % G). Both walks are sequential, so they keep
+    // (block, group) counters rather than a 64-bit division each per step (tens of cycles, of
+    // a step that takes ~50 at M = 1).
+    int64_t eb = b0, eg = 0;  // the next epilogue's step
     const auto epilogue = [&](int64_t j) {
-        const int64_t b = b0 + j / G, g = j % G;
-        __m512 dv, mv;
+        const int64_t b = eb, g = eg;
+        if (++eg == G) eg = 0, eb++;
+        __m512 dv, mv = _mm512_setzero_ps();
         a.scales(b, g, dv, mv);
         const int32_t* c = cbuf[j % RING];
         const __m512i qq = _mm512_load_si512(pre ? preq + 16 * j : qring[j % QRING]);
@@ -224,7 +289,7 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
             const __m512i hi = _mm512_load_si512(c + 16 * r), lo = _mm512_load_si512(c + 16 * (R + r));
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), qq);
             acc1[r] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(dot), acc1[r]);
-            acc2[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(S[r * G + g]), acc2[r]);
+            if constexpr (Scales::HAS_MIN) acc2[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(S[r * G + g]), acc2[r]);
         }
         if (g == G - 1) {
             const __m512 vb = a.bias ? _mm512_loadu_ps(a.bias + 16 * b) : _mm512_setzero_ps();
@@ -237,26 +302,35 @@ static void amx_blocks(const AmxArgs<Scales>& a, int64_t m0, int64_t b0, int64_t
     };
     // Step i: build tile i + LA, multiply tile i; the tile registers alternate so consecutive
     // steps do not wait on each other.
-#define TANDEM_AMX_STEP(i, TA, TB, TC)                                                             \
+    // A C tile is stored after the next step's tdpbusd is issued, not right after its own: a
+    // tilestored behind the tdpbusd that writes its tile waits out that multiply's latency
+    // (measured: half of a Q6_K pass at M = 1 sat on that store).
+#define TANDEM_AMX_STEP(i, g, TA, TB, TC)                                                          \
     do {                                                                                           \
         if (!pre && (i) + LA < T)                                                                  \
-            build_tile(w0 + ((i) + LA) * 256, bbuf[((i) + LA) % RING], qring[((i) + LA) % QRING]); \
-        _tile_loadd(TB, pre ? pre + 512 * (i) : bbuf[(i) % RING], 64);                             \
-        _tile_loadd(TA, xa + 32 * ((i) % G), K);                                                   \
+            Scales::build(w0 + ((i) + LA) * SB, bbuf[((i) + LA) % RING], qring[((i) + LA) % QRING]); \
+        _tile_loadd(TB, pre ? pre + BT * (i) : bbuf[(i) % RING], 64);                              \
+        _tile_loadd(TA, xa + KSTEP * (g), K);                                                      \
         _tile_zero(TC);                                                                            \
         _tile_dpbusd(TC, TA, TB);                                                                  \
-        _tile_stored(TC, cbuf[(i) % RING], 64);                                                    \
     } while (0)
     int64_t done = 0;  // steps whose epilogue ran
+    int64_t g0 = 0;    // step i's group
     for (int64_t i = 0; i < T; i += 2) {
-        const char* p = (const char*)(w0 + (i + LA) * 256) + PF_BYTES;
+        const int64_t g1 = g0 + 1 == G ? 0 : g0 + 1;
+        const char* p = (const char*)(w0 + (i + LA) * SB) + PF_BYTES;
         if (!pre)
-            for (int off = 0; off < 512; off += 64)
+            for (int off = 0; off < 2 * SB; off += 64)
                 if (p + off < wend) _mm_prefetch(p + off, _MM_HINT_T0);
-        TANDEM_AMX_STEP(i, 0, 1, 2);
-        if (i + 1 < T) TANDEM_AMX_STEP(i + 1, 3, 4, 5);
-        for (; done + LE < i + 2 && done < T; done++) epilogue(done);
+        TANDEM_AMX_STEP(i, g0, 0, 1, 2);
+        if (i > 0) _tile_stored(5, cbuf[(i - 1) % RING], 64);
+        if (i + 1 < T) TANDEM_AMX_STEP(i + 1, g1, 3, 4, 5);
+        _tile_stored(2, cbuf[i % RING], 64);
+        g0 = g1 + 1 == G ? 0 : g1 + 1;
+        // C of steps <= i - 2 was stored an iteration ago: LE steps behind its store
+        for (; done + LE < i + 1 && done < T; done++) epilogue(done);
     }
+    if (T % 2 == 0 && T > 0) _tile_stored(5, cbuf[(T - 1) % RING], 64);
 #undef TANDEM_AMX_STEP
     for (; done < T; done++) epilogue(done);
 }
@@ -266,19 +340,20 @@ static void amx_rows(const AmxArgs<Scales>& a, int64_t m, int64_t b0, int64_t b1
     // One row tile: the whole slice in one pipeline, each tile built once. More: sub-slices
     // whose tiles, built once up front, stay in L2 while every row tile passes over them, so
     // the weights come from memory once and each tile is built once whatever M is.
+    constexpr int SB = Scales::STEP_BYTES, BT = 16 * Scales::KSTEP;
     const int64_t G = a.groups;
-    const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (G * 256) > 1 ? SUB_BYTES / (G * 256) : 1);
+    const int64_t sub = m <= AMX_MR ? b1 - b0 : (SUB_BYTES / (G * SB) > 1 ? SUB_BYTES / (G * SB) : 1);
     AlignedBuffer<uint8_t> pre;
     AlignedBuffer<int32_t> preq;
-    if (m > AMX_MR) pre = aligned_zeros<uint8_t>((size_t)(sub * G * 512)), preq = aligned_zeros<int32_t>((size_t)(sub * G * 16));
+    if (m > AMX_MR) pre = aligned_zeros<uint8_t>((size_t)(sub * G * BT)), preq = aligned_zeros<int32_t>((size_t)(sub * G * 16));
     for (int64_t s0 = b0; s0 < b1; s0 += sub) {
         const int64_t s1 = s0 + sub < b1 ? s0 + sub : b1;
         if (m > AMX_MR)
             for (int64_t i = 0; i < (s1 - s0) * G; i++)
-                build_tile(a.qs + (s0 * G + i) * 256, pre.get() + 512 * i, preq.get() + 16 * i);
+                Scales::build(a.qs + (s0 * G + i) * SB, pre.get() + BT * i, preq.get() + 16 * i);
         for (int64_t m0 = 0; m0 < m; m0 += AMX_MR) {
             const int r = (int)(m - m0 < AMX_MR ? m - m0 : AMX_MR);
-            configure_tiles(2 * r);
+            configure_tiles(2 * r, Scales::KSTEP);
 #define TANDEM_AMX_TILE(R) amx_blocks<R>(a, m0, s0, s1, m > AMX_MR ? pre.get() : nullptr, preq.get())
             switch (r) {
                 case 1: TANDEM_AMX_TILE(1); break;
@@ -317,7 +392,7 @@ static int amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const u
     const auto dx = aligned_zeros<float>((size_t)m), sums = aligned_zeros<float>((size_t)(m * groups));
     // x is quantized once, before the split: every thread reads the same xa, dx and sums.
     quantize_split(x, m, k, ldx, xa.get(), dx.get(), sums.get());
-    const AmxArgs<Scales> args{k, groups, n, qs, scales, bias, xa.get(), dx.get(), sums.get(), y, ldy};
+    const AmxArgs<Scales> args{k, k / Scales::KSTEP, n, qs, scales, bias, xa.get(), dx.get(), sums.get(), y, ldy};
     tandem::parallel_for(0, n / 16, 1, [&](int64_t b0, int64_t b1) { amx_rows(args, m, b0, b1); });
     return 0;
 }
@@ -330,7 +405,7 @@ TANDEM_API int tandem_int4_amx_linear(const float* x, int64_t m, int64_t k, int6
     if (k % 32) return 1;
     if (m < 0 || n < 0 || n % 16) return 2;
 #ifdef TANDEM_HAS_AMX
-    return amx_linear(x, m, k, ldx, qs, Q41TileScales{d16, m16, k / 32}, n, bias, y, ldy);
+    return amx_linear(x, m, k, ldx, qs, Q41TileScales{{}, d16, m16, k / 32}, n, bias, y, ldy);
 #else
     (void)x, (void)ldx, (void)qs, (void)d16, (void)m16, (void)bias, (void)y, (void)ldy;
     return 3;
@@ -346,9 +421,28 @@ TANDEM_API int tandem_q4k_amx_linear(const float* x, int64_t m, int64_t k, int64
     if (k % 256) return 1;
     if (m < 0 || n < 0 || n % 16) return 2;
 #ifdef TANDEM_HAS_AMX
-    return amx_linear(x, m, k, ldx, qs, Q4KTileScales{sc, mins, dm, k / 32}, n, bias, y, ldy);
+    return amx_linear(x, m, k, ldx, qs, Q4KTileScales{{}, sc, mins, dm, k / 32}, n, bias, y, ldy);
 #else
     (void)x, (void)ldx, (void)qs, (void)sc, (void)mins, (void)dm, (void)bias, (void)y, (void)ldy;
+    return 3;
+#endif
+}
+
+// The "q6_kx" layer: a Q6_K matrix's 6-bit q in tile order (blocks of 16 weight rows, 192 bytes
+// a sub-block of 16), sc int8 [N / 16, K / 16, 16] and d fp16 [N / 16, K / 256, 16] in tile
+// rows (kernels/quant_q6_k.py). The same integer dots as tandem_q6k_linear (q6k_linear.cpp),
+// |xq . (q - 32)| <= 16 * 32768 * 32 = 2^24 exact in int32 and in its float; the float sums run
+// per weight row over sub-blocks in order. Codes: 1 K % 256, 2 negative sizes or N % 16, 3 no
+// AMX here.
+TANDEM_API int tandem_q6k_amx_linear(const float* x, int64_t m, int64_t k, int64_t ldx, const uint8_t* qs,
+                                     const int8_t* sc, const uint16_t* d, int64_t n, const float* bias, float* y,
+                                     int64_t ldy) {
+    if (k % 256) return 1;
+    if (m < 0 || n < 0 || n % 16) return 2;
+#ifdef TANDEM_HAS_AMX
+    return amx_linear(x, m, k, ldx, qs, Q6KTileScales{{}, sc, d, k / 16}, n, bias, y, ldy);
+#else
+    (void)x, (void)ldx, (void)qs, (void)sc, (void)d, (void)bias, (void)y, (void)ldy;
     return 3;
 #endif
 }

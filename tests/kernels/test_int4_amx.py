@@ -1,5 +1,6 @@
-"""The "q4_1x" and "q4_kx" layouts and their AMX tile kernel (kernels/csrc/int4_amx.cpp): the
-packing is the "q4_1" (or "q4_k") layout's values in another order (tested on every host); where this host's CPU and OS
+"""The "q4_1x", "q4_kx" and "q6_kx" layouts and their AMX tile kernel (kernels/csrc/int4_amx.cpp):
+the packing is the "q4_1" (or "q4_k", "q6_k") layout's values in another order (tested on every
+host); where this host's CPU and OS
 grant AMX tiles, the kernel equals its reference, its rows are bit-equal whatever batch and
 thread count they run at, and a model decodes the same bits natively and in the layer loop;
 the layout is offered to the layout choice only where the tiles work.
@@ -13,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels import layout_choice, native, quant_int4
+from kernels import layout_choice, native, quant_int4, quant_int8, quant_q6_k
 from kernels.linear import packed_linear_reference
 
 CPU = torch.device("cpu")
@@ -76,6 +77,53 @@ def test_packing_rows_not_in_blocks_of_16_is_refused():
         quant_int4.pack_q4_1x(quant_int4.q4_1_blocks(w), 64, None)
 
 
+def test_q6_k_tiles_hold_the_q6_k_layout_s_values():
+    from tests.kernels.test_native_kquant import kquant
+    for n, k in [(16, 256), (48, 512), (32, 2048)]:
+        qt = kquant("Q6_K", n, k, seed=n)
+        tiles = quant_q6_k.pack(qt, None, "q6_kx")
+        plain = quant_q6_k.pack(qt, None, "q6_k")
+        assert tiles.layout == "q6_kx" and tiles.weight.shape == plain.weight.shape
+        assert torch.equal(quant_q6_k.dequantize(tiles), quant_q6_k.dequantize(plain))
+        assert torch.equal(quant_q6_k.dequantize(tiles), qt.dequantize())  # the file's values, exactly
+
+
+def test_q6_tile_order_bytes_are_the_kernel_s():
+    """Step (block b, sub-block s), 192 bytes: B tile row kk's byte j is q[16 b + j / 4][16 s +
+    4 kk + j % 4]; its low 4 bits in byte j of run kk / 2 (low nibble for even kk), its high 2
+    bits at bits 2 kk of byte 128 + j."""
+    import numpy as np
+    n, k = 32, 512
+    q = np.random.default_rng(4).integers(0, 64, (n, k), dtype=np.uint8)
+    tiles = quant_q6_k.to_tile_order(q)
+    assert tiles.shape == (n, k * 3 // 4)
+    assert np.array_equal(quant_q6_k.from_tile_order(tiles), q)
+    flat = tiles.reshape(-1)
+    for b in range(n // 16):
+        for s in range(k // 16):
+            step = flat[(b * (k // 16) + s) * 192:][:192]
+            for kk in range(4):
+                for j in range(64):
+                    v = int(q[16 * b + j // 4, 16 * s + 4 * kk + j % 4])
+                    assert (int(step[64 * (kk // 2) + j]) >> (4 * (kk % 2))) & 15 == v & 15
+                    assert (int(step[128 + j]) >> (2 * kk)) & 3 == v >> 4
+
+
+def test_q6_k_rows_not_in_blocks_of_16_keep_the_plain_layout(monkeypatch):
+    from tests.kernels.test_native_kquant import kquant
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_q6_k.pack(kquant("Q6_K", 40, 256, seed=1), None, "q6_kx")
+    monkeypatch.setattr(native, "amx_available", lambda level=None: True)
+    monkeypatch.setattr(layout_choice, "fastest_layout", lambda fmt, candidates, *a, **kw: candidates[-1])
+    assert quant_q6_k.default_layout(48) == "q6_kx"
+    assert quant_q6_k.default_layout(40) == "q6_k"
+    monkeypatch.setattr(native, "amx_available", lambda level=None: False)
+    assert quant_q6_k.default_layout(48) == "q6_k"  # never offered where the tiles do not run
+    monkeypatch.setattr(quant_q6_k, "default_layout", lambda n: "q6_kx")
+    if native.available():  # the int8 format's Q6_K matrices take the choice
+        assert quant_int8.pack(kquant("Q6_K", 48, 256, seed=1), None, CPU).layout == "q6_kx"
+
+
 def test_the_choice_never_picks_tiles_it_cannot_run(monkeypatch):
     """Where the tiles are not granted, "q4_1x" is not a candidate; where it would be chosen,
     a matrix whose rows are not whole blocks, or a Q4_K matrix, takes its usual layout."""
@@ -106,6 +154,14 @@ def test_the_kernel_refuses_bad_shapes_with_a_code():
     assert lib.tandem_int4_amx_linear(*args, 40, None, y.data_ptr(), 40) == 2  # N % 16
     # Where this build or OS has no tiles, the kernel says so rather than dying on SIGILL.
     assert lib.tandem_int4_amx_linear(*args, 32, None, y.data_ptr(), 40) == (0 if AMX else 3)
+    # Q6_K tiles: one block of 16 rows, K = 256 (192 bytes of q, 16 sc a row, one d)
+    x6, w6 = torch.randn(1, 256), torch.zeros(16, 192, dtype=torch.uint8)
+    sc, d6 = torch.zeros(16, 16, dtype=torch.int8), torch.zeros(16, 1, dtype=torch.float16)
+    q6 = (x6.data_ptr(), 1, 256, 256, w6.data_ptr(), sc.data_ptr(), d6.data_ptr())
+    assert lib.tandem_q6k_amx_linear(x6.data_ptr(), 1, 64, 64, w6.data_ptr(), sc.data_ptr(), d6.data_ptr(),
+                                     16, None, y.data_ptr(), 16) == 1  # K % 256
+    assert lib.tandem_q6k_amx_linear(*q6, 40, None, y.data_ptr(), 40) == 2  # N % 16
+    assert lib.tandem_q6k_amx_linear(*q6, 16, None, y.data_ptr(), 40) == (0 if AMX else 3)
 
 
 def _os_grants_tiles() -> bool:
@@ -131,38 +187,49 @@ def test_the_build_has_tiles_wherever_the_host_grants_them():
     assert native.amx_available()
 
 
+def _tiles_and_plain(layout: str, n: int, k: int, seed: int, bias: torch.Tensor | None = None):
+    """A matrix packed in a tile layout and in the plain layout it reorders, and the kernel."""
+    from tests.kernels.test_native_kquant import kquant
+    if layout == "q6_kx":
+        qt = kquant("Q6_K", n, k, seed=seed)
+        return (quant_q6_k.pack(qt, bias, "q6_kx"), quant_q6_k.pack(qt, bias, "q6_k"),
+                quant_q6_k.q6k_linear_native)
+    w = kquant("Q4_K", n, k, seed=seed) if layout == "q4_kx" else torch.randn(
+        n, k, generator=torch.Generator().manual_seed(seed))
+    return (quant_int4.pack(w, bias, CPU, layout=layout),
+            quant_int4.pack(w, bias, CPU, layout={"q4_1x": "q4_1", "q4_kx": "q4_k"}[layout]),
+            quant_int4.int4_linear_native)
+
+
 @needs_amx
 @pytest.mark.parametrize("tiles_layout,n,k", [("q4_1x", n, k) for n, k in SHAPES]
-                         + [("q4_kx", 16, 256), ("q4_kx", 48, 512), ("q4_kx", 256, 2048)])
+                         + [("q4_kx", 16, 256), ("q4_kx", 48, 512), ("q4_kx", 256, 2048)]
+                         + [("q6_kx", 16, 256), ("q6_kx", 48, 768), ("q6_kx", 256, 2048)])
 def test_amx_kernel_equals_its_reference_and_the_avx512_kernel(tiles_layout, n, k):
-    """The same integer dots as "q4_1" / "q4_k" (int16 activations): the outputs agree with the
-    AVX-512 kernel's and the reference's to float rounding."""
-    from tests.kernels.test_native_kquant import kquant
+    """The same integer dots as "q4_1" / "q4_k" / "q6_k" (int16 activations): the outputs agree
+    with the AVX-512 kernel's and the reference's to float rounding."""
     gen = torch.Generator().manual_seed(n * k)
-    w = kquant("Q4_K", n, k, seed=k) if tiles_layout == "q4_kx" else torch.randn(n, k, generator=gen)
-    bias = torch.randn(n, generator=gen)
-    tiles = quant_int4.pack(w, bias, CPU, layout=tiles_layout)
-    plain = quant_int4.pack(w, bias, CPU, layout={"q4_1x": "q4_1", "q4_kx": "q4_k"}[tiles_layout])
+    tiles, plain, run = _tiles_and_plain(tiles_layout, n, k, seed=k, bias=torch.randn(n, generator=gen))
     for m in ROWS:
         x = torch.randn(m, k, generator=gen) * 3
-        y = quant_int4.int4_linear_native(x, tiles)
+        y = run(x, tiles)
         ref = packed_linear_reference(x, tiles)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-        torch.testing.assert_close(y, quant_int4.int4_linear_native(x, plain), rtol=1e-5,
-                                   atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(y, run(x, plain), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 @needs_amx
-def test_prefill_sized_passes_stay_on_the_tiles():
+@pytest.mark.parametrize("layout", ["q4_1x", "q6_kx"])
+def test_prefill_sized_passes_stay_on_the_tiles(layout):
     """No dense cut-over for the tile layouts: 200 rows run the tile kernel (its bits), where
-    the chunk layout would dequantize and run an fp32 GEMM."""
-    gen = torch.Generator().manual_seed(7)
-    packed = quant_int4.pack(torch.randn(64, 576, generator=gen), None, CPU, layout="q4_1x")
-    x = torch.randn(200, 576, generator=gen)
-    assert x.shape[0] >= quant_int4.NATIVE_DENSE_MIN_ROWS
-    assert torch.equal(quant_int4.forward(x, packed), quant_int4.int4_linear_native(x, packed))
+    the plain layouts would dequantize and run an fp32 GEMM."""
+    packed, _, run = _tiles_and_plain(layout, 64, 768, seed=7)
+    forward = quant_int4.forward if layout == "q4_1x" else quant_int8.forward
+    x = torch.randn(200, 768, generator=torch.Generator().manual_seed(7))
+    assert x.shape[0] >= max(quant_int4.NATIVE_DENSE_MIN_ROWS, quant_int8.NATIVE_DENSE_MIN_ROWS)
+    assert torch.equal(forward(x, packed), run(x, packed))
     ref = packed_linear_reference(x, packed)
-    torch.testing.assert_close(quant_int4.forward(x, packed), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(forward(x, packed), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 @needs_amx
@@ -178,21 +245,20 @@ def test_amx_kernel_on_gguf_blocks_and_zero_rows():
 
 
 @needs_amx
-@pytest.mark.parametrize("layout,n,k", [("q4_1x", 48, 96), ("q4_1x", 96, 1536), ("q4_kx", 48, 512)])
+@pytest.mark.parametrize("layout,n,k", [("q4_1x", 48, 96), ("q4_1x", 96, 1536), ("q4_kx", 48, 512),
+                                        ("q6_kx", 48, 512)])
 def test_amx_rows_are_bit_equal_whatever_batch_and_threads(layout, n, k):
     """Batch invariance: a row's output does not depend on the rows beside it, on where it falls
     in the 8-row tiles, or on the thread count (each block of outputs is one thread's)."""
-    from tests.kernels.test_native_kquant import kquant
     gen = torch.Generator().manual_seed(k)
-    weight = kquant("Q4_K", n, k, seed=3) if layout == "q4_kx" else torch.randn(n, k, generator=gen)
-    packed = quant_int4.pack(weight, torch.randn(n, generator=gen), CPU, layout=layout)
+    packed, _, run = _tiles_and_plain(layout, n, k, seed=3, bias=torch.randn(n, generator=gen))
     rows = torch.randn(17, k, generator=gen) * 2
-    alone = [quant_int4.int4_linear_native(rows[i:i + 1], packed)[0] for i in range(17)]
+    alone = [run(rows[i:i + 1], packed)[0] for i in range(17)]
     for threads in (1, 2, 4):
         native.set_threads(threads)
         for batch in (3, 8, 9, 17):
             for start in (0, 17 - batch):
-                y = quant_int4.int4_linear_native(rows[start:start + batch], packed)
+                y = run(rows[start:start + batch], packed)
                 for i in range(batch):
                     assert torch.equal(y[i], alone[start + i]), (threads, batch, start, i)
 
@@ -210,13 +276,18 @@ def test_a_model_in_tiles_decodes_the_same_bits_natively_and_in_the_loop(tmp_pat
 
 @needs_amx
 def test_a_q4_k_m_mix_in_tiles_decodes_the_same_bits(tmp_path, monkeypatch):
-    """Q4_K matrices in "q4_kx" beside Q6_K ones (a q|k|v stack of kernels), bf16 KV."""
+    """Q4_K matrices in "q4_kx" beside Q6_K ones in "q6_k" or "q6_kx" (a q|k|v stack of
+    kernels), bf16 KV."""
     from tests.engine.test_native_decode import assert_same_bits, both_ways, build
 
     monkeypatch.setattr(quant_int4, "default_layout", lambda device: "q4_1x")
-    model = build(tmp_path, "int4", "Q4_K", types={"attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"})
-    assert model.layers[0].gate_up.layout == "q4_kx" and model.layers[0].qkv.fmt == "stack"
-    assert_same_bits(*both_ways(model, 3, kv_dtype=torch.bfloat16))
+    for q6_layout in ("q6_k", "q6_kx"):  # the Q6_K matrices in either layout beside the tiles
+        monkeypatch.setattr(quant_q6_k, "default_layout", lambda n, lay=q6_layout: lay)
+        model = build(tmp_path, "int4", "Q4_K", types={"attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"})
+        assert model.layers[0].gate_up.layout == "q4_kx" and model.layers[0].qkv.fmt == "stack"
+        assert model.layers[0].qkv.parts[-1].layout == q6_layout
+        assert model.layers[1].down.layout == q6_layout
+        assert_same_bits(*both_ways(model, 3, kv_dtype=torch.bfloat16))
 
 
 @needs_amx

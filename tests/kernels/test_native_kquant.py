@@ -154,6 +154,7 @@ def test_q6_k_layout_holds_the_files_blocks_and_dequantizes_bit_for_bit():
 def test_q6_k_takes_its_own_layout_where_the_native_int8_one_is_chosen(monkeypatch):
     qt = kquant("Q6_K", 16, 256, seed=4)
     monkeypatch.setattr(quant_int8, "default_layout", lambda device: "native")
+    monkeypatch.setattr(native, "amx_available", lambda level=None: False)  # tiles: test_int4_amx.py
     assert quant_int8.pack(qt, None, CPU).layout == "q6_k"
     assert quant_int8.pack(kquant("Q4_K", 16, 256, seed=4), None, CPU).layout == "native"
     monkeypatch.setattr(quant_int8, "default_layout", lambda device: "triton")
