@@ -26,7 +26,8 @@ of the host's memory the model's matrices take in each format, once the model's 
     choose_prefill_format(config, mem_total_bytes, int4_tiles=False) -> FormatChoice(format, reason)
 
     int4   when int4_tiles: the host runs int4 on AMX tiles (kernels/csrc/int4_amx.cpp) and every
-           projection of the file is stored in a type int4 holds as it is (Q4_0, Q4_1, Q4_K)
+           projection of the file is stored in a type int4 holds as it is (Q4_0, Q4_1, Q4_K, and
+           Q6_K, a Q4_K_M file's attn_v and half of its ffn_down, in the "q6_kx" tile layout)
     fp32   else when its copy takes at most 1/12 of the host's memory (SmolLM2-135M: 0.54 GB)
     bf16   else when its copy takes at most 1/3                    (a 1B: 2.1 GB; a 3B: 6.4 GB)
     w8a8   else                                                    (an 8B: 8 GB)
@@ -57,6 +58,7 @@ format that does not fit is no choice at all.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -102,13 +104,22 @@ def host_memory_bytes() -> int:
     return total
 
 
+def projection_weights(weights: dict) -> int:
+    """How many weights the decoder layers' matrices hold in all (what a decode step reads)."""
+    return sum(math.prod(w.shape) for name, w in weights.items()
+               if name.startswith("model.layers.") and len(w.shape) == 2)
+
+
 def int4_native_projections(weights: dict) -> bool:
     """Whether every projection matrix (the decoder layers' 2-D weights) is stored in a GGUF type
-    int4 holds as it is (kernels/quant_int4.py REPACKED_GGUF_TYPES)."""
+    int4 holds as it is (kernels/quant_int4.py REPACKED_GGUF_TYPES) or Q6_K (Q4_K_M files keep
+    attn_v and half of ffn_down in it), which a prompt-pass copy holds as stored in the AMX tile
+    layout "q6_kx" wherever the tiles run (kernels/quant_q6_k.py default_layout)."""
     from kernels.quant_int4 import REPACKED_GGUF_TYPES
 
     mats = [w for name, w in weights.items() if name.startswith("model.layers.") and len(w.shape) == 2]
-    return bool(mats) and all(getattr(w, "ggml_type", None) in REPACKED_GGUF_TYPES for w in mats)
+    held = set(REPACKED_GGUF_TYPES) | {"Q6_K"}
+    return bool(mats) and all(getattr(w, "ggml_type", None) in held for w in mats)
 
 
 def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles: bool = False) -> FormatChoice:

@@ -252,7 +252,8 @@ class LLMEngine:
                 if second_format == main_format:
                     second_format = None  # a colocated engine whose prefill format is its decode one
             model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
-                                                            prefill_format=second_format, device=target)
+                                                            prefill_format=second_format, device=target,
+                                                            prompt_only=config.role == "prefill")
             model_config = loaded.config
             loaded.drop_resident_pages()
             del loaded  # the file's mapping, and the loader's own copies, go before the trim
@@ -271,7 +272,8 @@ class LLMEngine:
             with loading_weights():
                 again = load_model(Path(path))
                 rebuilt = model_class(again.config.architecture)(again.config, again.weights, main_format,
-                                                                 prefill_format=second_format, device=target)
+                                                                 prefill_format=second_format, device=target,
+                                                                 prompt_only=config.role == "prefill")
                 again.drop_resident_pages()
                 return rebuilt
 

@@ -18,7 +18,7 @@ import torch
 
 from common.model_config import ModelConfig
 from common.errors import ModelFormatError
-from engine.format_choice import matrix_format, packs_parts_apart
+from engine.format_choice import matrix_format, packs_parts_apart, projection_weights
 from engine.forward_batch import ForwardBatch
 from engine.native_decode import NativeDecode
 from engine.rope import rope_tables
@@ -27,7 +27,7 @@ from engine.weights import QuantizedTensor, to_float
 from kernels import batch_invariance
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, plan_paged_attention
-from kernels.layout_choice import model_weights
+from kernels.layout_choice import model_weights, prompt_passes
 from kernels.linear import PackedLinear, linear, pack_linear, stack_linear
 from kernels.rms_norm import rms_norm
 from kernels.rotary_kv_write import rotary_kv_write
@@ -101,7 +101,7 @@ class LlamaForCausalLM:
 
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
                  lm_head_format: str | None = None, prefill_format: str | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", prompt_only: bool = False) -> None:
         for flag in self.required_flags:
             if not getattr(config, flag):
                 raise ValueError(f"{type(self).__name__} needs config.{flag} set: its checkpoints "
@@ -132,13 +132,15 @@ class LlamaForCausalLM:
 
         # The layers' weights in all: where they outgrow the CPU's cache, a decode step streams
         # them from memory, and the faster kernel layout can differ (kernels/layout_choice.py).
-        layer_weights = sum(int(np.prod(w.shape)) for name, w in weights.items()
-                            if name.startswith("model.layers.") and len(w.shape) == 2)
-        with model_weights(layer_weights):
-            self.main = format_set(weight_format)
+        # prompt_only: the main copy runs prompt passes only (a prefill worker's), as a second
+        # copy always does; their layouts are those made for many rows (layout_choice.prompt_passes).
+        with model_weights(projection_weights(weights)):
+            with prompt_passes(prompt_only):
+                self.main = format_set(weight_format)
             # A second copy only for a distinct prefill format (colocated engines).
-            self.prefill_copy = (format_set(prefill_format)
-                                 if prefill_format is not None and prefill_format != weight_format else None)
+            with prompt_passes():
+                self.prefill_copy = (format_set(prefill_format) if prefill_format is not None
+                                     and prefill_format != weight_format else None)
         cos, sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
                                config.rope_scaling)
         self.cos, self.sin = cos.to(device), sin.to(device)

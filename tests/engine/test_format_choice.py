@@ -85,3 +85,40 @@ def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path,
                 "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)), load_tokenizer=False)
         assert engine.config.weight_format == want, (granted, path)
         assert f"prefill weight format auto: {want}" in caplog.text
+
+
+def test_q6_k_projections_count_as_int4_holds_them_in_tiles():
+    """A Q4_K_M file keeps attn_v and half of ffn_down in Q6_K: a prompt-pass copy holds them
+    as stored in the "q6_kx" tile layout, so they count beside 4-bit blocks; a type int4 does
+    not hold as stored does not."""
+    from engine.format_choice import int4_native_projections
+    from tests.kernels.test_native_kquant import kquant
+
+    weights = {"model.layers.0.self_attn.q_proj.weight": kquant("Q4_K", 32, 256, seed=0),
+               "model.layers.0.self_attn.v_proj.weight": kquant("Q6_K", 16, 256, seed=1)}
+    assert int4_native_projections(weights)
+    weights["model.layers.0.mlp.down_proj.weight"] = kquant("Q5_K", 16, 256, seed=3)
+    assert not int4_native_projections(weights)
+    assert not int4_native_projections({"lm_head.weight": kquant("Q6_K", 16, 256, seed=1)})  # no layers
+
+
+def test_a_prefill_worker_packs_the_tile_layouts_without_measuring(tmp_path, monkeypatch):
+    """The prefill role's copy runs prompt passes only: where AMX tiles are granted its int4 and
+    Q6_K matrices take the tile layouts, whatever the decode-size choice says; a decode
+    engine's copy keeps that choice."""
+    from kernels import layout_choice, native, quant_int4, quant_q6_k
+    from reliability.model_factory import make_tiny_gguf
+
+    monkeypatch.setattr(native, "amx_available", lambda level=None: True)
+    monkeypatch.setattr(layout_choice, "fastest_layout", lambda fmt, candidates, *a, **kw: candidates[0])
+    path = make_tiny_gguf(tmp_path / "q4_k_m.gguf", "Q4_K", hidden=256, intermediate=512, heads=4, kv_heads=2,
+                          layers=2, vocab_size=320, types={"attn_v.weight": "Q6_K"}).path
+    layouts = {}
+    for role in ("prefill", "decode"):
+        engine = LLMEngine.from_path(path, EngineConfig.for_role(role, "int4", "int4",
+                                                                cache=CacheConfig(num_blocks=8)),
+                                     load_tokenizer=False)
+        layer = engine.model.main.layers[0]
+        layouts[role] = (layer.gate_up.layout, layer.qkv.parts[-1].layout)
+    assert layouts["prefill"] == (quant_int4.Q4_K_AMX_LAYOUT, quant_q6_k.AMX_LAYOUT)
+    assert layouts["decode"] == ("q4_k", "q6_k")  # the (patched) measured choice: its first candidate
