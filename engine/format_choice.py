@@ -25,21 +25,27 @@ of the host's memory the model's matrices take in each format, once the model's 
 
     choose_prefill_format(config, mem_total_bytes, int4_tiles=False) -> FormatChoice(format, reason)
 
-    int4   when int4_tiles: the host runs int4 on AMX tiles (kernels/csrc/int4_amx.cpp) and every
-           projection of the file is stored in a type int4 holds as it is (Q4_0, Q4_1, Q4_K, and
-           Q6_K, a Q4_K_M file's attn_v and half of its ffn_down, in the "q6_kx" tile layout)
-    fp32   else when its copy takes at most 1/12 of the host's memory (SmolLM2-135M: 0.54 GB)
+    fp32   when its copy takes at most 1/12 of the host's memory (SmolLM2-135M: 0.54 GB), except
+    int4   in its place when int4_tiles: the host runs int4 on AMX tiles (kernels/csrc/int4_amx.cpp)
+           and every projection of the file is stored in a type int4 holds as it is (Q4_0, Q4_1,
+           Q4_K, and Q6_K, a Q4_K_M file's attn_v and half of its ffn_down, in the "q6_kx" tile
+           layout)
     bf16   else when its copy takes at most 1/3                    (a 1B: 2.1 GB; a 3B: 6.4 GB)
     w8a8   else                                                    (an 8B: 8 GB)
 
-Why int4 first where the tiles run: it reads the file's own 4-bit values, exactly, with the
-activations rounded to int16 per row (the arithmetic the int4 decode worker uses for every later
-token), and on the tiles a prompt pass beats an fp32 GEMM: SmolLM2-135M's projections at 256 rows,
-one thread, a Sapphire Rapids class Xeon, 6.96 ms against 12.46; served (`benchmarks.bench_peer
---workloads chat8`, 8 clients, ~235-token prompts), TTFT p50 1.77 s against fp32 prefill's 3.71 s,
-llama-server's 7.7-8.0 s. Its cost against fp32 weights and activations, `python -m
-benchmarks.quality --formats fp32,int4` on SmolLM2-135M Q4_1: perplexity +0.07%, greedy top-1
-agreement 97.3% (its lm_head int8, as the decode worker's). Without the tiles int4's kernel at
+Why int4 in fp32's place where the tiles run: it reads the file's own 4-bit values, exactly, with
+the activations rounded to int16 per row (the arithmetic the int4 decode worker uses for every
+later token), and on the tiles a prompt pass beats an fp32 GEMM: SmolLM2-135M's projections at
+256 rows, one thread, a Sapphire Rapids class Xeon, 6.96 ms against 12.46; served
+(`benchmarks.bench_peer --workloads chat8`, 8 clients, ~235-token prompts), TTFT p50 1.77 s
+against fp32 prefill's 3.71 s, llama-server's 7.7-8.0 s. Its cost against fp32 weights and
+activations, `python -m benchmarks.quality --formats fp32,int4` on SmolLM2-135M Q4_1: perplexity
++0.07%, greedy top-1 agreement 97.3% (its lm_head int8, as the decode worker's). Not in bf16's or
+w8a8's place: there the tiles lose (they keep a float step per group of 32 weights and row, which
+a bf16 or int8 GEMM does not). The random 1B LLaMA Q4_K_M, one 256-token prompt, one thread, the same host
+(`python -m benchmarks.bench_engine MODEL --formats fp32,bf16,w8a8,int4 --batches 1 --prompt-len
+256`): fp32 76.9 tok/s, int4 135.5, w8a8 233.4, bf16 282.1; served with int4 prefill, its
+8-client long-prompt TTFT p50 was 15.4 s, against 3.2 s with bf16 at stop 38. Without the tiles int4's kernel at
 prompt sizes is a dequantize and a GEMM per pass, slower than fp32's, so the rule is by memory.
 
 w8a8 is the smallest prefill format; where it and the int4 decode copy would take more than
@@ -127,16 +133,16 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
     (module docstring)."""
     if mem_total_bytes <= 0:
         raise ValueError(f"mem_total_bytes must be positive, got {mem_total_bytes}")
-    if int4_tiles:
-        return FormatChoice("int4", "the file's projections are 4-bit blocks int4 holds as stored, "
-                                    "and int4 runs on AMX tiles on this host")
     params = matrix_params(config)
     gib = 1 << 30
     for fmt, width, fraction in _FRACTIONS:
         size = params * width
         if size * fraction <= mem_total_bytes:
-            return FormatChoice(fmt, f"{fmt} copy {size / gib:.2f} GiB <= 1/{fraction} of "
-                                     f"{mem_total_bytes / gib:.1f} GiB of memory")
+            fits = f"{fmt} copy {size / gib:.2f} GiB <= 1/{fraction} of {mem_total_bytes / gib:.1f} GiB of memory"
+            if fmt == "fp32" and int4_tiles:
+                return FormatChoice("int4", f"{fits}, and in fp32's place int4, as the file's projections "
+                                            "are blocks int4 holds as stored and int4 runs on AMX tiles here")
+            return FormatChoice(fmt, fits)
     reason = (f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more than 1/3 of "
               f"{mem_total_bytes / gib:.1f} GiB of memory")
     both = params * (1 + _INT4_BYTES)

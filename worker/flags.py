@@ -57,9 +57,10 @@ _KV_DTYPE_WHERE = {"run": "of this process's engine",
 def add_engine_flags(p: argparse.ArgumentParser, scope: str) -> None:
     prefill_help, decode_help = _QUANT_HELP[scope]
     p.add_argument("--prefill-quant", choices=PREFILL_FORMATS, default=DEFAULT_PREFILL_QUANT,
-                   help=f"{prefill_help} (default {DEFAULT_PREFILL_QUANT}: int4 where it runs on AMX tiles "
-                        f"and the file's projections are Q4_0/Q4_1/Q4_K blocks, else fp32 where its "
-                        f"copy takes <= 1/12 of the host's memory, else bf16 where <= 1/3, else w8a8)")
+                   help=f"{prefill_help} (default {DEFAULT_PREFILL_QUANT}: fp32 where its copy takes <= 1/12 "
+                        f"of the host's memory, or int4 in its place where int4 runs on AMX tiles and the "
+                        f"file's projections are Q4_0/Q4_1/Q4_K/Q6_K blocks; else bf16 where <= 1/3, "
+                        f"else w8a8)")
     p.add_argument("--decode-quant", choices=DECODE_FORMATS, default=DEFAULT_DECODE_QUANT,
                    help=f"{decode_help} (default {DEFAULT_DECODE_QUANT})")
     # Part of the KV layout: a prefill and a decode worker that exchange KV must agree on it

@@ -69,13 +69,16 @@ def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog):
 
 
 def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path, monkeypatch, caplog):
-    """Where int4 runs on AMX tiles and every projection is a 4-bit block int4 holds as stored,
-    auto is int4 whatever the model's size; elsewhere the memory rule stands."""
+    """Where int4 runs on AMX tiles and every projection is a block int4 holds as stored, auto is
+    int4 in fp32's place; bf16 and w8a8, faster than the tiles at prompt sizes, stand, and so
+    does the memory rule elsewhere."""
     from engine import llm_engine
     from reliability.model_factory import make_tiny_gguf
 
-    assert choose_prefill_format(LLAMA3_8B, 24 * GIB, int4_tiles=True).format == "int4"
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, int4_tiles=True).format == "int4"
     assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, int4_tiles=False).format == "fp32"
+    assert choose_prefill_format(TINYLLAMA_1B, 24 * GIB, int4_tiles=True).format == "bf16"
+    assert choose_prefill_format(LLAMA3_8B, 24 * GIB, int4_tiles=True).format == "w8a8"
     q4 = make_tiny_gguf(tmp_path / "q4.gguf", "Q4_1").path
     f32 = make_tiny_gguf(tmp_path / "f32.gguf", "F32").path
     for granted, path, want in ((True, q4, "int4"), (False, q4, "fp32"), (True, f32, "fp32")):
