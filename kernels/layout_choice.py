@@ -183,3 +183,30 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
     else:
         log.info("%s layout on this host: %s (measured earlier, %s)", fmt, choice, path)
     return choice
+
+
+def time_decode_passes(packed, forward: Callable, copies: int, reps: int, warmups: int = 1) -> float:
+    """Seconds, best of `reps`, for forward(x, layer) at M = 1 and M = 8 over `copies` distinct
+    copies of one packed layer (`copies` large enough to fill twice the last-level cache makes
+    each call read its weights from memory): a candidate's time for the choice above."""
+    import dataclasses
+    import time
+
+    gen = torch.Generator().manual_seed(1)
+    layers = [packed] + [
+        dataclasses.replace(packed, **{f.name: getattr(packed, f.name).clone()
+                                       for f in dataclasses.fields(packed)
+                                       if isinstance(getattr(packed, f.name), torch.Tensor)})
+        for _ in range(copies - 1)]
+    xs = [torch.randn(m, packed.in_features, generator=gen) for m in (1, 8)]
+    for _ in range(warmups):  # aten's first calls pay one-time costs
+        for x in xs:
+            forward(x, packed)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for x in xs:
+            for layer in layers:
+                forward(x, layer)
+        best = min(best, time.perf_counter() - t0)
+    return best

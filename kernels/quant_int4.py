@@ -208,28 +208,10 @@ def _time_streamed(layout: str) -> float:
 
 
 def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> float:
-    import dataclasses
-    import time
+    from kernels.layout_choice import time_decode_passes
 
-    gen = torch.Generator().manual_seed(0)
-    packed = pack(torch.randn(n, k, generator=gen), None, torch.device("cpu"), layout)
-    layers = [packed] + [
-        dataclasses.replace(packed, **{f.name: getattr(packed, f.name).clone()
-                                       for f in dataclasses.fields(packed)
-                                       if isinstance(getattr(packed, f.name), torch.Tensor)})
-        for _ in range(copies - 1)]
-    xs = [torch.randn(m, k, generator=gen) for m in (1, 8)]
-    for _ in range(3 if copies == 1 else 1):  # warm-up: aten's first calls pay one-time costs
-        for x in xs:
-            forward(x, packed)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for x in xs:
-            for layer in layers:
-                forward(x, layer)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    packed = pack(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), None, torch.device("cpu"), layout)
+    return time_decode_passes(packed, forward, copies, reps, warmups=3 if copies == 1 else 1)
 
 
 def pack(weight: torch.Tensor | QuantizedTensor, bias: torch.Tensor | None, device: torch.device,

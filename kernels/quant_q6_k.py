@@ -216,22 +216,8 @@ def _random_blocks(n: int, k: int, rng: np.random.Generator) -> QuantizedTensor:
 
 
 def _time_layout(layout: str, copies: int, reps: int) -> float:
-    """Seconds for decode-shaped passes (M = 1 and M = 8) over `copies` distinct timed matrices
-    (enough to fill twice the last-level cache: each call reads its weights from memory)."""
-    import dataclasses
-    import time
+    """Seconds for decode-shaped passes (M = 1 and M = 8) over `copies` distinct timed matrices."""
+    from kernels.layout_choice import time_decode_passes
 
-    rng = np.random.default_rng(0)
-    first = pack(_random_blocks(_TIMED_N, _TIMED_K, rng), None, layout)
-    layers = [first] + [dataclasses.replace(first, weight=first.weight.clone()) for _ in range(copies - 1)]
-    xs = [torch.from_numpy(rng.standard_normal((m, _TIMED_K), dtype=np.float32)) for m in (1, 8)]
-    for x in xs:
-        q6k_linear_native(x, first)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for x in xs:
-            for layer in layers:
-                q6k_linear_native(x, layer)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    packed = pack(_random_blocks(_TIMED_N, _TIMED_K, np.random.default_rng(0)), None, layout)
+    return time_decode_passes(packed, q6k_linear_native, copies, reps)
