@@ -14,8 +14,8 @@ Dispatch level: each source is compiled once per instruction-set level (csrc/sim
     avx512vnni  avx512's and -mavx512vnni                     AVX512, on a CPU with AVX512-VNNI,
                                                               ATEN_CPU_CAPABILITY not set
 
-AMX: the avx512vnni build also compiles csrc/int4_amx.cpp with -mamx-tile -mamx-int8 (the int4
-"q4_1x" layout's tile kernel). Whether the tiles may run is asked at run time, once per process
+AMX: the avx512vnni build also compiles csrc/int4_amx.cpp with -mamx-tile -mamx-int8 (the tile
+kernel of the int4 "q4_1x"/"q4_kx" and the Q6_K "q6_kx" layouts). Whether the tiles may run is asked at run time, once per process
 (`amx_available`: the CPUID bits, then Linux's arch_prctl(ARCH_REQ_XCOMP_PERM), which a VM may
 refuse), and the layout is offered to the layout choice only where they may: a tile
 instruction without the grant dies with SIGILL.
