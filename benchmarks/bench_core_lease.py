@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.bench_peer import stop_servers, value, wait_ready
-from deploy.local import free_port
+from deploy.process_plan import free_port
 
 STREAM = ["--input-len", "16", "--output-len", "128", "--num-prompts", "3", "--concurrency", "1"]
 PROMPTS = ["--input-len", "400", "--output-len", "1", "--num-prompts", "8", "--concurrency", "1"]

@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from common.model_store import default_store
-    from deploy.local import LocalCluster, Topology, free_port, plan
+    from deploy.local import LocalCluster
+    from deploy.process_plan import free_port, plan
+    from deploy.local_topology import Topology
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

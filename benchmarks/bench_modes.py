@@ -34,7 +34,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local import LocalCluster, Topology, free_port, plan
+from deploy.local import LocalCluster
+from deploy.process_plan import free_port, plan
+from deploy.local_topology import Topology
 
 WORDS = ("the of and to in is was for on that with as by it at from his an were are which this "
          "be or has had not but what all when can there been one its who new more about").split()
@@ -127,7 +129,7 @@ def run_load(url: str, model: str, duration: float, clients: int, long_every: fl
 
 def mode_topology(name: str, model: str, model_path: Path, log_dir: Path, threads: int, args,
                   **mode) -> Topology:
-    """The local topology of one mode (a MODES entry, or any deploy.local.Topology settings:
+    """The local topology of one mode (a MODES entry, or any deploy.local_topology.Topology settings:
     benchmarks/validate_plan.py runs other P:D splits this way)."""
     settings = dict(prefill_threshold=128, worker_args=("--kv-cache-gb", "0.5"))
     settings.update(mode)

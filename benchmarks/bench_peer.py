@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.local import free_port
+from deploy.process_plan import free_port
 
 WORKLOADS = {
     "chat8": ["--input-len", "235", "--output-len", "64", "--num-prompts", "24", "--concurrency", "8"],

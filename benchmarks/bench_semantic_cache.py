@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     from common.model_store import default_store
-    from deploy.local import LocalCluster, Topology, free_port, plan
+    from deploy.local import LocalCluster
+    from deploy.process_plan import free_port, plan
+    from deploy.local_topology import Topology
 
     path = default_store().resolve(args.model)
     with tempfile.TemporaryDirectory(prefix="tandem-semantic-") as tmp:

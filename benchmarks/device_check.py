@@ -204,7 +204,10 @@ def run_bench(model_path: Path, formats: list[str], device: str, sizes: Sizes) -
 
 def run_serve(model_path: Path, device: str, timeout_s: float) -> dict:
     import kvtransfer
-    from deploy.local import KV_BACKENDS, LocalCluster, Topology, free_port, plan
+    from deploy.local import LocalCluster
+    from deploy.process_plan import free_port, plan
+    from deploy.local_topology import Topology
+    from worker.config import KV_BACKENDS
 
     if "dist" not in kvtransfer.backends() or "dist" not in KV_BACKENDS:
         return {"status": "skipped", "kv_backend": "dist", "reason": "backend dist not available"}

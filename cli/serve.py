@@ -111,7 +111,8 @@ def register(subparsers) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.cluster_secret import cluster_secret
-    from deploy.local import Topology, serve
+    from deploy.local import serve
+    from deploy.local_topology import Topology
 
     log_dir = Path(args.log_dir) if args.log_dir else default_home() / "logs" / time.strftime(
         "serve-%Y%m%d-%H%M%S")

@@ -45,7 +45,8 @@ from common.processes import start_time
 from deploy.cluster_ca import Issued
 from deploy.cluster_secret import ENV_SECRET, INSECURE_WARNING, SECRET_FILE, write_secret_file
 from deploy.hosts import host_command, python_of, role_command, stdin_lines
-from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.local import LocalCluster, run_until_stopped
+from deploy.process_plan import ProcessSpec, Readiness
 from deploy.plane_security import check_internal_plane, launch_secret, launch_tls
 from deploy.ports import claim_ports
 from deploy.topology import ClusterTopology, Host, Role, TopologyError

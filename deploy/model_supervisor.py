@@ -26,7 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.supervisor_wire import ENV_FD, MAX_LINE, Request, decode_request, encode
-from deploy.local import LocalCluster, ProcessSpec, Topology, _slug, worker_spec
+from deploy.local import LocalCluster
+from deploy.process_plan import ProcessSpec, worker_spec
+from deploy.local_topology import Topology, model_slug
 
 
 class ModelSupervisor:
@@ -124,7 +126,7 @@ class ModelSupervisor:
             taken = {c.spec.name for c in self.cluster.children}
         for n in range(1, len(taken) + 2):  # a free prefix exists among these
             # A second number when another model with the same slug runs (a:b and a-b).
-            prefix = _slug(model) if n == 1 else f"{_slug(model)}-{n}"
+            prefix = model_slug(model) if n == 1 else f"{model_slug(model)}-{n}"
             counters: dict[str, int] = {}
             names = []
             for role, _ in roles:

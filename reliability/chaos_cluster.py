@@ -33,7 +33,9 @@ from pathlib import Path
 
 from common.internal_http import get_internal
 from reliability.fault_proxy import FaultProxy
-from deploy.local import LocalCluster, Topology, free_port, plan
+from deploy.local import LocalCluster
+from deploy.process_plan import free_port, plan
+from deploy.local_topology import Topology
 
 PROXY_HOST = "127.0.0.2"  # any 127/8 address reaches lo; the proxy owns this one's KV ports
 

@@ -11,7 +11,7 @@ import: the CLI and deploy/local.py read it.
 Where a flag means the same thing in several processes, only its help differs by `scope`:
 "run" (one colocated engine in this process), "serve" (passed to the workers a topology
 starts, each to the roles that use it, deploy/local.py), "worker" (this worker process).
-Values are checked by the config each process builds (WorkerConfig, deploy.local.Topology),
+Values are checked by the config each process builds (WorkerConfig, deploy.local_topology.Topology),
 which raises ValueError naming the bad value; argparse checks only the choices.
 """
 

@@ -114,6 +114,8 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
         tmp_path, monkeypatch, capsys):
     import cli.main
     import deploy.local
+    import deploy.process_plan
+    import deploy.local_topology
     from tests.helpers.coordinator_fakes import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
@@ -134,7 +136,7 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
     kw["out"]("a status line")
     assert capsys.readouterr().err == "a status line\n"  # logs on stderr, as `ollama serve`
 
-    specs, ready = deploy.local.plan(flagged)
+    specs, ready = deploy.process_plan.plan(flagged)
     coordinator, *workers = specs
     # The API key to the coordinator alone; the cluster secret serve made, to every process.
     secret = flagged.cluster_secret
@@ -145,7 +147,7 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
         assert "sk-flag" not in text  # never on a command line (ps), never in a repr (logs)
     assert ready.url == "http://127.0.0.1:8123"
     with pytest.raises(ValueError, match="visible ASCII"):
-        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, api_key="a b")
+        deploy.local_topology.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, api_key="a b")
 
 
 def test_every_flag_has_help():
@@ -230,6 +232,8 @@ def test_serve_gives_every_process_the_log_format_and_the_coordinator_no_access_
         tmp_path, monkeypatch):
     import cli.main
     import deploy.local
+    import deploy.process_plan
+    import deploy.local_topology
     from tests.helpers.coordinator_fakes import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "tiny")
@@ -242,17 +246,17 @@ def test_serve_gives_every_process_the_log_format_and_the_coordinator_no_access_
                           "--otlp-traces-endpoint", "http://collector:4318"]) == 0
     assert cli.main.main(common) == 0
     (json_lines, plain) = seen
-    coordinator, *workers = deploy.local.plan(json_lines)[0]
+    coordinator, *workers = deploy.process_plan.plan(json_lines)[0]
     assert workers and all(" --log-format json " in " ".join(s.argv) + " "
                            for s in (coordinator, *workers))
     assert "--no-access-log" in coordinator.argv
     assert all(" --otlp-traces-endpoint http://collector:4318 " in " ".join(s.argv) + " "
                for s in (coordinator, *workers))
     assert not any("--no-access-log" in w.argv for w in workers)
-    for spec in deploy.local.plan(plain)[0]:  # the defaults: text lines, access log on
+    for spec in deploy.process_plan.plan(plain)[0]:  # the defaults: text lines, access log on
         assert not {"--log-format", "--no-access-log", "--otlp-traces-endpoint"} & set(spec.argv)
     with pytest.raises(ValueError, match="log_format must be one of text, json"):
-        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, log_format="xml")
+        deploy.local_topology.Topology(model="m", model_path=tmp_path, log_dir=tmp_path, log_format="xml")
     with pytest.raises(ValueError, match="must be an http\\(s\\) URL"):
-        deploy.local.Topology(model="m", model_path=tmp_path, log_dir=tmp_path,
+        deploy.local_topology.Topology(model="m", model_path=tmp_path, log_dir=tmp_path,
                               otlp_traces_endpoint="collector:4318")

@@ -32,7 +32,7 @@ from kvtransfer.auth import KVAuth, kv_auth_from
 from kvtransfer.message import GrantRequest, HandshakeRequest, KVHeader, tensor_bytes
 from kvtransfer.pb import kvtransfer_pb2 as kvpb
 from kvtransfer.pb import kvtransfer_pb2_grpc as kvpb_grpc
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from tests.helpers.cluster import running_cluster
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.tls_certs import issue, make_ca
@@ -533,7 +533,8 @@ def test_a_cluster_with_a_secret_serves_and_refuses_what_lacks_it(tmp_path, monk
 
 def test_launch_and_serve_hand_every_process_the_secret_but_no_command_line(tmp_path):
     from deploy.launch import plan_launch
-    from deploy.local import Topology, plan
+    from deploy.process_plan import plan
+    from deploy.local_topology import Topology
     from deploy.topology import TopologyError, parse_topology, tomllib
 
     base = ('model = "tiny"\n[coordinator]\nhost = "127.0.0.1"\nport = 11434\n'

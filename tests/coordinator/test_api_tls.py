@@ -66,7 +66,8 @@ def test_clients_reach_a_tls_coordinator_with_the_ca_and_plaintext_is_refused(mo
         return names, text, refused.value.code()
 
     def cli_calls(url: str) -> tuple:
-        from deploy.local import LocalCluster, Readiness
+        from deploy.local import LocalCluster
+        from deploy.process_plan import Readiness
 
         trusted = Server(url, timeout_s=30, ca_file=str(api.ca))
         names = [m["name"] for m in trusted.tags()]
@@ -116,7 +117,7 @@ def test_tandem_serve_hands_the_coordinator_its_tls_and_polls_it_over_https(tmp_
     monkeypatch.setattr(deploy.local, "serve", lambda topology, **kw: seen.setdefault("t", topology) and 0)
     base = ["serve", "--model", str(model_dir), "--log-dir", str(tmp_path / "logs")]
     assert cli.main.main([*base, "--api-tls-cert", str(api.cert), "--api-tls-key", str(api.key)]) == 0
-    specs, ready = deploy.local.plan(seen["t"])
+    specs, ready = deploy.process_plan.plan(seen["t"])
     coordinator = specs[0].argv
     assert coordinator[coordinator.index("--api-tls-cert") + 1] == str(api.cert)
     assert coordinator[coordinator.index("--api-tls-key") + 1] == str(api.key)

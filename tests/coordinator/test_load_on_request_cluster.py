@@ -25,7 +25,7 @@ import pytest
 
 from common.internal_http import get_internal
 from common.sampling_params import SamplingParams
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from engine.config import CacheConfig, EngineConfig
 from engine.generation import TextStream, chat_prompt_ids
 from engine.llm_engine import LLMEngine

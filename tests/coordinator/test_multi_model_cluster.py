@@ -1,5 +1,5 @@
 """`tandem serve --model A --model B` as processes: one coordinator, a prefill and a decode
-worker per model (deploy.local's plan, as the CLI builds it), two tiny random models of
+worker per model (deploy.process_plan's plan, as the CLI builds it), two tiny random models of
 different families. Each answers through the real ollama and openai clients with its own
 greedy output (what transformers-equal engines of each model write), each request is
 prefilled and decoded by its own model's workers, /api/tags lists both with their tag,

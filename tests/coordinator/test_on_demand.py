@@ -319,7 +319,7 @@ def test_sizes_and_canonical_names():
 
 
 def test_the_launcher_names_a_model_s_workers_apart_from_the_running_ones(tmp_path):
-    from deploy.local import Topology
+    from deploy.local_topology import Topology
     from deploy.model_supervisor import ModelSupervisor
 
     class Cluster:
@@ -346,7 +346,7 @@ def test_the_launcher_names_a_model_s_workers_apart_from_the_running_ones(tmp_pa
 def test_worker_counts_given_for_a_model_loaded_on_request_are_its_own(tmp_path):
     """--workers MODEL=P:D with --load-on-request: MODEL may be a store's model no --model
     names; a request that loads it by any spelling gets those counts, others the defaults."""
-    from deploy.local import Topology
+    from deploy.local_topology import Topology
     from deploy.model_supervisor import ModelSupervisor
 
     class Cluster:

@@ -17,7 +17,7 @@ from common import request_id
 from common.log_format import RequestIdFilter
 from common.rpc import tandem_pb2 as tpb
 from common.rpc import tandem_pb2_grpc as tpb_grpc
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.api_cluster import MODEL, WORKER_ARGS
 from tests.helpers.cluster import running_cluster

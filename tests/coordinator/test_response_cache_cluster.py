@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from coordinator.client import TandemClient
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.cluster import running_cluster
 

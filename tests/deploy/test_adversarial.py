@@ -30,7 +30,7 @@ from common.cluster_auth import PROOF_HEADER, REGISTER_METHOD, ClusterAuth, requ
 from common.internal_http import get_internal
 from common.rpc import worker_pb2 as pb
 from common.rpc import worker_pb2_grpc as pb_grpc
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.deploy.test_cluster_lifetime import ROOT, START_S
 from tests.deploy.test_serve_secret import _environ, _processes, _stop

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.local import plan
+from deploy.process_plan import plan
 from kernels import batch_invariance
 from tests.helpers.coordinator_fakes import make_tiny_model_dir
 from worker.config import WorkerConfig
@@ -57,7 +57,7 @@ def test_configure_process_switches_the_kernels(mode_restored):
 def test_every_prompt_goes_to_a_prefill_worker(tmp_path):
     """A short uncached part (a prefix-cache hit) would otherwise prefill on the decode worker,
     in the decode format, so the same prompt's rows would change format with the cache."""
-    from deploy.local import Topology
+    from deploy.local_topology import Topology
 
     def threshold(**kw):
         flags = Topology(model="m", model_path=tmp_path, log_dir=tmp_path, **kw).coordinator_flags()

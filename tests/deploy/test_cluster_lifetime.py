@@ -16,7 +16,7 @@ import pytest
 
 from common.processes import start_time
 from common.shm_segments import SHM_DIR, owner_pid, reclaim_orphans
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.proc_children import child_pids
 from tests.helpers.deploy_helpers import LineReader, free_port_block
@@ -193,7 +193,8 @@ def test_a_second_signal_kills_at_once(tmp_path):
     script = f"""
 import signal, sys
 from pathlib import Path
-from deploy.local import LocalCluster, ProcessSpec, Readiness, run_until_stopped
+from deploy.local import LocalCluster, run_until_stopped
+from deploy.process_plan import ProcessSpec, Readiness
 stubborn = ProcessSpec("coordinator", [sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
     Path({str(tmp_path / 'c.log')!r}))

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local import LaunchError, LocalCluster, ProcessSpec, Topology, plan
+from deploy.local import LaunchError, LocalCluster
+from deploy.process_plan import ProcessSpec, plan
+from deploy.local_topology import Topology
 from tests.helpers.coordinator_fakes import free_port, make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +166,7 @@ def test_worker_dying_at_every_start_is_given_up_on(tmp_path):
                           tmp_path / "coordinator.log")
     crasher = ProcessSpec("decode-0", [sys.executable, "-c", "import sys; print('refused'); sys.exit(3)"],
                           tmp_path / "decode-0.log")
-    from deploy.local import Readiness
+    from deploy.process_plan import Readiness
 
     cluster = LocalCluster([sleeper, crasher], Readiness("http://127.0.0.1:1", {"decode": 1}),
                            grace_s=5, restart_backoff_s=(0.05,), max_quick_failures=2, quick_s=30)
@@ -185,7 +187,7 @@ def test_child_dying_during_start_up_stops_the_rest_and_names_it(tmp_path):
     crasher = ProcessSpec("decode-0", [sys.executable, "-c",
                                        "import sys; print('cannot load model: boom'); sys.exit(3)"],
                           tmp_path / "decode-0.log")
-    from deploy.local import Readiness
+    from deploy.process_plan import Readiness
 
     cluster = LocalCluster([sleeper, crasher], Readiness(f"http://127.0.0.1:{free_port()}",
                                                          {"decode": 1}),

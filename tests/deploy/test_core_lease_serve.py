@@ -20,7 +20,8 @@ import pytest
 
 from common.core_lease import CoreLease, Slot, lease_path
 from common.shm_segments import SHM_DIR
-from deploy.local import Topology, free_port, plan
+from deploy.process_plan import free_port, plan
+from deploy.local_topology import Topology
 from reliability.model_factory import make_tiny_hf_model
 from tests.helpers.proc_children import child_pids
 from tests.helpers.deploy_helpers import LineReader

@@ -5,7 +5,7 @@ from __future__ import annotations
 from coordinator.__main__ import build_parser
 from coordinator.__main__ import main as coordinator_main
 from coordinator.response_cache_config import ResponseCacheConfig
-from deploy.local import plan
+from deploy.process_plan import plan
 from tests.helpers.coordinator_fakes import make_tiny_model_dir
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from common.internal_http import get_internal
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_hf_model
 from tests.deploy.test_cluster_lifetime import ROOT, START_S, _children
 from tests.helpers.deploy_helpers import LineReader

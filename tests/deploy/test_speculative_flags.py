@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.local import Topology, plan
+from deploy.process_plan import plan
+from deploy.local_topology import Topology
 from engine.speculative_config import SpeculativeConfig
 from tests.helpers.coordinator_fakes import make_tiny_model_dir
 from worker.config import WorkerConfig

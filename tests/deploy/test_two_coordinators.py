@@ -16,7 +16,8 @@ import httpx
 from common.internal_http import get_internal
 from common.sampling_params import SamplingParams
 from deploy.launch import _print_endpoints, plan_launch
-from deploy.local import LocalCluster, free_port
+from deploy.local import LocalCluster
+from deploy.process_plan import free_port
 from deploy.topology import parse_topology, tomllib
 from engine.config import CacheConfig, EngineConfig
 from engine.generation import TextStream, chat_prompt_ids
@@ -155,7 +156,7 @@ def test_one_of_two_coordinators_that_exits_is_restarted_and_the_coordinators_st
     """The launcher's supervision (no model: sleeping processes in the roles' places)."""
     import sys
 
-    from deploy.local import ProcessSpec, Readiness
+    from deploy.process_plan import ProcessSpec, Readiness
 
     def sleeper(name: str) -> ProcessSpec:
         return ProcessSpec(name, [sys.executable, "-c", "import time; time.sleep(60)"],

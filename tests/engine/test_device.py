@@ -69,7 +69,8 @@ def test_model_and_runner_follow_the_device():
 
 
 def test_every_planned_worker_gets_the_device(tmp_path):
-    from deploy.local import Topology, plan
+    from deploy.process_plan import plan
+    from deploy.local_topology import Topology
     from worker.flags import worker_arg_parser
 
     n = iter(range(22000, 22100))

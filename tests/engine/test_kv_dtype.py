@@ -10,7 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from deploy.local import Topology, plan
+from deploy.process_plan import plan
+from deploy.local_topology import Topology
 from engine.config import CacheConfig, EngineConfig, KV_DTYPES
 from engine.llm_engine import LLMEngine, kv_dtype_name
 from worker.config import WorkerConfig

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from tests.helpers.cluster import Cluster, running_cluster
 from reliability.model_factory import make_tiny_hf_model
 

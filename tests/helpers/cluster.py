@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.internal_http import get_internal
-from deploy.local import LocalCluster, Topology, free_port, plan
+from deploy.local import LocalCluster
+from deploy.process_plan import free_port, plan
+from deploy.local_topology import Topology
 
 
 @dataclass

@@ -133,7 +133,7 @@ def test_layout_mismatch_and_non_dist_receiver_make_no_pair(receiver):
 
 
 def test_deploy_lists_every_real_backend():
-    from deploy.local import KV_BACKENDS
+    from worker.config import KV_BACKENDS
 
     assert sorted(KV_BACKENDS) == sorted(b for b in kt.backends() if b != "fake")
 

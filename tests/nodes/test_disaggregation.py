@@ -91,7 +91,9 @@ def test_bf16_kv_through_each_backend_equals_single_process_bf16(tiny, reference
 
 
 def test_prefill_and_decode_with_different_kv_dtypes_are_refused_at_registration(tiny, tmp_path):
-    from deploy.local import LaunchError, LocalCluster, Topology, free_port, plan
+    from deploy.local import LaunchError, LocalCluster
+    from deploy.process_plan import free_port, plan
+    from deploy.local_topology import Topology
 
     topology = Topology(model=str(tiny), model_path=tiny, log_dir=tmp_path, port=free_port(),
                         worker_args=FP32, coordinator_args=("--model-name", "tiny"))

@@ -15,7 +15,7 @@ from common.cluster_auth import ClusterAuth
 from common.rpc import worker_pb2 as pb
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import WorkerRegistry, start_registry_server
-from deploy.local import free_port
+from deploy.process_plan import free_port
 from worker.config import coordinator_list
 from worker.node_server import CoordinatorLost, NodeFailure, NodeIdentity, register_everywhere
 
