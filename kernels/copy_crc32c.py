@@ -5,6 +5,8 @@ bytes instead of two or three; it runs without the GIL (a ctypes call).
 
     crc32c_ranges([(address, nbytes), ...], value=0) -> crc
     copy_crc32c([(dst_address, src_address, nbytes), ...], value=0, verify=True) -> crc of the source
+    stream_copies(dst_ranges, src_ranges) -> the copies that move one byte stream, cut one way
+        at the source (received frames) and another at the destination (cache blocks)
 
 Both continue `value` exactly as crc32c.crc32c(data, value) does, so either side of a transfer
 may compute its CRC either way. With verify, each copied chunk is compared with its source
@@ -67,6 +69,29 @@ def copy_crc32c(copies: Sequence[tuple[int, int, int]], value: int = 0, verify: 
         raise CopyMismatch("a copied range does not read back as its source")
     native.check(code, "copy_crc32c")
     return out.value
+
+
+def stream_copies(dst_ranges: Sequence[tuple[int, int]],
+                  src_ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The (dst, src, nbytes) copies that move the concatenated src ranges (address, nbytes)
+    into the concatenated dst ranges, in stream order, cut wherever either side is: for
+    copy_crc32c, whose CRC then runs over the stream. Both sides must hold the same total."""
+    copies: list[tuple[int, int, int]] = []
+    si, s_at = 0, 0  # current source range and the bytes of it already used
+    for dst, want in dst_ranges:
+        while want:
+            if si == len(src_ranges):
+                raise ValueError("the source ranges hold fewer bytes than the destination ranges")
+            src, size = src_ranges[si]
+            step = min(want, size - s_at)
+            if step:
+                copies.append((dst, src + s_at, step))
+            dst, want, s_at = dst + step, want - step, s_at + step
+            if s_at == size:
+                si, s_at = si + 1, 0
+    if sum(size for _, size in src_ranges[si:]) > s_at:
+        raise ValueError("the source ranges hold more bytes than the destination ranges")
+    return copies
 
 
 def _copy_crc32c_fallback(copies: Sequence[tuple[int, int, int]], value: int, verify: bool,

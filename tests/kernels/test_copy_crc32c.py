@@ -85,3 +85,50 @@ def test_bad_arguments_are_refused():
         cc.crc32c_ranges([], -1)
     with pytest.raises(ValueError, match=">= 0"):
         cc.copy_crc32c([(0, 0, -5)])
+
+
+def test_stream_copies_cut_at_both_sides_and_land_the_stream(impl):
+    """One byte stream, held as source ranges cut one way (received frames) and written to
+    destination ranges cut another (cache blocks): every byte lands in order and the CRC is the
+    stream's, whatever the cuts."""
+    rng = random.Random(5)
+    for _ in range(20):
+        total = rng.randint(1, 50_000)
+        src = _source(total, rng.randint(0, 99))
+        dst = torch.zeros(total + 64, dtype=torch.uint8)
+
+        def cuts(n):  # random pieces summing to n, empty ones included
+            at, out = 0, []
+            while at < n:
+                size = min(n - at, rng.choice([0, 1, 7, 64, 1000, 20_000]))
+                out.append(size)
+                at += size
+            return out
+
+        src_ranges, at = [], 0
+        for size in cuts(total):
+            src_ranges.append((src.data_ptr() + at, size))
+            at += size
+        # Destination pieces in a shuffled order of the buffer, so a wrong cut shows.
+        pieces = cuts(total)
+        offsets = list(range(len(pieces)))
+        rng.shuffle(offsets)
+        slots, at = {}, 0
+        for i in offsets:
+            slots[i] = at
+            at += pieces[i]
+        dst_ranges = [(dst.data_ptr() + slots[i], pieces[i]) for i in range(len(pieces))]
+        crc = cc.copy_crc32c(cc.stream_copies(dst_ranges, src_ranges), verify=False)
+        assert crc == crc32c.crc32c(bytes(src.numpy()))
+        stream = 0
+        for i, size in enumerate(pieces):
+            assert torch.equal(dst[slots[i]:slots[i] + size], src[stream:stream + size])
+            stream += size
+
+
+def test_stream_copies_refuse_unequal_totals():
+    with pytest.raises(ValueError, match="fewer bytes"):
+        cc.stream_copies([(1000, 10)], [(0, 4), (100, 5)])
+    with pytest.raises(ValueError, match="more bytes"):
+        cc.stream_copies([(1000, 8)], [(0, 4), (100, 5)])
+    assert cc.stream_copies([(1000, 9)], [(0, 4), (100, 0), (200, 5)]) == [(1000, 0, 4), (1004, 200, 5)]
