@@ -195,6 +195,24 @@ class KVHeader:
         return replace(self, sender_error=error)
 
 
+Buffer = bytes | bytearray | memoryview
+
+
+def payload_segments(header: KVHeader, data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """A received unit's payload as byte views, in order: one buffer, or the several frames a
+    sender cut it into (zmq sends each run of source blocks as a frame of its own). Validate
+    the header first."""
+    parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    views = []
+    for part in parts:
+        view = memoryview(part)
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    total = sum(view.nbytes for view in views)
+    if total != header.payload_nbytes:
+        raise MessageError(f"payload has {total} bytes, header says {header.payload_nbytes}")
+    return views
+
+
 def payload_tensor(header: KVHeader, data: bytes | bytearray | memoryview) -> torch.Tensor:
     """View received bytes as the header's payload tensor [layer_count, *shape] (no copy).
     Validate the header first."""

@@ -8,10 +8,13 @@ on the backend's I/O thread (receiver_hooks.py lists what a backend calls). One 
 the table, so it stays one class: splitting it by thread would split that lock. Two-sided
 backends (fake, zmq, grpc, dist) write into the cache here, under the lock, so once `cancel`
 (or the poll that reports FAILED) has taken the lock no write for that transfer is in progress
-or can start: RELEASED follows at once. Checksums are computed outside the lock, before the
-write, so a unit whose bytes do not match its header never reaches the cache. RELEASED is the
-only way blocks go back: the engine's scheduler frees them when it polls it, never on a
-timer.
+or can start: RELEASED follows at once. Into a host cache the checksum is computed in the
+same pass as the write (kernels/copy_crc32c.py: the received bytes are read once), so a unit
+whose bytes do not match its header lands only in blocks granted to its own transfer, which
+fails at once: nothing reads those blocks before RELEASED hands them back for rewriting. Into
+a device cache the checksum comes first, outside the lock, and such a unit never reaches the
+cache. RELEASED is the only way blocks go back: the engine's scheduler frees them when it
+polls it, never on a timer.
 
 Per transfer:
 
@@ -41,7 +44,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from kernels.copy_crc32c import copy_crc32c, stream_copies
 
 from .auth import KVAuth
 from .base import ReceiveEvent, ReceiveKind, TransferStats
@@ -49,7 +55,7 @@ from .fence import process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
     Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, checksum,
-    checksum_blocks, payload_tensor,
+    checksum_blocks, payload_segments, payload_tensor,
 )
 from .stats import StatsCounter
 from .transfer import IncomingTransfer
@@ -88,6 +94,8 @@ class ReceiveTable:
         self.one_sided = one_sided  # the sender writes into the cache itself (shm)
         # one_sided: checksum the blocks in place (else the sender verified its own copy)
         self.verify_in_place = verify_in_place
+        # Received bytes go into a host cache by address (checksummed in the same pass).
+        self._host_cache = cache.tensor.device.type == "cpu" and cache.tensor.is_contiguous()
         self._deliver = deliver
         # With credentials, every unit and grant request must carry its transfer's token;
         # one that does not is dropped and counted, and fails nothing (a rogue must not be
@@ -287,7 +295,7 @@ class ReceiveTable:
             refusal = self._admit(header)
         if refusal is not None:
             return self._nack(header, refusal)
-        payload: torch.Tensor | None = None
+        segments: list[memoryview] | None = None
         try:
             if data is None:
                 actual = header.checksum
@@ -296,22 +304,25 @@ class ReceiveTable:
                     for layer in header.layers:
                         actual = checksum_blocks(self.cache.tensor[layer], header.block_ids, actual)
             else:
-                payload = payload_tensor(header, data)
-                actual = checksum(data)
+                segments = payload_segments(header, data)
+                actual = header.checksum  # host cache: checked during the write, below
+                if not self._host_cache:
+                    actual = 0
+                    for segment in segments:
+                        actual = checksum(segment, actual)
         except MessageError as e:
             return self._refuse_unit(header, str(e))
         if actual != header.checksum:
-            return self._refuse_unit(
-                header, f"checksum mismatch on layers {header.layer}-{header.layers[-1]}: "
-                f"got {actual:#010x}, header says {header.checksum:#010x}"
-            )
+            return self._refuse_unit(header, self._mismatch(header, actual))
         with self._lock:
             refusal = self._admit(header)  # cancelled or failed while we were checksumming?
             if refusal is not None:
                 return self._nack(header, refusal)
             exp = self._active[header.transfer_id]
-            if payload is not None:
-                self._write(header, payload)
+            if segments is not None:
+                written = self._write(header, segments)
+                if written is not None and written != header.checksum:
+                    return self._nack(header, self._fail_locked(exp, self._mismatch(header, written)))
             exp.units += 1
             for layer in header.layers:
                 missing = exp.missing[layer]
@@ -324,13 +335,36 @@ class ReceiveTable:
 
     # -- internals (lock held unless noted) ---------------------------------------------------
 
-    def _write(self, header: KVHeader, payload: torch.Tensor) -> None:
-        """payload [layer_count, 2, n, ...] into the header's blocks of each of its layers."""
+    @staticmethod
+    def _mismatch(header: KVHeader, actual: int) -> str:
+        return (f"checksum mismatch on layers {header.layer}-{header.layers[-1]}: "
+                f"got {actual:#010x}, header says {header.checksum:#010x}")
+
+    def _write(self, header: KVHeader, segments: list[memoryview]) -> int | None:
+        """The payload (each layer's [2, n, ...] in turn, cut into `segments`) into the header's
+        blocks of each of its layers. Into a host cache: one native pass that also returns the
+        payload's crc32c (the caller compares it). Into a device cache: torch copies, None."""
         runs = list(block_runs(range(len(header.block_ids)), header.block_ids))
-        for i, layer in enumerate(header.layers):
-            dst = self.cache.tensor[layer]
-            for src, start, length in runs:
-                dst[:, start:start + length].copy_(payload[i, :, src:src + length])
+        if not self._host_cache:
+            data = segments[0] if len(segments) == 1 else b"".join(segments)
+            payload = payload_tensor(header, data)
+            for i, layer in enumerate(header.layers):
+                dst = self.cache.tensor[layer]
+                for src, start, length in runs:
+                    dst[:, start:start + length].copy_(payload[i, :, src:src + length])
+            return None
+        # Slot arithmetic: the cache is contiguous [layer, kv, block, ...], so block b of (layer,
+        # kv) starts at ((layer * 2 + kv) * num_blocks + b) * block_bytes; header.check_against
+        # (in _admit) bounded the layers and ids. The payload streams in the same (layer, kv,
+        # run) order, so its crc32c is the one the sender computed.
+        cache = self.cache.tensor
+        block_bytes = cache[0, 0, 0].numel() * cache.element_size()
+        base, num_blocks = cache.data_ptr(), cache.shape[2]
+        dst_ranges = [(base + ((layer * 2 + kv) * num_blocks + start) * block_bytes, length * block_bytes)
+                      for layer in header.layers for kv in (0, 1) for _, start, length in runs]
+        arrays = [np.frombuffer(segment, dtype=np.uint8) for segment in segments]  # alive: the call
+        src_ranges = [(array.ctypes.data, array.nbytes) for array in arrays]
+        return copy_crc32c(stream_copies(dst_ranges, src_ranges), verify=False)
 
     def _grant(self, exp: IncomingTransfer, sender_id: str) -> None:
         if not exp.grantee:

@@ -176,7 +176,9 @@ def test_refused_units_are_received_all_the_same_so_the_next_lands(hosts):
     assert [e[0] for e in events["bad"]] == [FAILED, RELEASED] and "checksum" in events["bad"][0][1]
     cache = host.call("cache", key)
     assert same_bytes(cache[:, :, [5, 6, 7]], source)
-    assert not cache[:, :, [1, 2]].any()  # the refused bytes stayed in scratch
+    # The refused unit (layer 0 of "bad") may sit in bad's own blocks, checked during that
+    # write; nothing else of bad's reached the cache.
+    assert not cache[1:, :, [1, 2]].any()
     raw.close()
     host.call("close", key)
 

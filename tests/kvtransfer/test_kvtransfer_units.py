@@ -244,9 +244,13 @@ def test_fake_out_of_order_delivery_and_events(fake_pair):
         sender.poll("r")  # a terminal status is reported once
 
 
+@pytest.mark.parametrize("host_cache", [True, False], ids=["host-cache", "device-cache-path"])
 @pytest.mark.parametrize("kind, reason", [("corrupt", "checksum mismatch"), ("fingerprint", "fingerprint mismatch")])
-def test_fake_refused_unit_fails_only_its_transfer(fake_pair, kind, reason):
+def test_fake_refused_unit_fails_only_its_transfer(fake_pair, kind, reason, host_cache):
+    """Both write paths of the receive table: into a host cache (checksum during the write)
+    and the one a device cache takes (checksum first, then torch copies), forced here."""
     sender, receiver, cache = fake_pair(faults=[FakeFault(kind, transfer_id="bad", layer=1)])
+    receiver.table._host_cache = host_cache
     receiver.expect("good", [0, 1], 3, 5)
     receiver.expect("bad", [2, 3], 3, 5)
     source = payload(LAYOUT, 2, 1)
@@ -263,7 +267,12 @@ def test_fake_refused_unit_fails_only_its_transfer(fake_pair, kind, reason):
     bad = [e for e in events if e.request_id == "bad"]
     assert [e.kind for e in bad] == [kt.ReceiveKind.FAILED, kt.ReceiveKind.RELEASED]
     assert reason in bad[0].reason
-    assert not cache.tensor[1:, :, [2, 3]].any()  # the refused layer and later ones never written
+    # Later layers never written; the refused layer 1 only when its checksum was checked
+    # during the write into this host cache (then in bad's own blocks, which it released).
+    first_clean = 2 if kind == "corrupt" and host_cache else 1
+    assert not cache.tensor[first_clean:, :, [2, 3]].any()
+    for layer in range(3):
+        assert torch.equal(cache.tensor[layer][:, [0, 1]], source)
 
 
 def test_fake_drop_fails_both_sides_by_deadline(fake_pair):
