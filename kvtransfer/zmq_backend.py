@@ -8,7 +8,7 @@ owned by one I/O thread, woken by a self-pipe registered in the same zmq.Poller)
                                       <---   [W, HandshakeReply]     its layout (+ shm names)
     [G, GrantRequest]                 --->   at once if expected, else when expect() comes
                                       <---   [g, GrantReply]         skip_blocks, block ids
-    [D, KVHeader, payload bytes]      --->   validate, crc32c, write kv_cache[layer, :, ids]
+    [D, KVHeader, payload frames]     --->   validate, write kv_cache[layer, :, ids] + crc32c
                                       <---   [A, Ack]                one per unit (seq)
     [C, KVHeader finish | abort]      --->   finish: COMPLETE when every block is in (acked);
                                              abort: FAILED, RELEASED
@@ -24,12 +24,19 @@ handshake and no frame of its reaches `_handle`; a socket monitor counts each fa
 in the receiver's `auth_rejected`. Every header and grant request also carries its transfer's
 token, checked by the table (shm inherits all of this: its control channel is this one).
 
-Copies: the sender gathers a unit's blocks into a reused staging buffer (payload_pool.py) in
-one native pass that also computes its crc32c (SenderHooks.gather_crc), and sends it with
-copy=False, so libzmq reads it directly; the receiver checksums the received frame and copies
-it once, into the cache. Layers queued together
-travel as one unit of up to MAX_UNIT_BYTES (KVHeader.layer_count): one header and one ack for
-them. No high-water marks: the payloads are ours anyway, and the engine never waits.
+Copies: a unit's payload leaves as frames that are views of the source blocks themselves, one
+per run of consecutive blocks in each layer's K and V (copy=False: libzmq reads the blocks;
+the crc32c is one read of them just before, which leaves them in cache for the socket). Only
+a unit scattered into many or small runs (MAX_DIRECT_FRAMES) is gathered first, into a reused
+staging buffer (payload_pool.py), in one native pass that also computes the crc32c
+(SenderHooks.gather_crc). The receiver takes the frames as one byte stream and copies it
+into the cache blocks in one native pass that computes the crc32c as it goes
+(receive_table.py), so the received bytes are read once. Layers queued together travel as
+one unit of up to MAX_UNIT_BYTES (KVHeader.layer_count): one header and one ack for them. No
+high-water marks: the payloads are ours anyway, and the engine never waits.
+
+    [D, KVHeader, frame, frame, ...]   the payload: each layer's [2, n, ...] in turn, cut
+                                       anywhere into one or more frames
 """
 
 from __future__ import annotations
@@ -42,15 +49,18 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
 import torch
 import zmq
+
+from kernels.copy_crc32c import crc32c_ranges
 
 from .auth import KVAuth
 from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
     Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
-    Revoked, tensor_bytes,
+    Revoked, block_runs, tensor_bytes,
 )
 from .payload_pool import PayloadPool
 from .receive_table import ReceiveTable
@@ -92,6 +102,40 @@ POOL_RECHECK_S = 0.0005  # a sender whose staging buffers are all in flight look
 # The most payload bytes one unit carries when several layers are queued: its staging buffer
 # (at most PayloadPool.keep of them in flight) and how long its ack waits for the last byte.
 MAX_UNIT_BYTES = 8 << 20
+# A unit's payload goes straight from its source blocks as one frame per run of consecutive
+# blocks (per layer and K/V) when that takes at most MAX_DIRECT_FRAMES frames of at least
+# MIN_DIRECT_FRAME_BYTES each; otherwise it is gathered into one staged frame. The floor is
+# pyzmq's copy threshold: a smaller frame would be copied anyway, and copies queued without
+# the staging pool's bound could add up to a whole transfer held twice.
+MAX_DIRECT_FRAMES = 64
+MIN_DIRECT_FRAME_BYTES = zmq.COPY_THRESHOLD
+
+
+def direct_segments(sources: tuple[torch.Tensor, ...], src_ids: tuple[int, ...]) -> list[memoryview] | None:
+    """The unit's payload as views of its sources, one per run of consecutive source blocks in
+    each layer's K and V (the payload's order), or None when that would take more than
+    MAX_DIRECT_FRAMES frames or one under MIN_DIRECT_FRAME_BYTES (scattered blocks: one staged
+    frame is cheaper than many small ones), or a source is not a contiguous host tensor."""
+    if any(s.device.type != "cpu" or not s.is_contiguous() for s in sources):
+        return None
+    runs = list(block_runs(src_ids))
+    block_bytes = sources[0][0, 0].numel() * sources[0].element_size()
+    if 2 * len(sources) * len(runs) > MAX_DIRECT_FRAMES or \
+            min(length for _, _, length in runs) * block_bytes < MIN_DIRECT_FRAME_BYTES:
+        return None
+    views = []
+    for source in sources:
+        raw = tensor_bytes(source)  # [2, num_blocks, ...] of one layer
+        for kv in (0, 1):
+            at = kv * source.shape[1]
+            views += [raw[(at + start) * block_bytes:(at + start + length) * block_bytes]
+                      for start, _, length in runs]
+    return views
+
+
+def view_address(view: memoryview) -> int:
+    """Where a (C-contiguous) view's bytes start."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 class ZmqReceiver(TableReceiver):
@@ -293,7 +337,7 @@ class ZmqReceiver(TableReceiver):
                 self._heard.pop(ident, None)
                 self.table.sender_gone(frames[2].bytes.decode(), "sender closed")
                 return None
-            if (kind, len(frames)) not in ((DATA, 4), (NOTIFY, 3), (CONTROL, 3)):
+            if not ((kind == DATA and len(frames) >= 4) or (kind in (NOTIFY, CONTROL) and len(frames) == 3)):
                 self.table.refuse_undecodable(f"bad frame kind {kind[:8]!r} or count {len(frames)}")
                 return None
             header = KVHeader.decode(frames[2].buffer)
@@ -303,7 +347,7 @@ class ZmqReceiver(TableReceiver):
         if kind == CONTROL:
             ack = self.table.control(header)
             return None if ack is None else [ACK, ack.encode()]
-        data = frames[3].buffer if kind == DATA else None
+        data = [frame.buffer for frame in frames[3:]] if kind == DATA else None
         return [ACK, self.table.ingest(header, data).encode()]
 
 
@@ -395,6 +439,17 @@ class ZmqSender(IOSender):
         src_ids: tuple[int, ...], dst_ids: tuple[int, ...], seq: int,
     ) -> str:
         assert self.layout is not None and self._sock is not None  # set by connect()
+        segments = direct_segments(sources, src_ids)
+        if segments is not None:
+            # Zero copy: libzmq reads the source blocks themselves, which stay put until the
+            # transfer is terminal (the connector's block rule: sent blocks are never written
+            # again, and the engine frees them only after poll() reports the end), and each
+            # frame keeps its tensor alive. The crc32c is one read of the same bytes, which
+            # leaves them in cache for the socket's copy.
+            crc = crc32c_ranges([(view_address(view), view.nbytes) for view in segments])
+            header = self.data_header(t, layer, dst_ids, None, seq, crc=crc, layer_count=len(sources))
+            self._sock.send_multipart([DATA, header.encode(), *segments], copy=False)
+            return ""
         nbytes = len(sources) * self.layout.payload_nbytes(len(dst_ids))
         buffer = self._pool.take(nbytes)
         assert buffer is not None  # _io_can_transmit said so, and nothing took one since

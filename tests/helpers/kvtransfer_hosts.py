@@ -289,11 +289,14 @@ class RawClient:
         self.sock.send_multipart([b"G", GrantRequest(rid, self.sender_id).encode()])
         return Grant.decode(self.recv(b"g"))
 
-    def unit(self, header: KVHeader, data: bytes | None) -> Ack:
-        """A data unit; data None = shm's notification that the blocks are written in place."""
+    def unit(self, header: KVHeader, data: bytes | list[bytes] | None) -> Ack:
+        """A data unit; data None = shm's notification that the blocks are written in place; a
+        list = the payload cut into frames (zmq sends each as a frame of its own)."""
         from dataclasses import replace
 
         header = replace(header, sender_id=self.sender_id)
+        if isinstance(data, list) and self.backend != "zmq":
+            data = b"".join(data)
         if self.backend == "fake":
             return self.table.ingest(header, data)
         if self.backend == "grpc":
@@ -310,7 +313,7 @@ class RawClient:
         if data is None:
             self.sock.send_multipart([b"N", header.encode()])
         else:
-            self.sock.send_multipart([b"D", header.encode(), data])
+            self.sock.send_multipart([b"D", header.encode(), *(data if isinstance(data, list) else [data])])
         return Ack.decode(self.recv(b"A"))
 
     def abort(self, rid: str) -> None:

@@ -209,8 +209,10 @@ def test_refused_unit_fails_only_its_transfer(hosts, backend, fault):
     assert "victim" not in events
     cache = host.call("cache", key)
     assert not cache[:, :, 9].any()
-    if backend != "shm":
+    if backend != "shm" and fault != "checksum":  # refused before any byte was written
         assert not cache[:, :, [1, 2]].any()
+    # A checksum mismatch is found during the write into a host cache (one pass), so the bad
+    # unit may sit in blocks 1-2: only ever the failed transfer's own, released above.
     raw.close()
     sender.close()
     host.call("close", key)
@@ -244,8 +246,9 @@ def test_queued_layers_travel_as_one_unit(hosts, backend, options):
 @pytest.mark.parametrize("backend", ["fake", "zmq", "shm"])
 def test_hand_made_multi_layer_units(hosts, backend, fault):
     """A unit of layers 1-2 crafted by hand: written into exactly those layers when it is
-    right; refused before a byte reaches the cache when it names layers beyond the layout,
-    carries fewer bytes than its layers need, or does not match its checksum."""
+    right; refused before a byte reaches the cache when it names layers beyond the layout or
+    carries fewer bytes than its layers need; when it does not match its checksum, refused
+    with its transfer failed and no byte outside that transfer's blocks."""
     from dataclasses import replace
 
     from kvtransfer.message import checksum
@@ -284,7 +287,99 @@ def test_hand_made_multi_layer_units(hosts, backend, fault):
                   "checksum": "checksum mismatch on layers 1-2"}[fault]
         assert not ack.ok and reason in ack.reason, ack.reason
         if backend != "shm":
-            assert not cache.any()
+            # A checksum is checked during the write into a host cache: the refused unit may
+            # sit in its own transfer's blocks (3, 4 of layers 1-2), never anywhere else.
+            landed = cache.clone()
+            if fault == "checksum":
+                landed[1:3, :, [3, 4]] = 0
+            assert not landed.any()
+    raw.close()
+    host.call("close", key)
+
+
+@pytest.mark.parametrize("max_frames", [None, 0])
+def test_zmq_sends_block_runs_as_frames_or_stages_scattered_blocks(hosts, monkeypatch, max_frames):
+    """zmq sends a unit straight from the source blocks, one frame per run of consecutive
+    blocks (no staging buffer), unless that takes more than MAX_DIRECT_FRAMES frames: then it
+    gathers the blocks into one staged frame. Either way each block lands where it belongs."""
+    import kvtransfer.zmq_backend as zb
+
+    monkeypatch.setattr(zb, "MIN_DIRECT_FRAME_BYTES", 1)  # the tiny layout's blocks are small
+    if max_frames is not None:
+        monkeypatch.setattr(zb, "MAX_DIRECT_FRAMES", max_frames)
+    host = hosts("zmq")
+    layout = make_layout()
+    key, endpoint = open_receiver(host)
+    src, dst = [6, 7, 0, 2, 3], [20, 21, 22, 5, 9]  # runs 6-7, 0, 2-3 at the source
+    expect(host, key, "r", dst)
+    source = source_cache(layout, 8, seed=12)
+    sender = connected_sender("zmq", endpoint, layout)
+    send_all(sender, "r", source, src, first_token=4)
+    assert wait_all(sender, ["r"])["r"].done
+    assert by_transfer(host.call("wait", key, 2, 10.0))["r"] == [(COMPLETE, "", 4)]
+    cache = host.call("cache", key)
+    assert same_bytes(cache[:, :, dst], source[:, :, src])
+    assert not cache[:, :, [b for b in range(32) if b not in dst]].any()
+    staged = bool(sender._pool._entries)  # the staging buffers a unit took, if any
+    assert staged == (max_frames == 0)
+    sender.close()
+    host.call("close", key)
+
+
+def test_zmq_direct_segments(monkeypatch):
+    """The views a zmq unit is sent as: each layer's K runs then its V runs, the payload's order;
+    None for more frames than allowed, frames under the floor, or a source that is not a
+    contiguous host tensor."""
+    import torch
+
+    import kvtransfer.zmq_backend as zb
+    from kvtransfer.zmq_backend import MAX_DIRECT_FRAMES, direct_segments
+
+    layout = make_layout()
+    block_bytes = layout.bytes_per_block_per_layer() // 2
+    monkeypatch.setattr(zb, "MIN_DIRECT_FRAME_BYTES", 2 * block_bytes)  # runs of 2 blocks pass
+    assert direct_segments((source_cache(layout, 8, seed=3)[0],), (6, 7, 0)) is None  # run "0"
+    monkeypatch.setattr(zb, "MIN_DIRECT_FRAME_BYTES", block_bytes)
+    source = source_cache(layout, 8, seed=3)
+    ids = (6, 7, 0, 2, 3)
+    views = direct_segments((source[1], source[2]), ids)
+    assert len(views) == 2 * 2 * 3
+    joined = b"".join(bytes(v) for v in views)
+    want = b"".join(bytes(tensor_bytes(source[layer][:, list(ids)].contiguous())) for layer in (1, 2))
+    assert joined == want
+    scattered = tuple(range(0, 2 * MAX_DIRECT_FRAMES, 2))  # one run per block
+    big = torch.zeros(2, 2 * MAX_DIRECT_FRAMES, *layout.block_shape())
+    assert direct_segments((big,), scattered) is None
+    assert direct_segments((source[1].transpose(1, 2),), ids) is None
+
+
+@pytest.mark.parametrize("cut", ["odd", "short", "long"])
+def test_zmq_unit_cut_into_frames_anywhere(hosts, cut):
+    """A data unit's payload may come as several frames cut anywhere (not on block bounds): it
+    is written as one stream; frames holding fewer or more bytes than the header says are
+    refused and fail the transfer, with nothing written."""
+    host = hosts("zmq")
+    layout = make_layout()
+    key, endpoint = open_receiver(host)
+    expect(host, key, "m", [3, 4, 8])
+    raw = RawClient("zmq", host, key, endpoint, layout)
+    assert raw.ask("m").ok
+    payload = source_cache(layout, 3, seed=9)[0].contiguous()  # layer 0, three blocks
+    header = KVHeader.for_payload("m", 0, (3, 4, 8), payload, layout, seq=1)
+    data = bytes(tensor_bytes(payload))
+    frames = [data[:5], data[5:6], data[6:1001], data[1001:]]
+    if cut == "short":
+        frames[-1] = frames[-1][:-4]
+    elif cut == "long":
+        frames.append(b"1234")
+    ack = raw.unit(header, frames)
+    cache = host.call("cache", key)
+    if cut == "odd":
+        assert ack.ok, ack.reason
+        assert same_bytes(cache[0, :, [3, 4, 8]], payload)
+    else:
+        assert not ack.ok and "payload has" in ack.reason, ack.reason
+        assert not cache.any()
     raw.close()
     host.call("close", key)
 
