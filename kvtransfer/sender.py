@@ -167,11 +167,11 @@ class IOSender(KVSender, SenderHooks):
                 f"{transfer_id}: source shape {list(source.shape)} is not one layer's cache "
                 f"[2, num_blocks, {', '.join(map(str, layout.block_shape()))}]"
             )
-        ids = tuple(int(b) for b in src_block_ids)
+        ids = tuple(map(int, src_block_ids))
         if not ids:
             raise ValueError(f"{transfer_id}: src_block_ids is empty")
-        bad = [b for b in ids if not 0 <= b < source.shape[1]]
-        if bad:
+        if min(ids) < 0 or max(ids) >= source.shape[1]:  # once per layer: the common case is cheap
+            bad = [b for b in ids if not 0 <= b < source.shape[1]]
             raise ValueError(f"{transfer_id}: src block ids {bad} out of range [0, {source.shape[1]})")
         if len(set(ids)) != len(ids):
             raise ValueError(f"{transfer_id}: duplicate src block ids in {list(ids)}")
