@@ -46,7 +46,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.device import add_device_flags, resolve_device
-from engine.llm_engine import KV_TORCH_DTYPES
+from engine.kv_cache_sizing import KV_TORCH_DTYPES
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
 from engine.models import model_class

@@ -14,7 +14,7 @@ from decode_node.server import DecodeServicer
 from decode_node.worker import DecodeWorker
 from common.errors import TandemError
 from common.shm_segments import reclaim_orphans, segment_name
-from engine.llm_engine import sized_cache
+from engine.kv_cache_sizing import sized_cache
 from common.model_identity import model_fingerprint
 from worker.node_server import (
     NodeIdentity,

@@ -44,7 +44,8 @@ from worker.embedder import Embedder
 from worker.engine_loop import EngineLoop
 from common.errors import TandemError
 from engine.kv_transfer_state import KVTransferParams
-from engine.llm_engine import LLMEngine, StepOutput
+from engine.llm_engine import LLMEngine
+from engine.step_output import StepOutput
 from engine.request import RequestStatus
 from engine.request_grammar import RequestGrammar
 from common.pooling import Pooling

@@ -14,82 +14,40 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
-from engine.block_manager import BlockManager
-from common.model_config import ModelConfig
-from engine.config import KV_DTYPE_TORCH_NAMES, KV_DTYPES, CacheConfig, EngineConfig, check_kv_dtype
-from engine.device import resolve_device
-from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
-from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes, int4_native_projections
-from engine.embedding import pool_step, pooled_vector
-from common.malloc_policy import loading_weights
 from common.errors import ContextLengthError, InvalidOptionError, ResidencyError, SamplingError
+from common.malloc_policy import loading_weights
+from common.pooling import Pooling
+from common.request_id import log_extra
+from common.sampling_params import SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.device import resolve_device
+from engine.draft_loading import load_draft
+from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
+from engine.embedding import pool_step, pooled_vector
+from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes, int4_native_projections
 from engine.grammar import GrammarBackend
+from engine.kv_cache_sizing import KV_TORCH_DTYPES, kv_dtype_name, sized_cache
 from engine.kv_connector import ConnectorEvents, KVConnector
-from common.logprobs import TokenLogprob
-from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
+from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models import model_class
 from engine.pass_record import PassRecord
 from engine.prefill_cost import CALIBRATION_TOKENS, MIN_PROMPT_TOKENS, PrefillCost
 from engine.request import Request, RequestStatus
 from engine.sampler import NO_TOKEN, Sampler, forbid_tokens, make_generator, position_generator
-from common.pooling import Pooling
-from common.request_id import log_extra
-from common.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
+from engine.step_logprobs import add_prompt_logprobs, prompt_logit_rows, token_logprobs
+from engine.step_output import StepOutput
 from kernels import batch_invariance, native
 
 log = logging.getLogger(__name__)
-
-# CacheConfig.kv_dtype -> the element type of the cache tensor.
-KV_TORCH_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in KV_DTYPE_TORCH_NAMES.items()}
-
-
-def kv_dtype_name(value: str | torch.dtype) -> str:
-    """The KV_DTYPES name ("fp32", "bf16") of `value`, given as that name or as the torch
-    dtype; ValueError for anything else."""
-    if isinstance(value, torch.dtype):
-        for name, dtype in KV_TORCH_DTYPES.items():
-            if dtype == value:
-                return name
-        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} "
-                         f"(torch.float32, torch.bfloat16), got {value}")
-    return check_kv_dtype(value)
-
-
-def sized_cache(cache: CacheConfig, model: ModelConfig) -> CacheConfig:
-    """`cache` with num_blocks known: as given, else as many blocks of `model`'s KV as
-    cache.kv_cache_bytes holds (at least one)."""
-    if cache.num_blocks is not None:
-        return cache
-    per_block = kv_cache_bytes_per_block(model, cache.block_size, KV_TORCH_DTYPES[cache.kv_dtype])
-    return replace(cache, num_blocks=max(1, cache.kv_cache_bytes // per_block))
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    status: RequestStatus
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
-    error: str = ""  # why the request ended FINISHED_ERROR (a step's only failures are per request)
-    # Parallel to new_token_ids when the request asked for logprobs (SamplingParams.logprobs),
-    # else None.
-    logprobs: list[TokenLogprob] | None = None
-    # With the request's first token, when it asked for prompt logprobs: entry i is prompt
-    # token i + 1's (the first prompt token has none). Else None.
-    prompt_logprobs: list[TokenLogprob] | None = None
-    # An embedding request's pooled vector, with its finish (engine/embedding.py); else None.
-    embedding: list[float] | None = None
 
 
 def _record_pass(plan, started_ns: int) -> None:
@@ -102,48 +60,6 @@ def _record_pass(plan, started_ns: int) -> None:
     for c in traced:
         c.request.passes.append(PassRecord(started_ns, ended_ns, c.num_scheduled_tokens, size,
                                            total, c.start_pos >= c.request.num_prompt_tokens))
-
-
-def _prompt_logit_rows(request: Request, start: int, num_tokens: int) -> range:
-    """The indexes into a chunk [start, start + num_tokens) whose logits give prompt logprobs
-    not yet computed: positions p < num_prompt_tokens - 1 (position p's distribution scores
-    prompt token p + 1; the last prompt position's is the first sample). Empty unless the
-    request asked."""
-    if request.sampling_params.prompt_logprobs is None:
-        return range(0)
-    lo = max(start, len(request.prompt_logprobs))
-    hi = min(start + num_tokens, request.num_prompt_tokens - 1)
-    return range(lo - start, max(lo, hi) - start)
-
-
-def load_draft(name: str, target_path: Path, target: ModelConfig, weight_format: str,
-                device: torch.device):
-    """The draft model `name` (resolved as --model is: a store name or a path), in the
-    engine's own weight format (a decode engine's decode format) on its device. ValueError
-    naming it when it cannot be found or read, or when its vocabulary is not the target's
-    (size, and a few token strings where both tokenizers load)."""
-    from common.model_store import default_store
-    from common.tokenizer import Tokenizer
-    from engine.loaders import load_model
-
-    try:
-        draft_path = default_store().resolve(name)
-        loaded = load_model(Path(draft_path))
-    except Exception as exc:  # noqa: BLE001 - re-raised naming the flag's model
-        raise ValueError(f"--speculative draft:{name}: cannot load the draft model: {exc}") from exc
-    try:
-        target_tok, draft_tok = Tokenizer.from_path(target_path), Tokenizer.from_path(Path(draft_path))
-    except Exception:  # noqa: BLE001 - a model without tokenizer files: sizes are compared alone
-        target_tok = draft_tok = None
-    try:
-        check_same_vocabulary(target.vocab_size, loaded.config.vocab_size, target_tok, draft_tok)
-    except ValueError as exc:
-        raise ValueError(f"--speculative draft:{name}: {exc}") from None
-    with loading_weights():
-        model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, weight_format,
-                                                        device=device)
-        loaded.drop_resident_pages()
-    return model
 
 
 class LLMEngine:
@@ -474,7 +390,7 @@ class LLMEngine:
                                 c.start_pos, self.block_manager.block_table(c.request_id), c.samples,
                                 num_logits=1 + len(c.draft_token_ids),
                                 is_decode=c.start_pos >= c.request.num_prompt_tokens,
-                                prompt_logits=_prompt_logit_rows(c.request, c.start_pos, c.num_tokens),
+                                prompt_logits=prompt_logit_rows(c.request, c.start_pos, c.num_tokens),
                                 pool_hidden=c.request.pooling)
                   for c in plan.chunks]
         for request_id in plan.preempted:  # recomputed from its first token
@@ -493,13 +409,13 @@ class LLMEngine:
         sampling_chunks = [c for c in plan.chunks if c.samples]
         num_rows = sum(1 + len(c.draft_token_ids) for c in sampling_chunks)
         if logits.shape[0] > num_rows:  # prompt logprob rows follow the sampling rows
-            self._add_prompt_logprobs(plan.chunks, chunks, logits[num_rows:])
+            add_prompt_logprobs(plan.chunks, chunks, logits[num_rows:])
             logits = logits[:num_rows]
         logits, runs, spec_failed = self._verify_drafts(sampling_chunks, logits)
         sampling = [c.request for c in sampling_chunks if not c.draft_token_ids]
         sampled, failed = self._sample(sampling, logits)
         failed.update(spec_failed)
-        logprobs = self._logprobs(sampling, logits, sampled)
+        logprobs = token_logprobs(sampling, logits, sampled)
         lengths = {c.request_id: c.request.num_tokens for c in sampling_chunks}
         ended = self.scheduler.update_from_output(plan, {**sampled, **runs})
         finished = {r.request_id for r in ended}
@@ -625,57 +541,6 @@ class LLMEngine:
                     "sampling failed: this request's options leave no finite probabilities to "
                     "draw from (check temperature and the penalties)"))
         return sampled, failed
-
-    @staticmethod
-    def _logprobs(requests: list[Request], logits: torch.Tensor,
-                  sampled: dict[str, int]) -> dict[str, TokenLogprob]:
-        """request id -> its token's logprob, for the requests that asked (and got a token).
-        A batch where none asked pays one test per request. The raw model distribution
-        (common/logprobs.py): log_softmax of `logits` as the runner returned them, before the
-        grammar mask, penalties, filters and temperature, as vLLM reports by default."""
-        rows = [(i, r) for i, r in enumerate(requests)
-                if r.sampling_params.logprobs is not None and r.request_id in sampled]
-        if not rows:
-            return {}
-        index = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
-        logp = torch.log_softmax(logits[index].float(), dim=-1)
-        chosen = torch.tensor([sampled[r.request_id] for _, r in rows], dtype=torch.int64,
-                              device=logits.device)
-        chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
-        n = min(max(r.sampling_params.logprobs for _, r in rows), logp.shape[1])
-        top_lp, top_ids = [[]] * len(rows), [[]] * len(rows)
-        if n:  # one topk for the batch, at its largest n; each row keeps its own
-            values, ids = logp.topk(n, dim=-1)
-            top_lp, top_ids = values.tolist(), ids.tolist()
-        out = {}
-        for j, (_, r) in enumerate(rows):
-            k = r.sampling_params.logprobs
-            top = tuple(zip(top_ids[j][:k], top_lp[j][:k]))
-            out[r.request_id] = TokenLogprob(sampled[r.request_id], chosen_lp[j], top)
-        return out
-
-    @staticmethod
-    def _add_prompt_logprobs(scheduled, chunks: list[SequenceChunk], rows: torch.Tensor) -> None:
-        """Appends to each asking request's prompt_logprobs the entries of its chunk's
-        prompt_logits rows (`rows`, in chunk order): the next prompt token's logprob under
-        the raw distribution at each position, and the request's top alternatives."""
-        logp = torch.log_softmax(rows.float(), dim=-1)
-        owners, targets = [], []
-        for s, c in zip(scheduled, chunks):
-            for i in c.prompt_logits:
-                owners.append(s.request)
-                targets.append(s.request.token_ids[c.start_pos + i + 1])
-        index = torch.tensor(targets, dtype=torch.int64, device=logp.device)
-        chosen = logp.gather(1, index[:, None]).squeeze(1).tolist()
-        n = min(max(r.sampling_params.prompt_logprobs for r in owners), logp.shape[1])
-        top_lp, top_ids = [[]] * len(owners), [[]] * len(owners)
-        if n:
-            values, ids = logp.topk(n, dim=-1)
-            top_lp, top_ids = values.tolist(), ids.tolist()
-        for j, request in enumerate(owners):
-            k = request.sampling_params.prompt_logprobs
-            request.prompt_logprobs.append(
-                TokenLogprob(targets[j], chosen[j], tuple(zip(top_ids[j][:k], top_lp[j][:k]))))
 
     def _sample_rows(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         # -- structured output: rows with a grammar get its token mask (engine/grammar.py); a

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from engine.llm_engine import kv_dtype_name
+from engine.kv_cache_sizing import kv_dtype_name
 from common.model_identity import model_fingerprint
 from worker.node_server import (
     NodeIdentity,

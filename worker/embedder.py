@@ -21,7 +21,7 @@ import itertools
 
 from common.errors import TandemError
 from common.pooling import Pooling
-from engine.llm_engine import StepOutput
+from engine.step_output import StepOutput
 from worker.engine_loop import EngineLoop, settle
 
 

@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 from common.sampling_params import SamplingParams
 from engine.grammar import GrammarError
-from engine.llm_engine import LLMEngine, StepOutput
+from engine.llm_engine import LLMEngine
+from engine.step_output import StepOutput
 from engine.request_grammar import RequestGrammar
 from engine.speculative import SpecDecodeStats
 

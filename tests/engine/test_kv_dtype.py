@@ -13,7 +13,8 @@ import torch
 from deploy.process_plan import plan
 from deploy.local_topology import Topology
 from engine.config import CacheConfig, EngineConfig, KV_DTYPES
-from engine.llm_engine import LLMEngine, kv_dtype_name
+from engine.kv_cache_sizing import kv_dtype_name
+from engine.llm_engine import LLMEngine
 from worker.config import WorkerConfig
 from worker.flags import worker_arg_parser
 from worker.node_server import kv_layout

@@ -26,7 +26,8 @@ import kvtransfer
 from decode_node.worker import DecodeJob, DecodeWorker, Tokens
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.errors import SamplingError, TandemError
-from engine.llm_engine import LLMEngine, kv_dtype_name
+from engine.kv_cache_sizing import kv_dtype_name
+from engine.llm_engine import LLMEngine
 from common.model_identity import model_fingerprint
 from worker.node_server import kv_layout
 from common.sampling_params import SamplingParams
