@@ -295,15 +295,17 @@ class RawClient:
         from dataclasses import replace
 
         header = replace(header, sender_id=self.sender_id)
-        if isinstance(data, list) and self.backend != "zmq":
+        if isinstance(data, list) and self.backend not in ("zmq", "grpc"):
             data = b"".join(data)
         if self.backend == "fake":
             return self.table.ingest(header, data)
         if self.backend == "grpc":
             from kvtransfer.pb import kvtransfer_pb2 as pb
 
-            chunk = pb.PushChunk(header=header.to_pb(), data=data or b"")
-            return Ack.from_pb(self.stub.Push(iter([chunk]), timeout=10))
+            parts = data if isinstance(data, list) else [data or b""]  # a list: one chunk each
+            chunks = [pb.PushChunk(header=header.to_pb(), data=parts[0])]
+            chunks += [pb.PushChunk(data=part) for part in parts[1:]]
+            return Ack.from_pb(self.stub.Push(iter(chunks), timeout=10))
         if self.backend == "dist":  # the tensor over the group, then its header
             work = self.group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], 0, 0)
             self.sock.send_multipart([b"T", header.encode()])

@@ -297,8 +297,9 @@ def test_hand_made_multi_layer_units(hosts, backend, fault):
     host.call("close", key)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("max_frames", [None, 0])
-def test_zmq_sends_block_runs_as_frames_or_stages_scattered_blocks(hosts, monkeypatch, max_frames):
+def test_zmq_sends_block_runs_as_frames_or_stages_scattered_blocks(hosts, monkeypatch, max_frames, dtype):
     """zmq sends a unit straight from the source blocks, one frame per run of consecutive
     blocks (no staging buffer), unless that takes more than MAX_DIRECT_FRAMES frames: then it
     gathers the blocks into one staged frame. Either way each block lands where it belongs."""
@@ -308,8 +309,8 @@ def test_zmq_sends_block_runs_as_frames_or_stages_scattered_blocks(hosts, monkey
     if max_frames is not None:
         monkeypatch.setattr(zb, "MAX_DIRECT_FRAMES", max_frames)
     host = hosts("zmq")
-    layout = make_layout()
-    key, endpoint = open_receiver(host)
+    layout = make_layout(dtype)
+    key, endpoint = open_receiver(host, dtype)
     src, dst = [6, 7, 0, 2, 3], [20, 21, 22, 5, 9]  # runs 6-7, 0, 2-3 at the source
     expect(host, key, "r", dst)
     source = source_cache(layout, 8, seed=12)
@@ -354,15 +355,16 @@ def test_zmq_direct_segments(monkeypatch):
 
 
 @pytest.mark.parametrize("cut", ["odd", "short", "long"])
-def test_zmq_unit_cut_into_frames_anywhere(hosts, cut):
-    """A data unit's payload may come as several frames cut anywhere (not on block bounds): it
-    is written as one stream; frames holding fewer or more bytes than the header says are
-    refused and fail the transfer, with nothing written."""
-    host = hosts("zmq")
+@pytest.mark.parametrize("backend", ["zmq", "grpc"])
+def test_unit_cut_into_frames_anywhere(hosts, backend, cut):
+    """A data unit's payload may come as several frames (zmq) or stream chunks (gRPC) cut
+    anywhere, not on block bounds: it is written as one stream; pieces holding fewer or more
+    bytes than the header says are refused and fail the transfer, with nothing written."""
+    host = hosts(backend)
     layout = make_layout()
     key, endpoint = open_receiver(host)
     expect(host, key, "m", [3, 4, 8])
-    raw = RawClient("zmq", host, key, endpoint, layout)
+    raw = RawClient(backend, host, key, endpoint, layout)
     assert raw.ask("m").ok
     payload = source_cache(layout, 3, seed=9)[0].contiguous()  # layer 0, three blocks
     header = KVHeader.for_payload("m", 0, (3, 4, 8), payload, layout, seq=1)
