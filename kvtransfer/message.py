@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -211,6 +212,11 @@ def payload_segments(header: KVHeader, data: Buffer | Sequence[Buffer]) -> list[
     if total != header.payload_nbytes:
         raise MessageError(f"payload has {total} bytes, header says {header.payload_nbytes}")
     return views
+
+
+def buffer_address(view: memoryview) -> int:
+    """Where a C-contiguous byte view's bytes start (the view keeps them alive)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 def payload_tensor(header: KVHeader, data: bytes | bytearray | memoryview) -> torch.Tensor:

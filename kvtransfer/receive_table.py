@@ -44,7 +44,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kernels.copy_crc32c import copy_crc32c, stream_copies
@@ -54,8 +53,8 @@ from .base import ReceiveEvent, ReceiveKind, TransferStats
 from .fence import process_start_time, same_process_alive
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
-    Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, checksum,
-    checksum_blocks, payload_segments, payload_tensor,
+    Ack, Grant, HandshakeRequest, KVHeader, MessageError, Revoke, block_runs, buffer_address,
+    checksum, checksum_blocks, payload_segments, payload_tensor,
 )
 from .stats import StatsCounter
 from .transfer import IncomingTransfer
@@ -362,8 +361,7 @@ class ReceiveTable:
         base, num_blocks = cache.data_ptr(), cache.shape[2]
         dst_ranges = [(base + ((layer * 2 + kv) * num_blocks + start) * block_bytes, length * block_bytes)
                       for layer in header.layers for kv in (0, 1) for _, start, length in runs]
-        arrays = [np.frombuffer(segment, dtype=np.uint8) for segment in segments]  # alive: the call
-        src_ranges = [(array.ctypes.data, array.nbytes) for array in arrays]
+        src_ranges = [(buffer_address(segment), segment.nbytes) for segment in segments]
         return copy_crc32c(stream_copies(dst_ranges, src_ranges), verify=False)
 
     def _grant(self, exp: IncomingTransfer, sender_id: str) -> None:

@@ -49,7 +49,6 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
 import torch
 import zmq
 
@@ -60,7 +59,7 @@ from .base import KVTransferError
 from .layout import KVCacheBuffer, KVLayout
 from .message import (
     Ack, Grant, GrantRequest, HandshakeReply, HandshakeRequest, KVHeader, MessageError, Revoke,
-    Revoked, block_runs, tensor_bytes,
+    Revoked, block_runs, buffer_address, tensor_bytes,
 )
 from .payload_pool import PayloadPool
 from .receive_table import ReceiveTable
@@ -131,11 +130,6 @@ def direct_segments(sources: tuple[torch.Tensor, ...], src_ids: tuple[int, ...])
             views += [raw[(at + start) * block_bytes:(at + start + length) * block_bytes]
                       for start, _, length in runs]
     return views
-
-
-def view_address(view: memoryview) -> int:
-    """Where a (C-contiguous) view's bytes start."""
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 class ZmqReceiver(TableReceiver):
@@ -446,7 +440,7 @@ class ZmqSender(IOSender):
             # again, and the engine frees them only after poll() reports the end), and each
             # frame keeps its tensor alive. The crc32c is one read of the same bytes, which
             # leaves them in cache for the socket's copy.
-            crc = crc32c_ranges([(view_address(view), view.nbytes) for view in segments])
+            crc = crc32c_ranges([(buffer_address(view), view.nbytes) for view in segments])
             header = self.data_header(t, layer, dst_ids, None, seq, crc=crc, layer_count=len(sources))
             self._sock.send_multipart([DATA, header.encode(), *segments], copy=False)
             return ""
