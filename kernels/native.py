@@ -147,6 +147,30 @@ def level_env(level: str, env: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def split_zmm() -> bool:
+    """Whether this CPU runs each 512-bit op as two 256-bit halves (AMD Zen 4: family 25 with
+    AVX-512), for which the kernels are built with fewer dot chains (csrc/simd.h dot_chains).
+    TANDEM_SPLIT_ZMM=1 or 0 overrides the detection (the tests build both ways)."""
+    forced = os.environ.get("TANDEM_SPLIT_ZMM")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _cpu_field("vendor_id") == "AuthenticAMD" and _cpu_field("cpu family") == "25" \
+        and _has_cpu_flag("avx512f")
+
+
+def _cpu_field(name: str) -> str | None:
+    """The first value of `name` in /proc/cpuinfo (None where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _has_cpu_flag(flag: str) -> bool:
     """Whether the kernel reports `flag` for this CPU (Linux /proc/cpuinfo; elsewhere: no)."""
@@ -187,6 +211,8 @@ def _build(level: str) -> Path:
     cxx = _compiler()
     flags = COMMON_FLAGS + LEVEL_FLAGS[level] if platform.machine().lower() in ("x86_64", "amd64") \
         else COMMON_FLAGS
+    if split_zmm():
+        flags = flags + ["-DTANDEM_SPLIT_ZMM"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(source_digest().encode())
     digest.update(" ".join([cxx, *flags, version]).encode())

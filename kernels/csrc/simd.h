@@ -119,8 +119,19 @@ static inline vf vsum_lanes(const vf* v) {
 // element 16 + i: its high nibble), dequantized as q * d + m into out[0..32/VL).
 // Independent int32 accumulators per row of x for a tile of R rows: an integer dot (vpdpwssd,
 // vpdpbusd) waits ~5 cycles for the previous one into the same register, so ~8 chains in
-// flight keep the unit busy; R rows give R chains already.
+// flight keep the unit busy; R rows give R chains already (measured on a Sapphire Rapids class
+// Xeon).
+// TANDEM_SPLIT_ZMM (kernels/native.py sets it on AMD Zen 4, which runs each 512-bit op as two
+// 256-bit halves, so one 512-bit dot issues every ~2 cycles however many chains wait): there
+// two chains for one or two rows keep that rate, and eight cost register spills and the adds
+// that join them. A Q4_K layer at M = 1, weights streamed from memory, one thread, both builds
+// alternating in one process: 0.82-0.89x the time (medians of 12-24 pairs, four runs).
+// Integer sums are exact, so the chain count never changes a result.
+#if defined(TANDEM_SPLIT_ZMM)
+static constexpr int dot_chains(int rows) { return rows <= 4 ? 2 : 1; }
+#else
 static constexpr int dot_chains(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
+#endif
 
 // The sum of A integer chains, as a tree (exact: the order changes nothing).
 template <int A>
