@@ -30,6 +30,8 @@ of the host's memory the model's matrices take in each format, once the model's 
            and every projection of the file is stored in a type int4 holds as it is (Q4_0, Q4_1,
            Q4_K, and Q6_K, a Q4_K_M file's attn_v and half of its ffn_down, in the "q6_kx" tile
            layout)
+    bf16   in its place elsewhere when this host's bf16 GEMM is at least BF16_MIN_GAIN times as
+           fast as its fp32 one at prompt sizes (bf16_prefill_faster: measured once per host)
     bf16   else when its copy takes at most 1/3                    (a 1B: 2.1 GB; a 3B: 6.4 GB)
     w8a8   else                                                    (an 8B: 8 GB)
 
@@ -47,6 +49,19 @@ a bf16 or int8 GEMM does not). The random 1B LLaMA Q4_K_M, one 256-token prompt,
 256`): fp32 76.9 tok/s, int4 135.5, w8a8 233.4, bf16 282.1; served with int4 prefill, its
 8-client long-prompt TTFT p50 was 15.4 s, against 3.2 s with bf16 at stop 38. Without the tiles int4's kernel at
 prompt sizes is a dequantize and a GEMM per pass, slower than fp32's, so the rule is by memory.
+
+Why bf16 in fp32's place where its GEMM is that much faster (CPUs with AVX512-BF16 and no AMX
+tiles granted: AMD Zen 4, a Xeon VM that refuses the tiles): the prompt pass is most of a
+chat's time to first token, and there it halves. Measured on an AMD EPYC (Zen 4, 2 cores, no
+AMX), SmolLM2-135M Q4_1, one thread (`python -m benchmarks.bench_engine MODEL --formats
+fp32,bf16 --prompt-len 256 --batches 1`): fp32 271 prompt tok/s, bf16 553; served
+(`benchmarks.bench_peer --workloads chat8`, 8 clients, ~235-token prompts, one run each): TTFT
+p50 6.06 s with fp32 prefill (0.67x llama-server's 9.0 s) and 2.32 s with bf16 (0.25x), output
+64 and 108 tok/s. Its cost (`python -m benchmarks.quality --formats fp32,bf16,int4 --chunk 256`,
+prompt-sized passes): perplexity +0.61% and greedy top-1 agreement 96.9% against fp32, where
+int4 (the tiles' arithmetic) reads +0.04% and 96.9%: near-tie flips of the same count, a
+slightly larger perplexity cost, for half the prompt time. Where bf16 is not that much faster
+(an AVX2-only host, where aten's bf16 GEMM is slower than fp32's) fp32 stays.
 
 w8a8 is the smallest prefill format; where it and the int4 decode copy would take more than
 2/3 of memory together, the choice says so (`fits` False) and the engine logs it as a warning.
@@ -67,6 +82,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+
+from collections.abc import Callable
 
 from common.model_config import ModelConfig
 
@@ -128,9 +145,12 @@ def int4_native_projections(weights: dict) -> bool:
     return bool(mats) and all(getattr(w, "ggml_type", None) in held for w in mats)
 
 
-def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles: bool = False) -> FormatChoice:
-    """int4_tiles: int4 runs on AMX tiles here and int4 holds every projection as stored
-    (module docstring)."""
+def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles: bool = False,
+                          bf16_faster: Callable[[], bool] = lambda: False) -> FormatChoice:
+    """int4_tiles: int4 runs on AMX tiles here and int4 holds every projection as stored;
+    bf16_faster: asked only where fp32 would be chosen and the tiles do not take its place,
+    whether bf16 GEMMs are fast enough here to take it instead (bf16_prefill_faster; module
+    docstring)."""
     if mem_total_bytes <= 0:
         raise ValueError(f"mem_total_bytes must be positive, got {mem_total_bytes}")
     params = matrix_params(config)
@@ -142,6 +162,9 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
             if fmt == "fp32" and int4_tiles:
                 return FormatChoice("int4", f"{fits}, and in fp32's place int4, as the file's projections "
                                             "are blocks int4 holds as stored and int4 runs on AMX tiles here")
+            if fmt == "fp32" and bf16_faster():
+                return FormatChoice("bf16", f"{fits}, and in fp32's place bf16, as this host's bf16 GEMM "
+                                            f"measured at least {BF16_MIN_GAIN}x its fp32 one")
             return FormatChoice(fmt, fits)
     reason = (f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more than 1/3 of "
               f"{mem_total_bytes / gib:.1f} GiB of memory")
@@ -154,6 +177,52 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
                                     f"{num}/{den} of memory: this host is likely too small for the "
                                     f"model", fits=False)
     return FormatChoice("w8a8", f"{reason}; w8a8 and an int4 decode copy take {both / gib:.2f} GiB")
+
+
+# How much faster a prompt-sized bf16 GEMM must be than fp32's for bf16 to take fp32's place: it
+# rounds every weight and activation to 8 significant bits (+0.61% perplexity on the default
+# model), which a small gain would not pay for. Measured ratios: 2.04x (AMD Zen 4, whole prompt
+# passes), 2.55x (Sapphire Rapids class, the 1B); below 1 on AVX2-only hosts.
+BF16_MIN_GAIN = 1.5
+# The timed GEMM: SmolLM2-135M's gate_proj (1536 x 576) over a 256-token prompt.
+_PREFILL_GEMM = (256, 1536, 576)
+
+
+def bf16_prefill_faster() -> bool:
+    """Whether this host's bf16 GEMM at prompt sizes is at least BF16_MIN_GAIN times as fast as
+    fp32's: timed once per host and remembered beside the kernel layouts
+    (kernels/layout_choice.py: keyed by CPU, torch, dispatch level and thread count)."""
+    from kernels.layout_choice import fastest_layout
+
+    return fastest_layout("prefill-float", ["fp32", "bf16"], _weighed_prefill_time) == "bf16"
+
+
+def _weighed_prefill_time(fmt: str) -> float:
+    """Seconds per prompt-sized GEMM in `fmt`; bf16's times BF16_MIN_GAIN, so it wins only by
+    that much."""
+    return time_prefill_gemm(fmt) * (BF16_MIN_GAIN if fmt == "bf16" else 1.0)
+
+
+def time_prefill_gemm(fmt: str, reps: int = 3) -> float:
+    """Best of `reps` timings of one prompt-sized projection packed in `fmt`, through the same
+    kernels.linear path a prompt pass takes."""
+    import time
+
+    import torch
+
+    from kernels.linear import linear, pack_linear
+
+    rows, out_features, in_features = _PREFILL_GEMM
+    g = torch.Generator().manual_seed(0)
+    packed = pack_linear(torch.randn(out_features, in_features, generator=g), None, fmt)
+    x = torch.randn(rows, in_features, generator=g)
+    linear(x, packed)  # warm-up: oneDNN builds its kernels on the first call
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        linear(x, packed)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def matrix_format(fmt: str, parts: list) -> str:

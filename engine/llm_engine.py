@@ -31,7 +31,8 @@ from engine.device import resolve_device
 from engine.draft_loading import load_draft
 from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from engine.embedding import pool_step, pooled_vector
-from engine.format_choice import AUTO_FORMAT, choose_prefill_format, host_memory_bytes, int4_native_projections
+from engine.format_choice import (AUTO_FORMAT, bf16_prefill_faster, choose_prefill_format, host_memory_bytes,
+                                  int4_native_projections)
 from engine.grammar import GrammarBackend
 from engine.kv_cache_sizing import KV_TORCH_DTYPES, kv_dtype_name, sized_cache
 from engine.kv_connector import ConnectorEvents, KVConnector
@@ -160,7 +161,9 @@ class LLMEngine:
             if AUTO_FORMAT in (main_format, second_format):
                 tiles = (target.type == "cpu" and native.available() and native.amx_available()
                          and int4_native_projections(loaded.weights))
-                choice = choose_prefill_format(loaded.config, host_memory_bytes(), int4_tiles=tiles)
+                bf16_faster = bf16_prefill_faster if target.type == "cpu" else (lambda: False)
+                choice = choose_prefill_format(loaded.config, host_memory_bytes(), int4_tiles=tiles,
+                                               bf16_faster=bf16_faster)
                 log.log(logging.INFO if choice.fits else logging.WARNING,
                         "prefill weight format auto: %s (%s)", choice.format, choice.reason)
                 main_format = choice.format if main_format == AUTO_FORMAT else main_format

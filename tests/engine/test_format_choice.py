@@ -52,7 +52,16 @@ def test_each_model_size_gets_the_format_that_fits_24_gib():
         choose_prefill_format(SMOLLM2_135M, 0)
 
 
-def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog):
+@pytest.fixture
+def bf16_not_faster(monkeypatch):
+    """The engine's bf16 measurement answers no, so the memory rule alone decides (the host's
+    own answer is tested below)."""
+    from engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: False)
+
+
+def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog, bf16_not_faster):
     assert DEFAULT_PREFILL_QUANT == AUTO_FORMAT
     model_dir = make_tiny_hf_model(tmp_path / "m", "llama")
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
@@ -68,7 +77,8 @@ def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog):
         EngineConfig(role="decode", weight_format=AUTO_FORMAT)  # decode formats are never auto
 
 
-def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path, monkeypatch, caplog):
+def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path, monkeypatch, caplog,
+                                                                      bf16_not_faster):
     """Where int4 runs on AMX tiles and every projection is a block int4 holds as stored, auto is
     int4 in fp32's place; bf16 and w8a8, faster than the tiles at prompt sizes, stand, and so
     does the memory rule elsewhere."""
@@ -125,3 +135,58 @@ def test_a_prefill_worker_packs_the_tile_layouts_without_measuring(tmp_path, mon
         layouts[role] = (layer.gate_up.layout, layer.qkv.parts[-1].layout)
     assert layouts["prefill"] == (quant_int4.Q4_K_AMX_LAYOUT, quant_q6_k.AMX_LAYOUT)
     assert layouts["decode"] == ("q4_k", "q6_k")  # the (patched) measured choice: its first candidate
+
+
+def test_bf16_takes_fp32_s_place_only_where_it_measured_faster(tmp_path, caplog, monkeypatch):
+    """bf16 in fp32's place where this host's bf16 GEMM is BF16_MIN_GAIN times as fast; the
+    question is asked only where fp32 would be chosen and the tiles do not take its place."""
+    from engine import llm_engine
+
+    asked = []
+
+    def faster(answer):
+        return lambda: asked.append(answer) or answer
+
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, bf16_faster=faster(True)).format == "bf16"
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, bf16_faster=faster(False)).format == "fp32"
+    assert asked == [True, False]
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, int4_tiles=True, bf16_faster=faster(True)).format == "int4"
+    assert choose_prefill_format(TINYLLAMA_1B, 24 * GIB, bf16_faster=faster(True)).format == "bf16"
+    assert choose_prefill_format(LLAMA3_8B, 24 * GIB, bf16_faster=faster(True)).format == "w8a8"
+    assert asked == [True, False]  # the tiles, and the memory rule, decided without asking
+    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: True)
+    model_dir = make_tiny_hf_model(tmp_path / "m", "llama")
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        engine = LLMEngine.from_path(model_dir, EngineConfig.for_role(
+            "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)))
+    assert engine.config.weight_format == "bf16" and engine.model.formats == ("bf16",)
+    assert "prefill weight format auto: bf16" in caplog.text and "bf16 GEMM measured" in caplog.text
+
+
+@pytest.mark.parametrize("bf16_seconds,want", [(0.6, True), (0.7, False)])
+def test_bf16_prefill_faster_needs_the_minimum_gain_and_is_measured_once(tmp_path, monkeypatch,
+                                                                         bf16_seconds, want):
+    from engine import format_choice
+    from kernels import layout_choice
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    timed = []
+
+    def fake(fmt, reps=3):
+        timed.append(fmt)
+        return {"fp32": 1.0, "bf16": bf16_seconds}[fmt]
+
+    monkeypatch.setattr(format_choice, "time_prefill_gemm", fake)
+    assert format_choice.BF16_MIN_GAIN == 1.5  # 0.6 s: 1.67x fp32's speed; 0.7 s: 1.43x
+    assert format_choice.bf16_prefill_faster() is want
+    assert len(timed) == 2 * layout_choice.ROUNDS
+    monkeypatch.setattr(layout_choice, "_memo", {})  # a new process reads the recorded answer
+    assert format_choice.bf16_prefill_faster() is want and len(timed) == 2 * layout_choice.ROUNDS
+
+
+def test_the_prefill_gemm_is_timed_in_each_format():
+    from engine.format_choice import time_prefill_gemm
+
+    for fmt in ("fp32", "bf16"):
+        assert 0 < time_prefill_gemm(fmt, reps=1) < 10
