@@ -57,10 +57,13 @@ AMX), SmolLM2-135M Q4_1, one thread (`python -m benchmarks.bench_engine MODEL --
 fp32,bf16 --prompt-len 256 --batches 1`): fp32 271 prompt tok/s, bf16 553; served
 (`benchmarks.bench_peer --workloads chat8`, 8 clients, ~235-token prompts, one run each): TTFT
 p50 6.06 s with fp32 prefill (0.67x llama-server's 9.0 s) and 2.32 s with bf16 (0.25x), output
-64 and 108 tok/s. Its cost (`python -m benchmarks.quality --formats fp32,bf16,int4 --chunk 256`,
-prompt-sized passes): perplexity +0.61% and greedy top-1 agreement 96.9% against fp32, where
-int4 (the tiles' arithmetic) reads +0.04% and 96.9%: near-tie flips of the same count, a
-slightly larger perplexity cost, for half the prompt time. Where bf16 is not that much faster
+64 and 108 tok/s. Its lm_head stays fp32 (one row per prompt, so little time): with a bf16 head
+the default model answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
+la femme," where fp32, int4, w8a8 and bf16 layers with an fp32 head answer "The capital of
+France is Paris." Its cost against fp32 (`python -m benchmarks.quality --formats fp32,bf16
+--chunk 256`, prompt-sized passes, the bf16 head swapped for fp32's): perplexity +0.29%, greedy
+top-1 agreement 99.0%; with the bf16 head +0.61% and 96.9%; int4 (the tiles' arithmetic) +0.04%
+and 96.9%. Where bf16 is not that much faster
 (an AVX2-only host, where aten's bf16 GEMM is slower than fp32's) fp32 stays.
 
 w8a8 is the smallest prefill format; where it and the int4 decode copy would take more than
@@ -105,6 +108,9 @@ class FormatChoice:
     format: str
     reason: str
     fits: bool = True  # False: even w8a8 beside an int4 decode copy exceeds 2/3 of memory
+    # The lm_head's format in the prompt-pass copy (None: the format's own, models/llama.py
+    # LM_HEAD_FORMAT): fp32 beside bf16 picked for speed, whose bf16 head flipped first tokens.
+    prompt_head: str | None = None
 
 
 def matrix_params(config: ModelConfig) -> int:
@@ -163,8 +169,9 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
                 return FormatChoice("int4", f"{fits}, and in fp32's place int4, as the file's projections "
                                             "are blocks int4 holds as stored and int4 runs on AMX tiles here")
             if fmt == "fp32" and bf16_faster():
-                return FormatChoice("bf16", f"{fits}, and in fp32's place bf16, as this host's bf16 GEMM "
-                                            f"measured at least {BF16_MIN_GAIN}x its fp32 one")
+                return FormatChoice("bf16", f"{fits}, and in fp32's place bf16 (its lm_head fp32), as this "
+                                            f"host's bf16 GEMM measured at least {BF16_MIN_GAIN}x its fp32 one",
+                                    prompt_head="fp32")
             return FormatChoice(fmt, fits)
     reason = (f"a bf16 copy ({params * 2 / gib:.2f} GiB) would take more than 1/3 of "
               f"{mem_total_bytes / gib:.1f} GiB of memory")

@@ -158,6 +158,7 @@ class LLMEngine:
         t0 = time.monotonic()
         with loading_weights():  # peak: the model plus one matrix's temporaries
             loaded = load_model(Path(path))
+            prompt_head = None  # the prompt-pass copy's lm_head format, where auto picks one
             if AUTO_FORMAT in (main_format, second_format):
                 tiles = (target.type == "cpu" and native.available() and native.amx_available()
                          and int4_native_projections(loaded.weights))
@@ -166,13 +167,15 @@ class LLMEngine:
                                                bf16_faster=bf16_faster)
                 log.log(logging.INFO if choice.fits else logging.WARNING,
                         "prefill weight format auto: %s (%s)", choice.format, choice.reason)
+                prompt_head = choice.prompt_head
                 main_format = choice.format if main_format == AUTO_FORMAT else main_format
                 second_format = choice.format if second_format == AUTO_FORMAT else second_format
                 if second_format == main_format:
                     second_format = None  # a colocated engine whose prefill format is its decode one
             model = model_class(loaded.config.architecture)(loaded.config, loaded.weights, main_format,
                                                             prefill_format=second_format, device=target,
-                                                            prompt_only=config.role == "prefill")
+                                                            prompt_only=config.role == "prefill",
+                                                            prompt_head_format=prompt_head)
             model_config = loaded.config
             loaded.drop_resident_pages()
             del loaded  # the file's mapping, and the loader's own copies, go before the trim
@@ -192,7 +195,8 @@ class LLMEngine:
                 again = load_model(Path(path))
                 rebuilt = model_class(again.config.architecture)(again.config, again.weights, main_format,
                                                                  prefill_format=second_format, device=target,
-                                                                 prompt_only=config.role == "prefill")
+                                                                 prompt_only=config.role == "prefill",
+                                                                 prompt_head_format=prompt_head)
                 again.drop_resident_pages()
                 return rebuilt
 

@@ -101,7 +101,8 @@ class LlamaForCausalLM:
 
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str = "fp32",
                  lm_head_format: str | None = None, prefill_format: str | None = None,
-                 device: torch.device | str = "cpu", prompt_only: bool = False) -> None:
+                 device: torch.device | str = "cpu", prompt_only: bool = False,
+                 prompt_head_format: str | None = None) -> None:
         for flag in self.required_flags:
             if not getattr(config, flag):
                 raise ValueError(f"{type(self).__name__} needs config.{flag} set: its checkpoints "
@@ -112,16 +113,27 @@ class LlamaForCausalLM:
         embed = get("model.embed_tokens.weight")
         self.norm = to_float(get("model.norm.weight")).to(device)
         tied = get("lm_head.weight") is weights.get("model.embed_tokens.weight")
-        formats = [weight_format] + ([prefill_format] if prefill_format is not None else [])
+        # prompt_head_format: the lm_head of a copy that runs prompt passes only (a prefill
+        # worker's, a colocated engine's prefill copy), which multiplies one row per prompt, so
+        # an exact head costs little there. engine/format_choice.py asks for fp32 beside a bf16
+        # copy it picked for speed: on SmolLM2-135M the bf16 head alone turned "What is the
+        # capital of France?" into "L'Étoile, la Marseillaise, ..." (bf16 layers with an fp32
+        # head, and fp32, int4 and w8a8 copies, answer "The capital of France is Paris.").
+        def head_format(fmt: str, prompt: bool) -> str:
+            if lm_head_format:
+                return lm_head_format
+            return prompt_head_format if prompt and prompt_head_format else LM_HEAD_FORMAT[fmt]
+
+        copies = [(weight_format, prompt_only)] + ([(prefill_format, True)] if prefill_format is not None else [])
         # A tied fp32 lm_head and the embedding share one fp32 table; else the embedding stays
         # as the file stores it (engine/token_embedding.py).
         shared = (to_float(embed).to(device) if tied and "fp32" in
-                  {lm_head_format or LM_HEAD_FORMAT[f] for f in formats} else None)
+                  {head_format(f, prompt) for f, prompt in copies} else None)
         self.embed_tokens = TokenEmbedding(embed, device, fp32_table=shared)
         heads: dict[str, PackedLinear] = {}
 
-        def format_set(fmt: str) -> FormatSet:
-            head_fmt = lm_head_format or LM_HEAD_FORMAT[fmt]
+        def format_set(fmt: str, prompt: bool) -> FormatSet:
+            head_fmt = head_format(fmt, prompt)
             if head_fmt not in heads:
                 if head_fmt == "fp32" and tied:
                     heads[head_fmt] = PackedLinear("fp32", config.hidden_size, config.vocab_size, shared)
@@ -136,10 +148,10 @@ class LlamaForCausalLM:
         # copy always does; their layouts are those made for many rows (layout_choice.prompt_passes).
         with model_weights(projection_weights(weights)):
             with prompt_passes(prompt_only):
-                self.main = format_set(weight_format)
+                self.main = format_set(weight_format, prompt_only)
             # A second copy only for a distinct prefill format (colocated engines).
             with prompt_passes():
-                self.prefill_copy = (format_set(prefill_format) if prefill_format is not None
+                self.prefill_copy = (format_set(prefill_format, True) if prefill_format is not None
                                      and prefill_format != weight_format else None)
         cos, sin = rope_tables(config.head_dim, config.max_position, config.rope_theta,
                                config.rope_scaling)

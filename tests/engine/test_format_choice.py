@@ -161,6 +161,29 @@ def test_bf16_takes_fp32_s_place_only_where_it_measured_faster(tmp_path, caplog,
             "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)))
     assert engine.config.weight_format == "bf16" and engine.model.formats == ("bf16",)
     assert "prefill weight format auto: bf16" in caplog.text and "bf16 GEMM measured" in caplog.text
+    assert engine.model.main.lm_head.fmt == "fp32"  # the prompt copy's head stays exact
+    colocated = LLMEngine.from_path(model_dir, EngineConfig.for_role(
+        "colocated", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)))
+    assert colocated.model.formats == ("int4", "bf16")
+    assert colocated.model.prefill_copy.lm_head.fmt == "fp32" and colocated.model.main.lm_head.fmt == "int8"
+    # Chosen by memory (a 1B on this host), bf16 keeps its own head: the model's format rules.
+    assert choose_prefill_format(TINYLLAMA_1B, 24 * GIB).prompt_head is None
+    assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, bf16_faster=lambda: True).prompt_head == "fp32"
+
+
+@pytest.mark.model
+def test_bf16_prompt_passes_answer_the_default_model_s_question_right(default_gguf, monkeypatch):
+    """The reason the head stays fp32: a bf16 head turned this answer into "L'Étoile, la
+    Marseillaise, ..." on the default model; with bf16 layers and an fp32 head the first tokens
+    are fp32's."""
+    from engine import llm_engine
+    from tests.nodes.test_disaggregation import expected_text
+
+    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: True)
+    engine = LLMEngine.from_path(default_gguf, EngineConfig.for_role(
+        "colocated", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=64)))
+    assert engine.model.formats == ("int4", "bf16")
+    assert expected_text(engine, "What is the capital of France?", 8).startswith("The capital of France is Paris")
 
 
 @pytest.mark.parametrize("bf16_seconds,want", [(0.6, True), (0.7, False)])
