@@ -57,7 +57,8 @@ AMX), SmolLM2-135M Q4_1, one thread (`python -m benchmarks.bench_engine MODEL --
 fp32,bf16 --prompt-len 256 --batches 1`): fp32 271 prompt tok/s, bf16 553; served
 (`benchmarks.bench_peer --workloads chat8`, 8 clients, ~235-token prompts, one run each): TTFT
 p50 6.06 s with fp32 prefill (0.67x llama-server's 9.0 s) and 2.32 s with bf16 (0.25x), output
-64 and 108 tok/s. Its lm_head stays fp32 (one row per prompt, so little time): with a bf16 head
+64 and 108 tok/s; with this rule's bf16 and fp32 head, median of two rounds, 2.54 s (0.34x) and
+106.5 tok/s. Its lm_head stays fp32 (one row per prompt, so little time): with a bf16 head
 the default model answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
 la femme," where fp32, int4, w8a8 and bf16 layers with an fp32 head answer "The capital of
 France is Paris." Its cost against fp32 (`python -m benchmarks.quality --formats fp32,bf16
@@ -84,9 +85,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.model_config import ModelConfig
 
@@ -187,8 +188,8 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
 
 
 # How much faster a prompt-sized bf16 GEMM must be than fp32's for bf16 to take fp32's place: it
-# rounds every weight and activation to 8 significant bits (+0.61% perplexity on the default
-# model), which a small gain would not pay for. Measured ratios: 2.04x (AMD Zen 4, whole prompt
+# rounds every weight and activation to 8 significant bits (+0.29% perplexity on the default
+# model, its head kept fp32), which a small gain would not pay for. Measured ratios: 2.04x (AMD Zen 4, whole prompt
 # passes), 2.55x (Sapphire Rapids class, the 1B); below 1 on AVX2-only hosts.
 BF16_MIN_GAIN = 1.5
 # The timed GEMM: SmolLM2-135M's gate_proj (1536 x 576) over a 256-token prompt.
@@ -213,8 +214,6 @@ def _weighed_prefill_time(fmt: str) -> float:
 def time_prefill_gemm(fmt: str, reps: int = 3) -> float:
     """Best of `reps` timings of one prompt-sized projection packed in `fmt`, through the same
     kernels.linear path a prompt pass takes."""
-    import time
-
     import torch
 
     from kernels.linear import linear, pack_linear
