@@ -174,14 +174,7 @@ def _cpu_field(name: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _has_cpu_flag(flag: str) -> bool:
     """Whether the kernel reports `flag` for this CPU (Linux /proc/cpuinfo; elsewhere: no)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return flag in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
+    return flag in (_cpu_field("flags") or "").split()
 
 
 def cache_root() -> Path:

@@ -11,22 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from kernels import native, quant_int4, quant_int8, quant_q6_k
-from kernels.quantized_tensor import QuantizedTensor
-from reliability.kquant_fixtures import quantize_k
+from tests.kernels.test_native_kquant import kquant
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = (1, 2, 3, 4, 5, 8, 9)
 CPU = torch.device("cpu")
-
-
-def _kquant(ggml_type: str, n: int, k: int, seed: int) -> QuantizedTensor:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return QuantizedTensor(ggml_type, quantize_k(w, ggml_type), (n, k))
 
 
 def outputs() -> dict[str, torch.Tensor]:
@@ -37,11 +30,11 @@ def outputs() -> dict[str, torch.Tensor]:
     packs = {
         "q4_1": quant_int4.pack(w, None, CPU, "q4_1"),
         "q4_1a8": quant_int4.pack(w, None, CPU, "q4_1a8"),
-        "q4_k": quant_int4.pack(_kquant("Q4_K", 48, 2048, 1), None, CPU, "q4_k"),
-        "q4_ka8": quant_int4.pack(_kquant("Q4_K", 48, 2048, 1), None, CPU, "q4_ka8"),
+        "q4_k": quant_int4.pack(kquant("Q4_K", 48, 2048, 1), None, CPU, "q4_k"),
+        "q4_ka8": quant_int4.pack(kquant("Q4_K", 48, 2048, 1), None, CPU, "q4_ka8"),
         "int8": quant_int8.pack(w, None, CPU, "native"),
     }
-    q6 = quant_q6_k.pack(_kquant("Q6_K", 48, 2048, 2), None, "q6_k")
+    q6 = quant_q6_k.pack(kquant("Q6_K", 48, 2048, 2), None, "q6_k")
     out = {}
     for m in ROWS:
         x = torch.randn(m, 2048, generator=g)
