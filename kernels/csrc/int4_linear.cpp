@@ -204,10 +204,9 @@ static inline void chunk_dots8(const uint8_t* w, int tail, const int8_t* xc, int
 #endif
 
 // out[r] = sum_g (d_g dx_r) * (q_g . xq[r, g]) + m_g * S[r, g] over the row's chunks. chunk(c):
-// the 256 bytes of chunk c in the full-chunk order; the last one, of `tail` groups when that
-// is not 0, as stored (AVX-512 builds, chunk_run) or copied into a zero-padded chunk (the
-// others); d, mn: per group, S: per row (stride ldd) and group, all zero-padded to whole
-// chunks; dx: per row.
+// the bytes of chunk c; the last one, of `tail` groups when that is not 0, as stored (runs of
+// 2 tail bytes, to_chunk_order), read where it lies by every build (tail_runs below); d, mn:
+// per group, S: per row (stride ldd) and group, all zero-padded to whole chunks; dx: per row.
 // The m term joins the chunk's accumulator, as row_tile_a8's does: a separate 64-float dot per
 // output cost ~a quarter of the integer work at K = 2048 and M = 1.
 template <int R, class ChunkPtr>
@@ -277,14 +276,15 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* 
     const __m256i mask = _mm256_set1_epi16(0x000f);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        // A tail of <= 8 groups (zero-padded here) holds nothing in its upper half.
-        const int halves = c == chunks - 1 && tail && tail <= CHUNK_GROUPS / 2 ? 1 : 2;
+        const int part = c == chunks - 1 ? tail : 0;
+        const int run = part ? 2 * part : 32;  // bytes from run t to run t + 1 (tail_runs)
+        const int halves = part && part <= CHUNK_GROUPS / 2 ? 1 : 2;  // groups 8..15 absent
         for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int16_t* xc = xq + c * CHUNK_XQ + 16 * h;
             __m256i dot[R];
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
-                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + 32 * t + 16 * h)));
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + run * t + 16 * h)));
                 const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_srli_epi16(v, 4);
                 for (int r = 0; r < R; r++) {
                     const int16_t* xt = xc + r * kq + 64 * t;
@@ -306,13 +306,14 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* 
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        for (int g = 0; g < CHUNK_GROUPS; g++) {
+        const int part = c == chunks - 1 ? tail : 0, run = part ? 2 * part : 32;
+        for (int g = 0; g < (part ? part : CHUNK_GROUPS); g++) {
             for (int r = 0; r < R; r++) {
                 const int16_t* xc = xq + r * kq + c * CHUNK_XQ;
                 int32_t dot = 0;
                 for (int t = 0; t < 8; t++)
                     for (int b = 0; b < 2; b++) {
-                        const uint8_t byte = w[32 * t + 2 * g + b];
+                        const uint8_t byte = w[run * t + 2 * g + b];
                         const int lane = 64 * t + 2 * g + b;
                         dot += (byte & 0x0f) * xc[lane] + (byte >> 4) * xc[lane + 32];
                     }
@@ -461,13 +462,15 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     const __m256i mask = _mm256_set1_epi32(0x0f0f), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        const int halves = c == chunks - 1 && tail && tail <= CHUNK_GROUPS / 2 ? 1 : 2;
+        const int part = c == chunks - 1 ? tail : 0;
+        const int run = part ? 2 * part : 32;  // as row_tile's
+        const int halves = part && part <= CHUNK_GROUPS / 2 ? 1 : 2;
         for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int8_t* xc = xq + c * CHUNK_XQ + 32 * h;
             __m256i dot[R];
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
-                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * t + 16 * h)));
+                const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + run * t + 16 * h)));
                 const __m256i q = _mm256_or_si256(_mm256_and_si256(v, mask),
                                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 4), mask), 16));
                 for (int r = 0; r < R; r++) {
@@ -489,13 +492,14 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        for (int g = 0; g < CHUNK_GROUPS; g++) {
+        const int part = c == chunks - 1 ? tail : 0, run = part ? 2 * part : 32;
+        for (int g = 0; g < (part ? part : CHUNK_GROUPS); g++) {
             for (int r = 0; r < R; r++) {
                 const int8_t* xc = xq + r * kq + c * CHUNK_XQ;
                 int32_t dot = 0;
                 for (int t = 0; t < 8; t++)
                     for (int b = 0; b < 2; b++) {
-                        const uint8_t byte = w[32 * t + 2 * g + b];
+                        const uint8_t byte = w[run * t + 2 * g + b];
                         dot += (byte & 0x0f) * xc[xq8_byte(g, 2 * t + b)] + (byte >> 4) * xc[xq8_byte(g, 16 + 2 * t + b)];
                     }
                 const int64_t i = c * CHUNK_GROUPS + g;
@@ -585,7 +589,14 @@ static void int4_rows(const Tile& tile, int64_t m, int64_t k, const uint8_t* qs,
     const int64_t full = groups / CHUNK_GROUPS, tail = groups % CHUNK_GROUPS;
     const int64_t chunks = full + (tail > 0);
     std::vector<float> d((size_t)(chunks * CHUNK_GROUPS), 0.f), mn((size_t)(chunks * CHUNK_GROUPS), 0.f);
-    alignas(64) uint8_t tail_chunk[CHUNK_BYTES] = {0};  // groups >= tail stay 0 (q = 0, d = 0)
+    // tail_runs: the AVX2 build reads a tail's run t as 16 bytes at 2 tail t (+ 16 for groups
+    // 8..15), so up to 16 bytes past the tail's last run. Those bytes are the next weight row's,
+    // in the lanes of absent groups, where x is 0 (quantize_rows' padding) and d = m = 0: they
+    // add exactly 0. Past the matrix's last row they may be unmapped, so that row's tail is read
+    // from this copy with the slack. (Before: each row's tail was spread into a padded chunk, 8
+    // small memcpy calls a row: ~10% of SmolLM2's decode step on an AVX2 host, where K = 576
+    // leaves a tail of 2 groups in most layers.)
+    alignas(64) uint8_t tail_copy[CHUNK_BYTES + 64] = {0};
     const char* end = (const char*)(qs + n * row_bytes);
     float out[MB];
     for (int64_t j = j0; j < j1; j++) {
@@ -599,13 +610,15 @@ static void int4_rows(const Tile& tile, int64_t m, int64_t k, const uint8_t* qs,
             if ((const char*)row + PREFETCH_BYTES + off < end) __builtin_prefetch((const char*)row + PREFETCH_BYTES + off, 0, 3);
         scales(j, d.data(), mn.data());
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        (void)tail_chunk;  // the tail is read in place (chunk_run)
+        (void)tail_copy;  // masked loads touch no byte past the tail (chunk_run)
         const auto chunk = [&](int64_t c) { return row + c * CHUNK_BYTES; };
 #else
-        if (tail)  // the tail chunk's 2 C bytes per t, spread to the full chunk's 32
-            for (int t = 0; t < 8; t++)
-                memcpy(tail_chunk + 32 * t, row + full * CHUNK_BYTES + 2 * tail * t, (size_t)(2 * tail));
-        const auto chunk = [&](int64_t c) { return c < full ? row + c * CHUNK_BYTES : tail_chunk; };
+        const uint8_t* tail_runs = row + full * CHUNK_BYTES;
+        if (tail && (const char*)(row + row_bytes) + 16 > end) {
+            memcpy(tail_copy, tail_runs, (size_t)(16 * tail));
+            tail_runs = tail_copy;
+        }
+        const auto chunk = [&](int64_t c) { return c < full ? row + c * CHUNK_BYTES : tail_runs; };
 #endif
         const float b = bias ? bias[j] : 0.f;
         for (int64_t m0 = 0; m0 < m; m0 += MB) {

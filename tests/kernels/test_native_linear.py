@@ -3,6 +3,11 @@ torch references, at every instruction-set level this host can run (kernels/nati
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -275,3 +280,43 @@ def test_int4_native_rows_are_bit_equal_whatever_batch_they_share(level, n, k, l
             y = quant_int4.int4_linear_native(rows[start:start + batch], packed, level)
             for i in range(batch):
                 assert torch.equal(y[i], alone[start + i]), (batch, start, i)
+
+
+GUARDED_CHILD = """
+import ctypes, dataclasses, mmap, sys
+import torch
+from kernels import quant_int4
+level, k, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+packed = quant_int4.pack(torch.randn(24, k, generator=torch.Generator().manual_seed(k)), None,
+                         torch.device("cpu"), layout=layout)
+nbytes, page = packed.weight.numel(), mmap.PAGESIZE
+total = -(-nbytes // page) * page + page
+region = mmap.mmap(-1, total, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base + total - page, page, 0) == 0  # PROT_NONE: a read there faults
+weight = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=total - page - nbytes)
+weight = weight.view(packed.weight.shape)
+weight.copy_(packed.weight)
+guarded = dataclasses.replace(packed, weight=weight)
+for m in (1, 3, 9):
+    x = torch.randn(m, k)
+    assert torch.equal(quant_int4.int4_linear_native(x, guarded, level),
+                       quant_int4.int4_linear_native(x, packed, level))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("layout", quant_int4.Q4_1_LAYOUTS)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("k", [64, 576, 800])
+def test_the_last_rows_tail_is_read_without_a_byte_past_the_weights(level, k, layout):
+    """A tail chunk's runs are read where they lie, 16 bytes at a time (int4_linear.cpp
+    tail_runs): the matrix's last row must not read past the weights. Here the weights end
+    where an unreadable page begins; a read past them would kill the child."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", GUARDED_CHILD, level, str(k), layout], cwd=root,
+                         capture_output=True, text=True, timeout=120,
+                         env=native.level_env(level, dict(os.environ)))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
