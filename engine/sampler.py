@@ -29,6 +29,7 @@ import math
 import os
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,6 +58,22 @@ def position_generator(seed: int, position: int, device: torch.device | str = "c
     return make_generator(int.from_bytes(mixed, "little"), device)
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """[B, V] fp32 -> each row's argmax [B] int64 (the first of equal maxima), NO_TOKEN for a
+    row with a NaN (argmax would pick it) or nothing above -inf (no token at all).
+    On the CPU the argmax is numpy's: aten's ran ~2.7 ns an element on an AVX2 host (AMD EPYC
+    Zen 3, one thread: 132 us for one row of SmolLM2's 49,152 logits, 0.92 ms for 8 rows;
+    numpy's 10 and 75 us), and the NaN test rides on amax, which propagates a NaN (a separate
+    isnan pass cost 120 us a row)."""
+    top = logits.amax(-1)
+    usable = top > -math.inf  # False for a NaN too
+    if logits.device.type == "cpu":
+        index = torch.from_numpy(logits.detach().numpy().argmax(-1).astype(np.int64, copy=False))
+    else:
+        index = logits.argmax(-1)
+    return torch.where(usable, index, NO_TOKEN)
+
+
 class Sampler:
     """Stateless; one per runner. Never modifies the logits it is given."""
 
@@ -80,12 +97,11 @@ class Sampler:
         logits = apply_penalties(apply_logit_bias(logits, params), params, token_histories)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
+        if len(greedy) == batch:  # the common batch: no copy of its rows
+            out = greedy_tokens(logits)
+        elif greedy:
             rows = _index(greedy, logits.device)
-            chosen = logits[rows]
-            # argmax would pick a NaN; an all -inf row has no token at all.
-            usable = ~chosen.isnan().any(-1) & (chosen.amax(-1) > -math.inf)
-            out[rows] = torch.where(usable, chosen.argmax(dim=-1), NO_TOKEN)
+            out[rows] = greedy_tokens(logits[rows])
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = _index(sampled, logits.device)

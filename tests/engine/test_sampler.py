@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.sampler import (
-    NO_TOKEN, Sampler, apply_logit_bias, apply_penalties, forbid_tokens, make_generator, probabilities,
+    NO_TOKEN, Sampler, apply_logit_bias, apply_penalties, forbid_tokens, greedy_tokens, make_generator,
+    probabilities,
 )
 from common.sampling_params import SamplingParams
 from tests.helpers.sampling_faults import unchecked
@@ -308,3 +309,22 @@ def test_forbid_tokens_masks_only_the_named_rows_and_ids():
     assert out[0, 1] == -math.inf and out[0, 3] == -math.inf
     assert torch.equal(out[1], logits[1]) and out[0, 0] == logits[0, 0]
     assert forbid_tokens(logits, [(), ()]) is logits
+
+
+def test_greedy_tokens_are_torchs_argmax_first_of_ties_and_skip_bad_rows():
+    """greedy_tokens (numpy's argmax on the CPU) picks what torch.argmax picks, the first of
+    equal maxima included, on whole batches, on strided views, and reports a row with a NaN
+    or with every logit -inf, as the mixed-batch path does."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen).round(decimals=1)  # many ties
+    logits[1, 10] = logits[1, 200] = logits[1].max() + 1  # a tie for the top, first at 10
+    logits[4, 17] = math.nan
+    logits[5] = -math.inf
+    want = torch.where(torch.tensor([True, True, True, True, False, False]), logits.argmax(-1), NO_TOKEN)
+    assert greedy_tokens(logits).tolist() == want.tolist()
+    assert greedy_tokens(logits).tolist()[1] == 10
+    view = logits[:4, ::3]
+    assert greedy_tokens(view).tolist() == view.argmax(-1).tolist()
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=0.7)] * 3
+    tokens = sample(logits, mixed)
+    assert tokens[0] == want[0] and tokens[2] == want[2] and tokens[4] == NO_TOKEN
