@@ -91,15 +91,15 @@ class Sampler:
         if not len(params) == len(token_histories) == len(generators) == batch:
             raise ValueError(f"{batch} logit rows but {len(params)} params, "
                              f"{len(token_histories)} histories, {len(generators)} generators")
-        out = torch.full((batch,), NO_TOKEN, dtype=torch.int64, device=logits.device)
         if batch == 0:
-            return out
+            return torch.full((0,), NO_TOKEN, dtype=torch.int64, device=logits.device)
         logits = apply_penalties(apply_logit_bias(logits, params), params, token_histories)
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == batch:  # the common batch: no copy of its rows
-            out = greedy_tokens(logits)
-        elif greedy:
+            return greedy_tokens(logits)
+        out = torch.full((batch,), NO_TOKEN, dtype=torch.int64, device=logits.device)
+        if greedy:
             rows = _index(greedy, logits.device)
             out[rows] = greedy_tokens(logits[rows])
         sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -78,6 +78,10 @@ static inline int xq_lane(int g, int i) {
     return 64 * (e >> 1) + 32 * s + 2 * g + (e & 1);
 }
 
+// Bytes from run t of a chunk's weights to run t + 1: 32 in a whole chunk, 2 part in a row's
+// stored tail of `part` < 16 groups (to_chunk_order); part 0 names a whole chunk.
+static inline int run_stride(int part) { return part ? 2 * part : 32; }
+
 // x [M, ldx] fp32 -> xq [M, kq] int16 (chunk order, zero-padded), dx [M], sums [M, ldd] (per
 // group; the caller zeroes the padding to whole chunks)
 static void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ldx, int16_t* xq, int64_t kq,
@@ -136,13 +140,13 @@ static inline void fp16_row_to_float(const uint16_t* h, int64_t n, float* out) {
 // gives the run's bytes and zeros for the absent groups, and touches no byte past them (so
 // no per-row copy into a padded chunk, which cost 8 small memcpy calls a weight row).
 static inline __m256i chunk_run(const uint8_t* w, int t, int tail) {
-    return tail ? _mm256_maskz_loadu_epi8((__mmask32)((1ull << (2 * tail)) - 1), w + 2 * tail * t)
+    return tail ? _mm256_maskz_loadu_epi8((__mmask32)((1ull << (2 * tail)) - 1), w + run_stride(tail) * t)
                 : _mm256_loadu_si256((const __m256i*)(w + 32 * t));
 }
 
 // The first 16 bytes of run t of a tail of 1..8 groups (groups 0..7), read in place.
 static inline __m128i tail_run_half(const uint8_t* w, int t, int tail) {
-    return _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * tail)) - 1), w + 2 * tail * t);
+    return _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * tail)) - 1), w + run_stride(tail) * t);
 }
 
 // One chunk's integer dots for R rows of int16 x (row_tile): A independent chains per row (the
@@ -276,8 +280,7 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* 
     const __m256i mask = _mm256_set1_epi16(0x000f);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        const int part = c == chunks - 1 ? tail : 0;
-        const int run = part ? 2 * part : 32;  // bytes from run t to run t + 1 (tail_runs)
+        const int part = c == chunks - 1 ? tail : 0, run = run_stride(part);  // tail_runs
         const int halves = part && part <= CHUNK_GROUPS / 2 ? 1 : 2;  // groups 8..15 absent
         for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int16_t* xc = xq + c * CHUNK_XQ + 16 * h;
@@ -306,7 +309,7 @@ static inline void row_tile(const ChunkPtr& chunk, const float* d, const float* 
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        const int part = c == chunks - 1 ? tail : 0, run = part ? 2 * part : 32;
+        const int part = c == chunks - 1 ? tail : 0, run = run_stride(part);
         for (int g = 0; g < (part ? part : CHUNK_GROUPS); g++) {
             for (int r = 0; r < R; r++) {
                 const int16_t* xc = xq + r * kq + c * CHUNK_XQ;
@@ -462,8 +465,7 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     const __m256i mask = _mm256_set1_epi32(0x0f0f), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        const int part = c == chunks - 1 ? tail : 0;
-        const int run = part ? 2 * part : 32;  // as row_tile's
+        const int part = c == chunks - 1 ? tail : 0, run = run_stride(part);
         const int halves = part && part <= CHUNK_GROUPS / 2 ? 1 : 2;
         for (int h = 0; h < halves; h++) {  // groups 8 h .. 8 h + 7
             const int8_t* xc = xq + c * CHUNK_XQ + 32 * h;
@@ -492,7 +494,7 @@ static inline void row_tile_a8(const ChunkPtr& chunk, const float* d, const floa
     for (int r = 0; r < R; r++) out[r] = 0.f;
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* w = chunk(c);
-        const int part = c == chunks - 1 ? tail : 0, run = part ? 2 * part : 32;
+        const int part = c == chunks - 1 ? tail : 0, run = run_stride(part);
         for (int g = 0; g < (part ? part : CHUNK_GROUPS); g++) {
             for (int r = 0; r < R; r++) {
                 const int8_t* xc = xq + r * kq + c * CHUNK_XQ;
