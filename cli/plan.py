@@ -5,6 +5,10 @@
     tandem plan --profile PROFILE.json --trace requests.jsonl --slo-ttft-p99 2 --slo-tpot-p99 0.05
     tandem plan --measure ...            measure the profile on this host first (a checkout:
                                          benchmarks.profile_host --quick)
+    tandem plan ... --fail decode:0@30 --fail prefill:0@60+20
+                                         every candidate must ride out these worker deaths
+                                         (ROLE:INDEX@SECONDS[+RESTART_SECONDS]): requests
+                                         move as the coordinator moves them, none may be lost
 
 Prints every candidate the search simulated, the recommendation (the cheapest that meets the
 SLO) with its predicted figures, and with --write-topology writes it as a topology file for
@@ -65,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-cost", type=float, default=1.0,
                    help="cost of a prefill worker (e.g. its cores; default 1: count workers)")
     p.add_argument("--decode-cost", type=float, default=1.0, help="cost of a decode worker (default 1)")
+    p.add_argument("--fail", action="append", default=[], metavar="ROLE:INDEX@S[+RESTART_S]",
+                   help="a worker dies S seconds into the load (and comes back empty RESTART_S "
+                        "later); repeatable; a candidate meets the SLO only if no request is lost")
     p.add_argument("--write-topology", metavar="OUT.toml", help="write the recommendation for `tandem launch`")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model in the written topology (default {DEFAULT_MODEL})")
     p.set_defaults(func=cmd_plan)
@@ -75,6 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.cost_profile import CostProfile
     from planner.metrics import SLO
     from planner.search import SearchSpace, search
+    from planner.simulator import WorkerFailure
     from planner.topology_toml import topology_toml
 
     try:
@@ -90,7 +98,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     f"output {args.output_len}, seed {args.seed}")
         space = SearchSpace(token_budgets=args.token_budgets, max_batches=args.max_batches,
                             max_workers=args.max_workers, prefill_cost=args.prefill_cost,
-                            decode_cost=args.decode_cost, kv_blocks_per_decode=args.kv_blocks)
+                            decode_cost=args.decode_cost, kv_blocks_per_decode=args.kv_blocks,
+                            failures=tuple(WorkerFailure.parse(f) for f in args.fail))
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2
@@ -100,14 +109,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{sum(r.output_tokens for r in requests) / len(requests):.0f} tokens")
     print(f"profile: {profile.source or args.profile}")
     print(f"SLO: TTFT p99 <= {1e3 * slo.ttft_s:g} ms, TPOT p99 <= {1e3 * slo.tpot_s:g} ms")
+    if space.failures:
+        print("failures: " + ", ".join(
+            f"{f.role} worker {f.index} at {f.at_s:g} s"
+            + (f", back after {f.restart_after_s:g} s" if f.restart_after_s is not None else ", not restarted")
+            for f in space.failures))
     plan = search(requests, profile, slo, space)
     print()
     rows = [[c.phase, str(c.config.prefill_workers), str(c.config.decode_workers),
              str(c.config.token_budget), str(c.config.max_batch), f"{c.cost:g}",
              _ms(c.summary.ttft_p99_s), _ms(c.summary.tpot_p99_s), f"{c.summary.goodput_rps:.1f}",
-             "yes" if c.meets else "no"] for c in plan.tried]
+             "yes" if c.meets else "no"] + ([str(c.summary.failed)] if space.failures else [])
+            for c in plan.tried]
     table(rows, ["sizing", "prefill", "decode", "budget", "batch", "cost", "TTFT p99 ms",
-                 "TPOT p99 ms", "goodput/s", "meets"])
+                 "TPOT p99 ms", "goodput/s", "meets"] + (["lost"] if space.failures else []))
     print()
     print("TTFT p99 with a prefill worker per request (no topology does better): " + ", ".join(
         f"budget {b}: {_ms(t)} ms" for b, t in plan.ttft_floor.items()))
@@ -122,7 +137,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{_ms(s.tpot_p50_s)} / p99 {_ms(s.tpot_p99_s)} ms, ITL p50 {_ms(s.itl_p50_s)} / p99 "
           f"{_ms(s.itl_p99_s)} ms, E2E p50 {s.e2e_p50_s:.2f} / p99 {s.e2e_p99_s:.2f} s; "
           f"{s.throughput_rps:.1f} req/s, {s.output_tok_s:.0f} output tok/s, goodput "
-          f"{s.goodput_rps:.1f} req/s ({100 * s.slo_attainment:.1f}% of requests within the SLO)")
+          f"{s.goodput_rps:.1f} req/s ({100 * s.slo_attainment:.1f}% of requests within the SLO)"
+          + (f"; {s.migrations} moves after the failures, none lost" if space.failures else ""))
     if args.write_topology:
         text = topology_toml(model=args.model, prefill=c.prefill_workers, decode=c.decode_workers,
                              token_budget=c.token_budget, max_batch=c.max_batch,

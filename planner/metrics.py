@@ -95,14 +95,17 @@ class Summary:
     output_tok_s: float
     goodput_rps: float              # requests/s that met the SLO (nan without one)
     slo_attainment: float           # share of requests that met it
+    failed: int = 0                 # lost to worker failures (moved too often, or no worker left)
+    migrations: int = 0             # moves after a worker failure (each request's, all counted)
 
     def meets(self, slo: SLO) -> bool:
-        """The plan's criterion: p99 TTFT and p99 TPOT within the SLO, nothing rejected."""
-        return self.rejected == 0 and self.ttft_p99_s <= slo.ttft_s and not self.tpot_p99_s > slo.tpot_s
+        """The plan's criterion: p99 TTFT and p99 TPOT within the SLO, nothing rejected or lost."""
+        return (self.rejected == 0 and self.failed == 0 and self.ttft_p99_s <= slo.ttft_s
+                and not self.tpot_p99_s > slo.tpot_s)
 
 
 def summarize(times: list[RequestTimes], itl: list[tuple[float, int]], slo: SLO | None,
-              rejected: int = 0) -> Summary:
+              rejected: int = 0, failed: int = 0, migrations: int = 0) -> Summary:
     if not times:
         raise ValueError("no finished requests to summarize")
     start = min(t.arrival_s for t in times)
@@ -121,4 +124,5 @@ def summarize(times: list[RequestTimes], itl: list[tuple[float, int]], slo: SLO 
         e2e_p50_s=percentile(e2e, 50), e2e_p99_s=percentile(e2e, 99),
         throughput_rps=per_s(len(times)), output_tok_s=per_s(sum(t.output_tokens for t in times)),
         goodput_rps=per_s(good) if slo is not None else math.nan,
-        slo_attainment=good / len(times) if slo is not None else math.nan)
+        slo_attainment=good / len(times) if slo is not None else math.nan,
+        failed=failed, migrations=migrations)

@@ -7,7 +7,8 @@ The search leans on one structural fact of disaggregation: TTFT is made on the p
 and TPOT on the decode side. So, per token budget, it finds the fewest prefill workers whose
 TTFT p99 meets the SLO (with decode workers to spare, so the decode side does not shape it);
 then, per decode batch cap, the fewest decode workers for which the whole SLO holds (TTFT
-p99 and TPOT p99, nothing rejected) beside the cheapest prefill side. Each count starts from a
+p99 and TPOT p99, nothing rejected, and with SearchSpace.failures nothing lost to them)
+beside the cheapest prefill side. Each count starts from a
 work estimate (total work / the trace's arrival span: every worker busy all the time), grows
 until it meets or looks below when it already does, then bisects: both sides are monotone in their count
 (another worker only takes load off the others) under least-loaded placement.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from planner.cost_profile import CostProfile
 from planner.metrics import SLO, Summary, percentile
-from planner.simulator import ClusterConfig, simulate
+from planner.simulator import ClusterConfig, WorkerFailure, simulate
 from planner.trace import Request
 
 
@@ -33,6 +34,9 @@ class SearchSpace:
     prefill_cost: float = 1.0           # cost of one prefill worker (1: count workers; or cores)
     decode_cost: float = 1.0
     kv_blocks_per_decode: int = 0       # 0 = unbounded
+    # Worker failures every candidate must ride out (nothing lost, the SLO still met); a
+    # failure of worker i makes i + 1 workers of its role the fewest a candidate has.
+    failures: tuple[WorkerFailure, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_budgets or not self.max_batches or min(self.token_budgets + self.max_batches) < 1:
@@ -41,13 +45,23 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.max_workers must be >= 2 (a prefill and a decode worker), got {self.max_workers}")
         if self.prefill_cost <= 0 or self.decode_cost <= 0:
             raise ValueError("SearchSpace: worker costs must be > 0")
+        if sum(self.least(role) for role in ("prefill", "decode")) > self.max_workers:
+            raise ValueError(f"SearchSpace: the failures name more workers than max_workers ({self.max_workers})")
+
+    def least(self, role: str) -> int:
+        """The fewest workers of `role` a candidate has: every failing worker must exist."""
+        return max([f.index + 1 for f in self.failures if f.role == role], default=1)
+
+    def config(self, prefill: int, decode: int, budget: int, batch: int) -> ClusterConfig:
+        return ClusterConfig(prefill, decode, budget, batch, self.kv_blocks_per_decode,
+                             failures=self.failures)
 
 
 @dataclass(frozen=True)
 class Candidate:
     config: ClusterConfig
     summary: Summary
-    meets: bool          # the whole SLO (TTFT p99, TPOT p99, none rejected)
+    meets: bool          # the whole SLO (TTFT p99, TPOT p99, none rejected or lost)
     cost: float
     phase: str           # "prefill" (sizing TTFT) or "decode" (sizing the rest)
 
@@ -106,14 +120,16 @@ class _Search:
             self.tried.append(c)
         return self.cache[config]
 
-    def smallest(self, start: int, limit: int, ok) -> int | None:
-        """The least n in [1, limit] with ok(n), assuming ok is monotone: from `start`, grow
-        by ~25% steps until ok, or, when `start` already is ok, look below it; then bisect.
-        (The work bound is no bound on a finite trace: work arriving near its end finishes
-        after it, so fewer workers than the bound can still meet the SLO.)"""
-        n = min(max(1, start), limit)
+    def smallest(self, start: int, limit: int, ok, least: int = 1) -> int | None:
+        """The least n in [least, limit] with ok(n), assuming ok is monotone: from `start`,
+        grow by ~25% steps until ok, or, when `start` already is ok, look below it; then
+        bisect. (The work bound is no bound on a finite trace: work arriving near its end
+        finishes after it, so fewer workers than the bound can still meet the SLO.)"""
+        if least > limit:
+            return None
+        n = min(max(least, start), limit)
         if ok(n):
-            prev = 0
+            prev = least - 1
         else:
             prev = n
             while True:
@@ -130,23 +146,23 @@ class _Search:
 
 def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSpace = SearchSpace()) -> Plan:
     s = _Search(trace, profile, slo, space)
-    kv = space.kv_blocks_per_decode
+    p_least, d_least = space.least("prefill"), space.least("decode")
     p_lb, d_lb = {}, {}
     for b in space.token_budgets:
         p_lb[b] = work_lower_bounds(trace, profile, b, max(space.max_batches))[0]
     for m in space.max_batches:
         d_lb[m] = work_lower_bounds(trace, profile, min(space.token_budgets), m)[1]
     # Decode workers to spare while sizing the prefill side: twice the most any batch cap needs.
-    spare_d = 2 * max(d_lb.values()) + 1
+    spare_d = max(2 * max(d_lb.values()) + 1, d_least)
     prefill_need: dict[int, int] = {}
     floors = {b: ttft_floor(trace, profile, b) for b in space.token_budgets}
     for b in space.token_budgets:
         if floors[b] > slo.ttft_s:
             continue  # unreachable at this budget: simulating more workers cannot help
         def ttft_ok(n: int, b=b) -> bool:
-            c = s.evaluate(ClusterConfig(n, spare_d, b, max(space.max_batches), kv), "prefill")
-            return c.summary.rejected == 0 and c.summary.ttft_p99_s <= slo.ttft_s
-        n = s.smallest(p_lb[b], space.max_workers - 1, ttft_ok)
+            c = s.evaluate(space.config(n, spare_d, b, max(space.max_batches)), "prefill")
+            return c.summary.rejected == c.summary.failed == 0 and c.summary.ttft_p99_s <= slo.ttft_s
+        n = s.smallest(p_lb[b], space.max_workers - d_least, ttft_ok, p_least)
         if n is not None:
             prefill_need[b] = n
     best: Candidate | None = None
@@ -155,10 +171,10 @@ def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSp
         p = prefill_need[budget]
         for m in space.max_batches:
             def all_ok(n: int, m=m) -> bool:
-                return s.evaluate(ClusterConfig(p, n, budget, m, kv), "decode").meets
-            n = s.smallest(d_lb[m], space.max_workers - p, all_ok)
+                return s.evaluate(space.config(p, n, budget, m), "decode").meets
+            n = s.smallest(d_lb[m], space.max_workers - p, all_ok, d_least)
             if n is not None:
-                c = s.cache[ClusterConfig(p, n, budget, m, kv)]
+                c = s.cache[space.config(p, n, budget, m)]
                 if best is None or c.cost < best.cost:
                     best = c
     # The sizing phases can meet the SLO on the way (a prefill candidate with spare decode):

@@ -32,22 +32,75 @@ compute, each runs at min(1, host_cores / (n + background_cores)) of its profile
 rescheduled exactly whenever n changes; a decode segment is cut at its next step boundary
 and resumes at the new speed. host_cores 0 (the default): each worker has its own cores.
 
+Worker failures and migration (ClusterConfig.failures): a worker dies at a given time, and
+comes back empty after `restart_after_s` if one is given. What it held moves as
+coordinator/request_flow.py moves it: every request placed on a dead decode worker, and every
+one queued or in a pass on a dead prefill worker (or whose KV was still landing from it), is
+placed again at once, ahead of the admission queue, with its prompt plus the tokens it had
+(its first token, and the decode steps completed before the death; a step in progress is
+lost), for what is left of its output, on the live workers; its KV reservation on the old
+decode worker is gone with it. The client's stream goes on: TTFT stays the first token's,
+and the gap from the last token before the death to the next one (the re-prefill's) is one
+ITL. A prefill pass in progress on a live worker for a request that moved finishes as wasted
+work. A request moved more than `max_migrations` times (tandem's default 2), or with no live
+worker of a role left and none to come back, fails: counted in Summary.failed, never in the
+TTFT, TPOT and E2E percentiles (the gaps of the tokens it did stream stay in the ITL record:
+the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
+
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
-colocated workers, contention between transfers on a link, migration after a failure,
-network latency to the client, heterogeneous workers, and a worker borrowing an idle one's
-core (the core lease).
+colocated workers, contention between transfers on a link, the time to notice a silent
+(frozen, not dead) worker, network latency to the client, heterogeneous workers, and a
+worker borrowing an idle one's core (the core lease).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from planner.cost_profile import CostProfile
 from planner.metrics import SLO, RequestTimes, Summary, summarize
 from planner.trace import Request
+
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Worker `index` of `role` dies at `at_s` (trace time); restart_after_s: it comes back,
+    empty, that long after (None: never)."""
+    role: str
+    index: int
+    at_s: float
+    restart_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"WorkerFailure.role must be one of {ROLES}, got {self.role!r}")
+        if self.index < 0:
+            raise ValueError(f"WorkerFailure.index must be >= 0, got {self.index}")
+        if not (math.isfinite(self.at_s) and self.at_s >= 0):
+            raise ValueError(f"WorkerFailure.at_s must be a finite time >= 0, got {self.at_s}")
+        if self.restart_after_s is not None and not (math.isfinite(self.restart_after_s)
+                                                     and self.restart_after_s >= 0):
+            raise ValueError(f"WorkerFailure.restart_after_s must be a finite time >= 0, got {self.restart_after_s}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "WorkerFailure":
+        """ROLE:INDEX@SECONDS[+RESTART_SECONDS], e.g. decode:0@30 or prefill:1@12.5+20."""
+        try:
+            who, when = spec.split("@")
+            role, index = who.split(":")
+            at, _, restart = when.partition("+")
+            return cls(role.strip(), int(index), float(at), float(restart) if restart else None)
+        except ValueError as exc:
+            raise ValueError(f"bad failure {spec!r} (ROLE:INDEX@SECONDS[+RESTART_SECONDS], "
+                             f"e.g. decode:0@30 or prefill:1@12.5+20): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -59,11 +112,19 @@ class ClusterConfig:
     kv_blocks_per_decode: int = 0    # KV pool of a decode worker in blocks; 0 = unbounded
     host_cores: float = 0.0          # > 0: every worker shares these cores (module docstring)
     background_cores: float = 0.0    # ... with this much other work running on them
+    failures: tuple[WorkerFailure, ...] = ()  # module docstring: worker failures and migration
+    max_migrations: int = 2          # moves per request before it fails (coordinator's default)
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "token_budget", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ClusterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"ClusterConfig.max_migrations must be >= 0, got {self.max_migrations}")
+        for f in self.failures:
+            count = self.prefill_workers if f.role == "prefill" else self.decode_workers
+            if f.index >= count:
+                raise ValueError(f"failure of {f.role} worker {f.index}: the cluster has {count} {f.role} workers")
         if self.kv_blocks_per_decode < 0:
             raise ValueError(f"ClusterConfig.kv_blocks_per_decode must be >= 0, got {self.kv_blocks_per_decode}")
         for name in ("host_cores", "background_cores"):
@@ -81,17 +142,41 @@ class SimResult:
     mean_decode_batch: float         # decode tokens per decode step, over all steps
 
 
-@dataclass
+class _State(enum.Enum):
+    QUEUED = 0       # in the coordinator's queue (first placement, or a move waiting for room)
+    PREFILL = 1      # on a prefill worker's queue or in its pass
+    TRANSFER = 2     # prefilled; its KV still landing on the decode worker
+    WAITING = 3      # landed, no batch slot yet
+    RUNNING = 4      # in a decode worker's batch
+    DONE = 5
+    FAILED = 6
+
+
+@dataclass(eq=False)  # identity: a request is a key of its decode worker's `placed`
 class _Req:
     arrival: float
     prompt: int
     output: int
     blocks: int
-    remaining: int = 0               # prompt tokens not yet prefilled
+    remaining: int = 0               # prompt tokens of this placement not yet prefilled
     first_chunk_s: float = -1.0
-    first_token_s: float = 0.0
+    first_token_s: float = -1.0
+    last_token_s: float = 0.0        # the latest token the client has (its gap to the next is an ITL)
     finish_s: float = 0.0
     decode: int = -1
+    prefill: int = -1
+    state: _State = _State.QUEUED
+    done: int = 0                    # tokens generated before this placement (moves carry them)
+    attempt: int = 0                 # placements so far - 1: events of an older one are stale
+    join_step: int = 0               # its decode worker's step count when it joined the batch
+
+    @property
+    def prompt_now(self) -> int:     # what this placement prefills: the prompt and tokens so far
+        return self.prompt + self.done
+
+    @property
+    def output_now(self) -> int:     # tokens this placement generates
+        return self.output - self.done
 
 
 @dataclass
@@ -107,6 +192,7 @@ class _Prefill:
     since: float = 0.0
     pass_start: float = 0.0
     version: int = 0
+    alive: bool = True
 
 
 @dataclass
@@ -124,9 +210,11 @@ class _Decode:
     d0: float = 0.0                  # its first step's duration
     slowdown: float = 1.0            # shared host: its steps' time over the profile's
     version: int = 0                 # bumped when a segment is cut: stale end events drop
+    alive: bool = True
+    placed: dict = field(default_factory=dict)    # _Req -> None, in placement order
 
 
-_ARRIVE, _PASS_END, _KV_READY, _SEG_END = range(4)
+_ARRIVE, _PASS_END, _KV_READY, _SEG_END, _FAIL, _RESTART = range(6)
 
 
 class Simulator:
@@ -137,7 +225,8 @@ class Simulator:
         self.seq = 0
         self.prefills = [_Prefill() for _ in range(config.prefill_workers)]
         self.decodes = [_Decode() for _ in range(config.decode_workers)]
-        # Least-loaded picks by lazy heaps: an entry is live only while its load is current.
+        # Least-loaded picks by lazy heaps: an entry is live only while its load is current
+        # (a dead worker's load is inf, so its entries are all stale).
         self.prefill_heap = [(0, i) for i in range(config.prefill_workers)]
         self.decode_heap = [(0, i) for i in range(config.decode_workers)]
         self.pending: deque[_Req] = deque()
@@ -148,6 +237,7 @@ class Simulator:
         self.decode_steps = 0
         self.computing = 0               # workers computing now (busy prefill, active decode)
         self.slowdown = 1.0              # shared host: time over the profile's, for all of them
+        self.migrations = 0
 
     def push(self, t: float, kind: int, a, b=None) -> None:
         self.seq += 1
@@ -161,6 +251,10 @@ class Simulator:
         cap = self.c.kv_blocks_per_decode
         rejected = [r for r in reqs if cap and r.blocks > cap]
         overhead = self.p.coordinator_overhead_s
+        for f in self.c.failures:
+            self.push(f.at_s, _FAIL, f.role, f.index)
+            if f.restart_after_s is not None:
+                self.push(f.at_s + f.restart_after_s, _RESTART, f.role, f.index)
         arrivals = iter(r for r in reqs if not (cap and r.blocks > cap))
         nxt = next(arrivals, None)
         while nxt is not None or self.events:
@@ -177,13 +271,22 @@ class Simulator:
                 self.kv_ready(t, a, b)
             elif kind == _SEG_END:
                 self.segment_end(t, a, b)
-        done = [r for r in reqs if not (cap and r.blocks > cap)]
-        if self.pending or any(d.running or d.waiting for d in self.decodes):
+            elif kind == _FAIL:
+                self.fail(t, a, b)
+            else:
+                self.restart(t, a, b)
+        for r in self.pending:  # no live worker of a role left, and none came back
+            r.state = _State.FAILED
+        self.pending.clear()
+        if any(d.running or d.waiting for d in self.decodes):
             raise RuntimeError("simulation ended with requests still queued (a bug)")
+        done = [r for r in reqs if r.state is _State.DONE]
+        failed = sum(r.state is _State.FAILED for r in reqs)
         times = [RequestTimes(r.arrival, r.first_token_s, r.finish_s, r.output) for r in done]
         if not times:
-            raise ValueError("no request fits a decode worker's KV pool")
-        summary = summarize(times, self.itl, slo, rejected=len(rejected))
+            raise ValueError("no request finished (none fits a decode worker's KV pool, or every one failed)")
+        summary = summarize(times, self.itl, slo, rejected=len(rejected), failed=failed,
+                            migrations=self.migrations)
         return SimResult(times, self.itl, summary, self.passes,
                          self.busy_s / (self.c.prefill_workers * summary.duration_s) if summary.duration_s else 0.0,
                          self.decode_tokens / self.decode_steps if self.decode_steps else 0.0)
@@ -200,27 +303,37 @@ class Simulator:
         cap = self.c.kv_blocks_per_decode
         while self.pending:
             r = self.pending[0]
-            d = self._least(self.decode_heap, lambda i: self.decodes[i].reserved)
+            d = self._least(self.decode_heap, self._decode_load)
+            p = self._least(self.prefill_heap, self._prefill_load)
+            if d < 0 or p < 0:  # every worker of a role is dead: wait for a restart
+                return
             if cap and self.decodes[d].reserved + r.blocks > cap:
                 return
             self.pending.popleft()
             self.decodes[d].reserved += r.blocks
+            self.decodes[d].placed[r] = None
             heapq.heappush(self.decode_heap, (self.decodes[d].reserved, d))
-            r.decode = d
-            p = self._least(self.prefill_heap, lambda i: self.prefills[i].queued_tokens)
+            r.decode, r.prefill, r.state = d, p, _State.PREFILL
             w = self.prefills[p]
-            r.remaining = r.prompt
+            r.remaining = r.prompt_now
             w.queue.append(r)
-            w.queued_tokens += r.prompt
+            w.queued_tokens += r.prompt_now
             heapq.heappush(self.prefill_heap, (w.queued_tokens, p))
             if not w.busy:
                 self.start_pass(t, p)
 
+    def _decode_load(self, i: int) -> float:
+        return self.decodes[i].reserved if self.decodes[i].alive else math.inf
+
+    def _prefill_load(self, i: int) -> float:
+        return self.prefills[i].queued_tokens if self.prefills[i].alive else math.inf
+
     @staticmethod
     def _least(heap: list, load) -> int:
-        while heap[0][0] != load(heap[0][1]):
-            heapq.heappop(heap)  # stale: that worker's load changed since
-        return heap[0][1]
+        """The least loaded live worker, or -1 when none is alive."""
+        while heap and heap[0][0] != load(heap[0][1]):
+            heapq.heappop(heap)  # stale: that worker's load changed since (or it died)
+        return heap[0][1] if heap else -1
 
     # -- prefill workers ---------------------------------------------------------------------
 
@@ -229,10 +342,10 @@ class Simulator:
         left, pairs, w.chunks = self.c.token_budget, 0.0, []
         for r in w.queue:  # head first: its next chunk, then the next requests packed in
             n = min(r.remaining, left)
-            pairs += CostProfile.chunk_pairs(n, r.prompt - r.remaining)
+            pairs += CostProfile.chunk_pairs(n, r.prompt_now - r.remaining)
             if r.first_chunk_s < 0:
                 r.first_chunk_s = t
-            w.chunks.append((r, n))
+            w.chunks.append((r, n, r.attempt))
             left -= n
             if not left:
                 break
@@ -253,15 +366,22 @@ class Simulator:
     def pass_end(self, t: float, p: int) -> None:
         w = self.prefills[p]
         self.busy_s += t - w.pass_start  # wall time: longer than its cost on a shared host
-        for r, n in w.chunks:
+        for r, n, attempt in w.chunks:
+            if attempt != r.attempt:
+                continue  # it moved during the pass (its decode worker died): wasted work
             r.remaining -= n
+            w.queued_tokens -= n
             if r.remaining:
                 continue  # only the pass's last chunk can be partial: it stays at the head
             w.queue.popleft()
-            r.first_token_s = t
-            landed = max(t, r.first_chunk_s + r.prompt * self.p.kv_bytes_per_token / self.p.transfer_bytes_per_s)
-            self.push(landed + self.p.transfer_latency_s, _KV_READY, r.decode, r)
-        w.queued_tokens -= w.pass_tokens
+            if r.first_token_s < 0:
+                r.first_token_s = t
+            else:  # a moved request's next token: the gap since its last one is an ITL
+                self.itl.append((t - r.last_token_s, 1))
+            r.last_token_s = t
+            r.state = _State.TRANSFER
+            landed = max(t, r.first_chunk_s + r.prompt_now * self.p.kv_bytes_per_token / self.p.transfer_bytes_per_s)
+            self.push(landed + self.p.transfer_latency_s, _KV_READY, r.decode, (r, r.attempt))
         heapq.heappush(self.prefill_heap, (w.queued_tokens, p))
         if w.queue:
             self.start_pass(t, p)  # still computing: the count of workers computing holds
@@ -296,17 +416,33 @@ class Simulator:
 
     # -- decode workers -----------------------------------------------------------------------
 
-    def kv_ready(self, t: float, d: int, r: _Req) -> None:
+    def kv_ready(self, t: float, d: int, event: tuple[_Req, int]) -> None:
+        r, attempt = event
+        if attempt != r.attempt:
+            return  # it moved while its KV was landing
         w = self.decodes[d]
-        if r.output == 1:  # the prefill's token was the whole answer
-            r.finish_s = r.first_token_s
+        if r.output_now == 1:  # the prefill's token was the last one
+            r.finish_s = r.last_token_s
             self.free(t, d, r)
             return
+        r.state = _State.WAITING
         w.waiting.append(r)
         if not w.active:
             self.boundary(t, d)
         elif w.running < self.c.max_batch:
             self.cut(d, t)
+
+    def _steps_done(self, w: _Decode, t: float) -> int:
+        """Steps of the running segment completed before t (< w.n: the segment's end event
+        would have come first). A step ending exactly at t counts as lost."""
+        lo, hi = 0, w.n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if w.t0 + self._steps_s(w, mid) < t:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def cut(self, d: int, t: float) -> None:
         """End the running segment at the first step boundary at or after t."""
@@ -326,21 +462,27 @@ class Simulator:
     def _steps_s(self, w: _Decode, k: int) -> float:
         return k * w.d0 + w.slowdown * self.p.decode_per_ctx_token_s * w.running * k * (k - 1) / 2
 
-    def segment_end(self, t: float, d: int, version: int) -> None:
-        w = self.decodes[d]
-        if version != w.version:
-            return
-        b, n = w.running, w.n
+    def _record_steps(self, w: _Decode, n: int) -> None:
+        """Count n completed steps of the running segment: its token gaps and totals."""
+        b = w.running
         w.step += n
         w.context_sum += n * b
         self.decode_steps += n
         self.decode_tokens += n * b
+        if not n:
+            return
         for r in w.joiners:  # their first decode token came at the end of step one
-            self.itl.append((w.t0 + w.d0 - r.first_token_s, 1))
+            self.itl.append((w.t0 + w.d0 - r.last_token_s, 1))
         j = len(w.joiners)
         if n * b > j:  # the other gaps: mean of the segment's steps, without the joiners' d0s
             self.itl.append(((b * self._steps_s(w, n) - j * w.d0) / (n * b - j), n * b - j))
         w.joiners = []
+
+    def segment_end(self, t: float, d: int, version: int) -> None:
+        w = self.decodes[d]
+        if version != w.version:
+            return
+        self._record_steps(w, w.n)
         while w.finishes and w.finishes[0][0] <= w.step:
             _, _, r = heapq.heappop(w.finishes)
             r.finish_s = t
@@ -360,9 +502,10 @@ class Simulator:
         while w.waiting and w.running < self.c.max_batch:
             r = w.waiting.popleft()
             w.running += 1
-            w.context_sum += r.prompt + 1  # its KV plus the first token, fed back as input
+            w.context_sum += r.prompt_now + 1  # its KV plus the latest token, fed back as input
             self.seq += 1
-            heapq.heappush(w.finishes, (w.step + r.output - 1, self.seq, r))
+            r.state, r.join_step = _State.RUNNING, w.step
+            heapq.heappush(w.finishes, (w.step + r.output_now - 1, self.seq, r))
             w.joiners.append(r)
         if not w.running:
             return
@@ -377,10 +520,105 @@ class Simulator:
 
     def free(self, t: float, d: int, r: _Req) -> None:
         w = self.decodes[d]
+        r.state = _State.DONE
         w.reserved -= r.blocks
+        del w.placed[r]
         heapq.heappush(self.decode_heap, (w.reserved, d))
         if self.pending:
             self.admit(t)
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def fail(self, t: float, role: str, i: int) -> None:
+        """Worker i of role dies at t: what it held moves (module docstring)."""
+        moved: list[_Req] = []
+        if role == "decode":
+            w = self.decodes[i]
+            if not w.alive:
+                return
+            if w.active:  # the steps completed before t count; the one in progress is lost
+                k = self._steps_done(w, t)
+                self._record_steps(w, k)
+                for _, _, r in w.finishes:
+                    if w.step > r.join_step:  # its latest token: the last completed step's
+                        r.last_token_s = w.t0 + self._steps_s(w, k)
+                    r.done += 1 + w.step - r.join_step  # the prefill's token and its steps
+                w.active = False
+                w.version += 1  # its end event is stale
+                self._computing(t, -1)
+            for r in w.waiting:
+                r.done += 1
+            for r in w.placed:
+                if r.state is _State.TRANSFER:
+                    r.done += 1
+                elif r.state is _State.PREFILL:
+                    self._leave_prefill(r)
+                moved.append(r)
+            w.alive, w.reserved = False, 0
+            w.placed, w.waiting, w.finishes, w.joiners = {}, deque(), [], []
+            w.running = w.context_sum = 0
+        else:
+            w = self.prefills[i]
+            if not w.alive:
+                return
+            for d in self.decodes:
+                for r in d.placed:
+                    if r.prefill == i and r.state in (_State.PREFILL, _State.TRANSFER):
+                        moved.append(r)
+            for r in moved:
+                if r.state is _State.TRANSFER:  # its first token came; its KV was still landing
+                    r.done += 1
+                dw = self.decodes[r.decode]
+                dw.reserved -= r.blocks
+                del dw.placed[r]
+                heapq.heappush(self.decode_heap, (dw.reserved, r.decode))
+            w.queue.clear()
+            w.chunks = []
+            w.queued_tokens = 0
+            w.alive = False
+            w.version += 1  # its pass's end event is stale
+            if w.busy:
+                w.busy = False
+                self.busy_s += t - w.pass_start
+                self._computing(t, -1)
+        # Moved ones go first, in arrival order, ahead of the requests still to be admitted.
+        moved.sort(key=lambda r: r.arrival)
+        for r in reversed(moved):
+            r.attempt += 1
+            r.first_chunk_s = -1.0
+            if r.done >= r.output:  # its prefill's token was its last (its KV had not landed)
+                r.state, r.finish_s = _State.DONE, r.last_token_s
+                continue
+            if r.attempt > self.c.max_migrations:
+                r.state = _State.FAILED
+                continue
+            self.migrations += 1
+            r.state = _State.QUEUED
+            self.pending.appendleft(r)
+        self.admit(t)
+
+    def _leave_prefill(self, r: _Req) -> None:
+        """r leaves its (live) prefill worker's queue; a pass computing it runs on as waste."""
+        w = self.prefills[r.prefill]
+        w.queue.remove(r)
+        w.queued_tokens -= r.remaining
+        heapq.heappush(self.prefill_heap, (w.queued_tokens, r.prefill))
+
+    def restart(self, t: float, role: str, i: int) -> None:
+        """Worker i comes back empty (its queue, KV pool and batch start anew)."""
+        if role == "decode":
+            w = self.decodes[i]
+            if w.alive:
+                return
+            w.alive = True
+            heapq.heappush(self.decode_heap, (0, i))
+        else:
+            w = self.prefills[i]
+            if w.alive:
+                return
+            w.alive = True
+            heapq.heappush(self.prefill_heap, (0, i))
+        self.admit(t)
 
 
 def simulate(trace: list[Request], profile: CostProfile, config: ClusterConfig,

@@ -58,3 +58,18 @@ def test_a_cluster_too_big_for_one_hosts_ports_gets_a_host_per_worker(tmp_path):
     topology = load_topology(path)
     assert topology.expected_workers() == {"prefill": 3000, "decode": 7000}
     assert len({w.host.name for w in topology.workers}) == 10000
+
+
+def test_plan_sizes_for_a_worker_death_and_refuses_a_bad_one(tmp_path):
+    make_profile().save(tmp_path / "profile.json")
+    args = ["--profile", str(tmp_path / "profile.json"), "--rate", "15", "--requests", "300",
+            "--prompt-len", "uniform:32:400", "--output-len", "uniform:2:30", "--slo-ttft-p99", "2",
+            "--slo-tpot-p99", "0.2", "--token-budgets", "512", "--max-batches", "32", "--max-workers", "20"]
+    result = plan(*args, "--fail", "prefill:0@5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "failures: prefill worker 0 at 5 s, not restarted" in result.stdout
+    assert re.search(r"\blost\b", result.stdout) and "moves after the failures, none lost" in result.stdout
+    found = re.search(r"recommended: (\d+) prefill", result.stdout)
+    assert found and int(found.group(1)) >= 2, result.stdout  # one prefill worker loses requests
+    result = plan(*args, "--fail", "decode:x@5")
+    assert result.returncode == 2 and "bad failure 'decode:x@5'" in result.stderr

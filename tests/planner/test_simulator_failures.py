@@ -1,0 +1,172 @@
+"""Worker failures in the simulator: requests move as the coordinator moves them (prompt plus
+the tokens so far, on the live workers), against closed forms; nothing is lost while a worker
+of each role lives; what cannot move is counted as lost, never in the percentiles."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.cost_profile import CostProfile
+from planner.metrics import SLO
+from planner.search import SearchSpace, search
+from planner.simulator import ClusterConfig, WorkerFailure, simulate
+from planner.trace import LengthDist, Request, generate
+
+
+def prefill_s(p: CostProfile, tokens: int) -> float:
+    return p.prefill_pass_s(tokens, CostProfile.chunk_pairs(tokens, 0))
+
+
+def steps_s(p: CostProfile, context: int, steps: int) -> float:
+    """`steps` decode steps of one sequence alone, its context growing from `context`."""
+    return sum(p.decode_step_s(1, context + k) for k in range(steps))
+
+
+def test_a_failure_after_the_load_changes_nothing(profile):
+    trace = generate(20, 200, LengthDist("uniform", low=16, high=600), LengthDist("uniform", low=1, high=40), seed=3)
+    plain = simulate(trace, profile, ClusterConfig(2, 2))
+    late = simulate(trace, profile, ClusterConfig(2, 2, failures=(WorkerFailure("decode", 0, 1e6),)))
+    assert [(t.first_token_s, t.finish_s) for t in late.times] == [(t.first_token_s, t.finish_s) for t in plain.times]
+    assert late.summary.migrations == late.summary.failed == 0
+
+
+def test_a_decode_death_moves_the_request_with_its_tokens(profile):
+    """One request on decode 0, which dies mid-decode after k steps: it is prefilled again with
+    prompt + 1 + k tokens and ends its output on decode 1; TTFT is the first token's."""
+    p, prompt, output = profile, 300, 20
+    first = p.coordinator_overhead_s + prefill_s(p, prompt)
+    landed = first + p.transfer_latency_s  # the KV streams faster than the pass computes
+    k = 6
+    die = landed + steps_s(p, prompt + 1, k) + 0.5 * p.decode_step_s(1, prompt + 1 + k)  # mid step k + 1
+    res = simulate([Request(0.0, prompt, output)], p,
+                   ClusterConfig(1, 2, failures=(WorkerFailure("decode", 0, die),)))
+    r = res.times[0]
+    assert r.first_token_s == pytest.approx(first)
+    now = prompt + 1 + k  # the step in progress at the death is lost
+    token = die + prefill_s(p, now)
+    landed2 = max(token, die + now * p.kv_bytes_per_token / p.transfer_bytes_per_s) + p.transfer_latency_s
+    assert r.finish_s == pytest.approx(landed2 + steps_s(p, now + 1, output - (1 + k) - 1))
+    assert res.summary.migrations == 1 and res.summary.failed == 0
+    # Its gaps: k before the death, one across it (to the re-prefill's token), the rest after.
+    assert sum(n for _, n in res.itl) == output - 1
+    assert sum(v * n for v, n in res.itl) == pytest.approx(r.finish_s - r.first_token_s)
+    across = landed + steps_s(p, prompt + 1, k)
+    assert any(v == pytest.approx(token - across) and n == 1 for v, n in res.itl)
+
+
+def test_a_pass_for_a_request_that_moved_runs_on_as_waste(profile):
+    """A 2,000-token prompt in 512-token passes; its decode worker dies during the second pass.
+    That pass completes (the prefill worker does not know yet), then the prompt is prefilled
+    again from the start for the other decode worker: 2 + 4 passes."""
+    p = profile
+    chunks = [(512, 0), (512, 512), (512, 1024), (464, 1536)]
+    cost = [p.prefill_pass_s(n, CostProfile.chunk_pairs(n, ctx)) for n, ctx in chunks]
+    die = p.coordinator_overhead_s + cost[0] + 0.5 * cost[1]
+    res = simulate([Request(0.0, 2000, 4)], p,
+                   ClusterConfig(1, 2, token_budget=512, failures=(WorkerFailure("decode", 0, die),)))
+    assert res.prefill_passes == 6 and res.summary.migrations == 1
+    restart = p.coordinator_overhead_s + cost[0] + cost[1]
+    assert res.times[0].first_token_s == pytest.approx(restart + sum(cost))
+
+
+def test_a_prefill_death_waits_for_its_restart_and_loses_nothing(profile):
+    """The only prefill worker dies in the second pass of a 2,000-token prompt and is back 1 s
+    later: that prompt starts over then, and a request arriving meanwhile waits for it too."""
+    p, die, back = profile, 0.1, 1.0
+    trace = [Request(0.0, 2000, 5), Request(0.5, 100, 5)]
+    res = simulate(trace, p, ClusterConfig(1, 1, token_budget=512,
+                                           failures=(WorkerFailure("prefill", 0, die, back),)))
+    assert res.summary.requests == 2 and res.summary.failed == 0 and res.summary.migrations == 1
+    # The second arrived during the outage, behind the moved one (moves go first): 48 of its
+    # tokens are packed into the moved prompt's last pass (464 + 48), the rest into the next.
+    first3 = sum(p.prefill_pass_s(512, CostProfile.chunk_pairs(512, ctx)) for ctx in (0, 512, 1024))
+    last = p.prefill_pass_s(512, CostProfile.chunk_pairs(464, 1536) + CostProfile.chunk_pairs(48, 0))
+    assert res.times[0].first_token_s == pytest.approx(die + back + first3 + last)
+    rest = p.prefill_pass_s(52, CostProfile.chunk_pairs(52, 48))
+    assert res.times[1].first_token_s == pytest.approx(die + back + first3 + last + rest)
+
+
+def test_with_no_worker_of_a_role_left_requests_are_lost_not_measured(profile):
+    trace = generate(10, 60, LengthDist("uniform", low=100, high=400), LengthDist("uniform", low=2, high=20), seed=4)
+    slo = SLO(60.0, 60.0)
+    alone = simulate(trace, profile, ClusterConfig(1, 1, failures=(WorkerFailure("prefill", 0, 2.0),)), slo)
+    s = alone.summary
+    assert s.failed > 0 and s.requests + s.failed == len(trace) and not s.meets(slo)
+    assert all(t.first_token_s < 2.0 + 1e-9 or t.arrival_s < 2.0 for t in alone.times)
+    spare = simulate(trace, profile, ClusterConfig(2, 1, failures=(WorkerFailure("prefill", 0, 2.0),)), slo)
+    assert spare.summary.failed == 0 and spare.summary.requests == len(trace) and spare.summary.meets(slo)
+
+
+@pytest.mark.parametrize("max_migrations, lost", [(1, 1), (2, 0)])
+def test_a_request_moves_at_most_max_migrations_times(profile, max_migrations, lost):
+    """Decode 0 dies, the request moves to decode 1 (the least loaded, first by index), which
+    dies too: a third placement is over a cap of 1 move."""
+    p, prompt = profile, 200
+    landed = p.coordinator_overhead_s + prefill_s(p, prompt) + p.transfer_latency_s
+    die = [landed + 2.5 * p.decode_step_s(1, prompt + 1), 1.0]
+    config = ClusterConfig(1, 3, max_migrations=max_migrations,
+                           failures=(WorkerFailure("decode", 0, die[0]), WorkerFailure("decode", 1, die[1])))
+    if lost:
+        with pytest.raises(ValueError, match="no request finished"):
+            simulate([Request(0.0, prompt, 200)], p, config)
+        res = simulate([Request(0.0, prompt, 200), Request(5.0, 50, 3)], p, config)
+        assert res.summary.failed == 1 and res.summary.requests == 1
+    else:
+        res = simulate([Request(0.0, prompt, 200)], p, config)
+        assert res.summary.failed == 0 and res.summary.migrations == 2
+
+
+def test_every_token_gap_is_counted_once_through_failures_and_restarts(profile):
+    rng = random.Random(11)
+    trace = sorted((Request(rng.uniform(0, 5), rng.randint(10, 600), rng.randint(1, 80)) for _ in range(300)),
+                   key=lambda r: r.arrival_s)
+    failures = (WorkerFailure("decode", 0, 1.0, 0.5), WorkerFailure("prefill", 1, 2.0, 1.0),
+                WorkerFailure("decode", 2, 3.0), WorkerFailure("decode", 1, 3.5, 0.2))
+    for host_cores in (0.0, 2.0):
+        # (Some requests meet three of the deaths: a cap of 10 moves loses none.)
+        res = simulate(trace, profile, ClusterConfig(2, 3, max_batch=8, host_cores=host_cores, failures=failures,
+                                                     max_migrations=10))
+        assert res.summary.failed == 0 and res.summary.requests == len(trace) and res.summary.migrations > 0
+        assert sum(n for _, n in res.itl) == sum(t.output_tokens - 1 for t in res.times)
+        assert sum(v * n for v, n in res.itl) == pytest.approx(sum(t.finish_s - t.first_token_s for t in res.times))
+        assert all(v >= 0 for v, _ in res.itl)
+        assert all(t.finish_s >= t.first_token_s >= t.arrival_s for t in res.times)
+
+
+def test_failures_parse_and_are_validated():
+    assert WorkerFailure.parse("decode:0@30") == WorkerFailure("decode", 0, 30.0, None)
+    assert WorkerFailure.parse("prefill:1@12.5+20") == WorkerFailure("prefill", 1, 12.5, 20.0)
+    for bad in ("gpu:0@1", "decode:-1@1", "decode:0", "decode@1", "decode:0@-1", "decode:0@nan", "decode:0@1+x",
+                "decode:0@1+-2"):
+        with pytest.raises(ValueError, match="bad failure"):
+            WorkerFailure.parse(bad)
+    with pytest.raises(ValueError, match="has 1 decode workers"):
+        ClusterConfig(1, 1, failures=(WorkerFailure("decode", 1, 0.0),))
+    with pytest.raises(ValueError, match="max_migrations"):
+        ClusterConfig(1, 1, max_migrations=-1)
+
+
+def test_the_search_sizes_a_cluster_that_rides_out_a_prefill_death(profile):
+    trace = generate(15, 300, LengthDist("uniform", low=32, high=400), LengthDist("uniform", low=2, high=30), seed=2)
+    slo = SLO(2.0, 0.2)
+    plain = search(trace, profile, slo, SearchSpace(token_budgets=(512,), max_batches=(32,), max_workers=20))
+    assert plain.best is not None and plain.best.config.prefill_workers == 1
+    space = SearchSpace(token_budgets=(512,), max_batches=(32,), max_workers=20,
+                        failures=(WorkerFailure("prefill", 0, 5.0),))
+    plan = search(trace, profile, slo, space)
+    assert plan.best is not None and plan.best.config.prefill_workers >= 2
+    assert plan.best.summary.failed == 0 and plan.best.config.failures == space.failures
+    assert any(c.summary.failed for c in plan.tried if c.config.prefill_workers == 1)
+
+
+def test_a_one_token_request_whose_kv_was_landing_is_done_not_moved(profile):
+    """Its only token came with the prefill; its decode worker dies before the KV lands (the
+    transfer latency): nothing is left to generate, so it finishes there and does not move."""
+    p = profile
+    first = p.coordinator_overhead_s + prefill_s(p, 100)
+    res = simulate([Request(0.0, 100, 1)], p,
+                   ClusterConfig(1, 2, failures=(WorkerFailure("decode", 0, first + p.transfer_latency_s / 2),)))
+    assert res.summary.failed == res.summary.migrations == 0
+    assert res.times[0].finish_s == res.times[0].first_token_s == pytest.approx(first)
