@@ -68,14 +68,10 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
     import tempfile
     from pathlib import Path
 
-    from benchmarks.bench_modes import WORDS, serving, stream, warm_up
-    from benchmarks.validate_plan import BUDGET, MAX_BATCH, served_topology
+    from benchmarks.bench_modes import serving, warm_up
+    from benchmarks.validate_plan import served_topology, solo_requests
     from common.model_store import default_store
-    from planner.simulator import ClusterConfig, simulate
-    from planner.trace import Request
 
-    rng = random.Random(7)
-    ttft, tpot = [], []
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:
         topology = served_topology("profile", model, default_store().resolve(model), Path(tmp), 1, 1,
                                    prefill_format, decode_format, threads)
@@ -83,18 +79,12 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
         with cluster:
             cluster.start()
             warm_up(url, model)
-            for _ in range(SERVED_REQUESTS):
-                words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 300)))
-                s = stream(url, model, words, 32, "short")
-                if s is None or s.tokens < 2:
-                    continue
-                alone = simulate([Request(0.0, s.prompt_tokens or 1, s.tokens)], profile,
-                                 ClusterConfig(1, 1, BUDGET, MAX_BATCH)).times[0]
-                ttft.append(s.ttft - alone.ttft_s)
-                tpot.append(sum(s.itls) / len(s.itls) - alone.tpot_s)
-    if not ttft:
+            pairs = solo_requests(url, model, profile, SERVED_REQUESTS, random.Random(7))
+    if not pairs:
         raise RuntimeError("no served request answered: cannot measure the serving overheads")
-    return max(0.0, statistics.median(ttft)), max(0.0, statistics.median(tpot)), len(ttft)
+    ttft = [s.ttft - alone.ttft_s for s, alone in pairs]
+    tpot = [sum(s.itls) / len(s.itls) - alone.tpot_s for s, alone in pairs]
+    return max(0.0, statistics.median(ttft)), max(0.0, statistics.median(tpot)), len(pairs)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,13 @@ token times and prompt_eval_count. The same requests (arrival, prompt tokens, ou
 are then simulated with the profile on the same P:D, token budget and batch cap, and the
 table prints measured and simulated TTFT and TPOT p50/p99 with their ratio (sim/measured).
 
+Before each run's load, SOLO_REQUESTS chats are served one at a time and set against the
+profile's simulation of each alone (measured / simulated, medians: the "solo" columns): how
+fast the host runs now against when the profile was measured. The host's speed drifts (up to
+~1.5x within minutes on the shared VMs of this project), and a run whose solo ratio is well
+above 1 is one the profile under-predicts whatever the simulator does with queues and
+batches; nothing is scaled by it.
+
 A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. The profile was measured with a core to
 itself, while here the workers, the coordinator and the load generator share the host's
 cores, so each run is simulated twice: "own" (a core per worker, as a planned cluster
@@ -22,14 +29,16 @@ with the coordinator's and the load generator's CPU time over the load, measured
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.bench_modes import WORDS, mode_topology, serving, stream, warm_up
+from benchmarks.bench_modes import WORDS, Sample, mode_topology, serving, stream, warm_up
 from common.processes import cpu_seconds
 from planner.cost_profile import CostProfile
 from planner.metrics import RequestTimes, percentile
@@ -37,6 +46,7 @@ from planner.simulator import ClusterConfig, simulate
 from planner.trace import Request
 
 BUDGET, MAX_BATCH = 512, 64  # the cluster's --chunk-size and --max-num-seqs, simulated alike
+SOLO_REQUESTS = 3  # per run, before its load: the host's speed against the profile's
 
 
 def served_topology(name: str, model: str, model_path: Path, log_dir: Path, prefill: int, decode: int,
@@ -49,6 +59,34 @@ def served_topology(name: str, model: str, model_path: Path, log_dir: Path, pref
                          core_lease=False,  # a thread per worker, as the profile and the simulator
                          worker_args=("--kv-cache-gb", "0.5", "--prefill-quant", prefill_format,
                                       "--decode-quant", decode_format, "--max-num-seqs", str(MAX_BATCH)))
+
+
+def solo_requests(url: str, model: str, profile: CostProfile, count: int,
+                  rng: random.Random) -> list[tuple[Sample, RequestTimes]]:
+    """`count` chats of 40..300 words and 32 tokens, sent one at a time (no queue, no batch),
+    each with the profile's simulation of it alone on a 1:1 cluster."""
+    pairs = []
+    for _ in range(count):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 300)))
+        s = stream(url, model, words, 32, "short")
+        if s is None or s.tokens < 2:
+            continue
+        alone = simulate([Request(0.0, s.prompt_tokens or 1, s.tokens)], profile,
+                         ClusterConfig(1, 1, BUDGET, MAX_BATCH)).times[0]
+        pairs.append((s, alone))
+    return pairs
+
+
+def solo_ratios(pairs: list[tuple[Sample, RequestTimes]]) -> tuple[float, float]:
+    """Medians of measured / simulated TTFT and TPOT over solo requests (nan: none; inf for
+    a request the profile simulates as free)."""
+    def ratio(measured: float, simulated: float) -> float:
+        return measured / simulated if simulated > 0 else math.inf
+
+    if not pairs:
+        return math.nan, math.nan
+    return (statistics.median(ratio(s.ttft, alone.ttft_s) for s, alone in pairs),
+            statistics.median(ratio(sum(s.itls) / len(s.itls), alone.tpot_s) for s, alone in pairs))
 
 
 def run_load(url: str, model: str, rate: float, count: int, output: int, seed: int):
@@ -110,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
             with cluster:
                 cluster.start()
                 warm_up(url, args.model)
+                solo = solo_ratios(solo_requests(url, args.model, profile, SOLO_REQUESTS,
+                                                 random.Random(100 + len(rows))))
                 coordinator = next(c.process.pid for c in cluster.children
                                    if c.spec.name == "coordinator")
                 load_before = os.getloadavg()[0]
@@ -129,18 +169,21 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((spec, len(samples), figures(measured),
                          {name: figures(simulate(trace, profile, config).times)
                           for name, config in (("own", own), ("shared", shared))},
-                         load_before, load_after, background))
+                         load_before, load_after, background, solo))
     print(f"\nprofile: {profile.source}; host cores: {cores}")
     print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
           "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
-          "worker, shared: the host's cores shared with bg")
-    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'sim':>6}  " + "  ".join(
+          "worker, shared: the host's cores shared with bg; solo = measured / simulated TTFT and TPOT "
+          f"of {SOLO_REQUESTS} requests served alone just before the load (above 1: the host runs "
+          "slower than when profiled)")
+    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'sim':>6}  " + "  ".join(
         f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
-    for spec, n, meas, sims, lb, la, bg in rows:
+    for spec, n, meas, sims, lb, la, bg, solo in rows:
         for name, sim in sims.items():
             cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
                               for k in meas)
-            print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f} {bg:4.2f} {name:>6}  {cells}")
+            print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f} {bg:4.2f} {solo[0]:4.2f}/{solo[1]:<4.2f} "
+                  f"{name:>6}  {cells}")
 
 
 if __name__ == "__main__":

@@ -32,3 +32,19 @@ def test_the_served_run_measures_what_serving_adds(model_dir):
     # left to attribute to serving: the overheads are clamped at 0, never negative.
     slow = make_profile(prefill_base_s=60.0, decode_base_s=10.0, coordinator_overhead_s=0.0)
     assert measure_serving(str(model_dir), slow, "fp32", "fp32")[:2] == (0.0, 0.0)
+
+
+def test_solo_ratios_are_medians_of_measured_over_simulated():
+    from benchmarks.bench_modes import Sample
+    from benchmarks.validate_plan import solo_ratios
+    from planner.metrics import RequestTimes
+
+    def pair(ttft: float, itls: list[float], sim_ttft: float, sim_tpot: float):
+        return Sample("short", ttft, itls, len(itls) + 1), RequestTimes(0.0, sim_ttft, sim_ttft + sim_tpot * len(itls),
+                                                                        len(itls) + 1)
+
+    pairs = [pair(0.2, [0.01, 0.03], 0.1, 0.01), pair(0.3, [0.02, 0.02], 0.2, 0.02), pair(0.9, [0.05], 0.3, 0.01)]
+    ttft, tpot = solo_ratios(pairs)
+    assert ttft == pytest.approx(2.0) and tpot == pytest.approx(2.0)  # medians of (2, 1.5, 3) and (2, 1, 5)
+    assert solo_ratios([pair(0.1, [0.01], 0.0, 0.0)]) == (float("inf"), float("inf"))
+    assert all(v != v for v in solo_ratios([]))  # nan: nothing measured
