@@ -148,11 +148,11 @@ def main(argv: list[str] | None = None) -> None:
             with cluster:
                 cluster.start()
                 warm_up(url, args.model)
+                load_before = os.getloadavg()[0]
                 solo = solo_ratios(solo_requests(url, args.model, profile, SOLO_REQUESTS,
                                                  random.Random(100 + len(rows))))
                 coordinator = next(c.process.pid for c in cluster.children
                                    if c.spec.name == "coordinator")
-                load_before = os.getloadavg()[0]
                 # Background: the coordinator's CPU and this process's (the load generator).
                 cpu_before = cpu_seconds(coordinator) + time.process_time()
                 started = time.perf_counter()

@@ -107,7 +107,16 @@ class Summary:
 def summarize(times: list[RequestTimes], itl: list[tuple[float, int]], slo: SLO | None,
               rejected: int = 0, failed: int = 0, migrations: int = 0) -> Summary:
     if not times:
-        raise ValueError("no finished requests to summarize")
+        if not failed:
+            raise ValueError("no finished requests to summarize")
+        # Every request was lost to failures: nothing to take percentiles of, nothing met.
+        nan = math.nan
+        return Summary(requests=0, rejected=rejected, duration_s=0.0, ttft_p50_s=nan, ttft_p99_s=nan,
+                       tpot_p50_s=nan, tpot_p99_s=nan, itl_p50_s=weighted_percentile(itl, 50),
+                       itl_p90_s=weighted_percentile(itl, 90), itl_p99_s=weighted_percentile(itl, 99),
+                       e2e_p50_s=nan, e2e_p99_s=nan, throughput_rps=0.0, output_tok_s=0.0,
+                       goodput_rps=0.0 if slo is not None else nan,
+                       slo_attainment=0.0 if slo is not None else nan, failed=failed, migrations=migrations)
     start = min(t.arrival_s for t in times)
     duration = max(t.finish_s for t in times) - start
     ttft = [t.ttft_s for t in times]

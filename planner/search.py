@@ -153,7 +153,9 @@ def search(trace: list[Request], profile: CostProfile, slo: SLO, space: SearchSp
     for m in space.max_batches:
         d_lb[m] = work_lower_bounds(trace, profile, min(space.token_budgets), m)[1]
     # Decode workers to spare while sizing the prefill side: twice the most any batch cap needs.
-    spare_d = max(2 * max(d_lb.values()) + 1, d_least)
+    # (Plus one for each decode worker that dies, so the deaths do not shape TTFT either.)
+    spare_d = (max(2 * max(d_lb.values()) + 1, d_least)
+               + len({f.index for f in space.failures if f.role == "decode"}))
     prefill_need: dict[int, int] = {}
     floors = {b: ttft_floor(trace, profile, b) for b in space.token_budgets}
     for b in space.token_budgets:

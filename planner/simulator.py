@@ -22,7 +22,8 @@ k * d0 + c * B * k * (k - 1) / 2. A segment is one event; a request landing mid-
 it at the next step boundary (found by bisection). Each request knows the worker step at
 which it finishes, so nothing walks the batch per step. ITL is recorded per segment as its
 mean step with a weight of B * steps (less the joiners' first gaps, each recorded on its own),
-so all gaps together add up exactly to the requests' first-token-to-finish times.
+so all gaps together add up exactly to the finished requests' first-token-to-finish times
+(and, with failures, the lost ones' first to last token).
 
 A shared host (ClusterConfig.host_cores > 0): every worker runs on the same `host_cores`
 cores, beside `background_cores` of other work (the coordinator, a load generator), and the
@@ -43,9 +44,17 @@ decode worker is gone with it. The client's stream goes on: TTFT stays the first
 and the gap from the last token before the death to the next one (the re-prefill's) is one
 ITL. A prefill pass in progress on a live worker for a request that moved finishes as wasted
 work. A request moved more than `max_migrations` times (tandem's default 2), or with no live
-worker of a role left and none to come back, fails: counted in Summary.failed, never in the
+worker of a role left and none to come back, fails; so does one moved while no decode worker
+is alive (the coordinator has nowhere to place it and ends it with an error). Lost requests are
+counted in Summary.failed, never in the
 TTFT, TPOT and E2E percentiles (the gaps of the tokens it did stream stay in the ITL record:
 the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
+Where it differs, conservatively: with no live prefill worker the coordinator prefills on a
+decode worker (conditional disaggregation, not modelled), where the simulator waits for a
+restart; new arrivals wait for a restart however long (the coordinator, up to its load
+timeout); and a restarted worker may take back a request that died on it before (the
+coordinator never places a request again on a worker that failed it). Failures of one worker
+must not overlap in time (ClusterConfig refuses them).
 
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
@@ -90,14 +99,21 @@ class WorkerFailure:
                                                      and self.restart_after_s >= 0):
             raise ValueError(f"WorkerFailure.restart_after_s must be a finite time >= 0, got {self.restart_after_s}")
 
+    @property
+    def until_s(self) -> float:
+        """When the worker is back (inf: never)."""
+        return math.inf if self.restart_after_s is None else self.at_s + self.restart_after_s
+
     @classmethod
     def parse(cls, spec: str) -> "WorkerFailure":
         """ROLE:INDEX@SECONDS[+RESTART_SECONDS], e.g. decode:0@30 or prefill:1@12.5+20."""
         try:
             who, when = spec.split("@")
             role, index = who.split(":")
-            at, _, restart = when.partition("+")
-            return cls(role.strip(), int(index), float(at), float(restart) if restart else None)
+            at, plus, restart = when.partition("+")
+            if plus and not restart:
+                raise ValueError("no restart time after '+'")
+            return cls(role.strip(), int(index), float(at), float(restart) if plus else None)
         except ValueError as exc:
             raise ValueError(f"bad failure {spec!r} (ROLE:INDEX@SECONDS[+RESTART_SECONDS], "
                              f"e.g. decode:0@30 or prefill:1@12.5+20): {exc}") from None
@@ -125,6 +141,13 @@ class ClusterConfig:
             count = self.prefill_workers if f.role == "prefill" else self.decode_workers
             if f.index >= count:
                 raise ValueError(f"failure of {f.role} worker {f.index}: the cluster has {count} {f.role} workers")
+        # One worker's outages must not overlap (closed intervals: a restart at the instant of
+        # the next death would make the outcome depend on the order the failures are listed).
+        for i, a in enumerate(self.failures):
+            for b in self.failures[i + 1:]:
+                if (a.role, a.index) == (b.role, b.index) and b.at_s <= a.until_s and a.at_s <= b.until_s:
+                    raise ValueError(f"failures of {a.role} worker {a.index} overlap: at {a.at_s:g} s and {b.at_s:g} s "
+                                     f"(a worker must be back before it can die again)")
         if self.kv_blocks_per_decode < 0:
             raise ValueError(f"ClusterConfig.kv_blocks_per_decode must be >= 0, got {self.kv_blocks_per_decode}")
         for name in ("host_cores", "background_cores"):
@@ -184,7 +207,7 @@ class _Prefill:
     queue: deque = field(default_factory=deque)   # _Req, FIFO
     queued_tokens: int = 0
     busy: bool = False
-    chunks: list = field(default_factory=list)    # the running pass: (req, tokens)
+    chunks: list = field(default_factory=list)    # the running pass: (req, tokens, req's attempt)
     pass_tokens: int = 0
     # Shared host: the running pass's work left (seconds at full speed) as of `since`, and
     # the version of its live end event (older ones are stale).
@@ -209,7 +232,7 @@ class _Decode:
     n: int = 0                       # steps in the current segment
     d0: float = 0.0                  # its first step's duration
     slowdown: float = 1.0            # shared host: its steps' time over the profile's
-    version: int = 0                 # bumped when a segment is cut: stale end events drop
+    version: int = 0                 # bumped when a segment is cut or the worker dies: stale end events drop
     alive: bool = True
     placed: dict = field(default_factory=dict)    # _Req -> None, in placement order
 
@@ -275,6 +298,8 @@ class Simulator:
                 self.fail(t, a, b)
             else:
                 self.restart(t, a, b)
+        if self.pending and any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes):
+            raise RuntimeError("simulation ended with requests still queued (a bug)")
         for r in self.pending:  # no live worker of a role left, and none came back
             r.state = _State.FAILED
         self.pending.clear()
@@ -282,9 +307,11 @@ class Simulator:
             raise RuntimeError("simulation ended with requests still queued (a bug)")
         done = [r for r in reqs if r.state is _State.DONE]
         failed = sum(r.state is _State.FAILED for r in reqs)
+        if len(done) + failed + len(rejected) != len(reqs):
+            raise RuntimeError("simulation ended with requests neither finished nor lost (a bug)")
         times = [RequestTimes(r.arrival, r.first_token_s, r.finish_s, r.output) for r in done]
-        if not times:
-            raise ValueError("no request finished (none fits a decode worker's KV pool, or every one failed)")
+        if not times and not failed:
+            raise ValueError("no request fits a decode worker's KV pool")
         summary = summarize(times, self.itl, slo, rejected=len(rejected), failed=failed,
                             migrations=self.migrations)
         return SimResult(times, self.itl, summary, self.passes,
@@ -310,6 +337,8 @@ class Simulator:
             if cap and self.decodes[d].reserved + r.blocks > cap:
                 return
             self.pending.popleft()
+            if r.attempt:  # a move counts once it is placed, as the coordinator counts it
+                self.migrations += 1
             self.decodes[d].reserved += r.blocks
             self.decodes[d].placed[r] = None
             heapq.heappush(self.decode_heap, (self.decodes[d].reserved, d))
@@ -581,18 +610,20 @@ class Simulator:
                 w.busy = False
                 self.busy_s += t - w.pass_start
                 self._computing(t, -1)
-        # Moved ones go first, in arrival order, ahead of the requests still to be admitted.
+        # This death's moves go first, in arrival order, ahead of everything still queued (the
+        # coordinator places a move at once; admission is for new requests). With no live
+        # decode worker the coordinator has nowhere to place them: they fail.
         moved.sort(key=lambda r: r.arrival)
+        no_decode = not any(w.alive for w in self.decodes)
         for r in reversed(moved):
             r.attempt += 1
             r.first_chunk_s = -1.0
             if r.done >= r.output:  # its prefill's token was its last (its KV had not landed)
                 r.state, r.finish_s = _State.DONE, r.last_token_s
                 continue
-            if r.attempt > self.c.max_migrations:
+            if r.attempt > self.c.max_migrations or no_decode:
                 r.state = _State.FAILED
                 continue
-            self.migrations += 1
             r.state = _State.QUEUED
             self.pending.appendleft(r)
         self.admit(t)
