@@ -45,10 +45,9 @@ and the gap from the last token before the death to the next one (the re-prefill
 ITL. A prefill pass in progress on a live worker for a request that moved finishes as wasted
 work. A request moved more than `max_migrations` times (tandem's default 2), or with no live
 worker of a role left and none to come back, fails; so does one moved while no decode worker
-is alive (the coordinator has nowhere to place it and ends it with an error). Lost requests are
-counted in Summary.failed, never in the
-TTFT, TPOT and E2E percentiles (the gaps of the tokens it did stream stay in the ITL record:
-the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
+is alive (the coordinator has nowhere to place it and ends it with an error). Lost requests
+are counted in Summary.failed, never in the TTFT, TPOT and E2E percentiles (the gaps of the
+tokens they did stream stay in the ITL record: the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
 Where it differs, conservatively: with no live prefill worker the coordinator prefills on a
 decode worker (conditional disaggregation, not modelled), where the simulator waits for a
 restart; new arrivals wait for a restart however long (the coordinator, up to its load
