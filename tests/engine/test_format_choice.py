@@ -175,11 +175,13 @@ def test_bf16_takes_fp32_s_place_only_where_it_measured_faster(tmp_path, caplog,
 def test_bf16_prompt_passes_answer_the_default_model_s_question_right(default_gguf, monkeypatch):
     """The reason the head stays fp32: a bf16 head turned this answer into "L'Étoile, la
     Marseillaise, ..." on the default model; with bf16 layers and an fp32 head the first tokens
-    are fp32's."""
+    are fp32's. Where the host grants AMX tiles, auto would take int4 for this Q4_1 file
+    instead (one copy, no bf16 to test), so the tiles are ruled out as well as bf16 measured."""
     from engine import llm_engine
     from tests.nodes.test_disaggregation import expected_text
 
     monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: True)
+    monkeypatch.setattr(llm_engine, "int4_native_projections", lambda weights: False)
     engine = LLMEngine.from_path(default_gguf, EngineConfig.for_role(
         "colocated", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=64)))
     assert engine.model.formats == ("int4", "bf16")
