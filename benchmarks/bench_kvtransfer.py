@@ -1,6 +1,6 @@
 """Transfer throughput per backend, next to a plain memory copy measured in the same run.
 
-    python -m benchmarks.bench_kvtransfer [--backends zmq shm shm-rverify grpc dist] [--tokens 128 512 2048] [--reps 3]
+    python -m benchmarks.bench_kvtransfer [--backends zmq shm shm-sverify shm-rverify grpc dist] [--tokens 128 512 2048] [--reps 3]
 
 Layout: SmolLM2-135M's KV (30 layers x 3 KV heads x 64 dims, block 16, fp32). One "request"
 is a prompt of N tokens sent layer by layer out of a source cache (30 units of N/16 blocks
@@ -16,12 +16,16 @@ evicted (a write of twice its size), so each run reads its source from memory: o
 last-level cache holds the 90 MiB (this kind lists 480 MiB) a copy otherwise ran at 6.8 or
 13 GB/s depending on what the run before had touched, and the ratios with it.
 
-shm verifies the copy on the sender (crc32c of each ~384 KiB chunk before and after its
-memmove, both from cache); shm-rverify is shm with the receiver also crc32c-ing the blocks in
-place (ShmReceiver(verify="receiver")), a second full read of the bytes on the other core that
-competes with the copy for memory bandwidth. Small prompts also pay the grant round trip, the
-finish ack and tens of microseconds of Python per unit. The copy+crc32c row is shm's byte path
-without the protocol: the native kernel (kernels/copy_crc32c.py) once per layer, in process.
+shm is the default (ShmReceiver(verify="copy")): the writer computes the crc32c in its copy
+loop and streams its stores past the cache, and nobody reads the bytes again; shm-sverify has
+the writer compare each 24 KiB chunk with its source right after its copy, both in cache
+(verify="sender"); shm-rverify has the receiver crc32c the blocks in place before it acks each
+unit (verify="receiver", the writer streaming), a third pass over the bytes on the other core
+that shares the host's memory bandwidth with the copy (kvtransfer/shm_backend.py). Small
+prompts also pay the grant round trip, the finish ack and tens of microseconds of Python per
+unit. The copy+crc32c rows are shm's byte path without the protocol: the native kernel
+(kernels/copy_crc32c.py) once per layer, in process, streaming (as the default) and with the
+read-back (as shm-sverify).
 The zmq-raw row is the transport's own ceiling on this host: the same bytes pushed as 8 MiB
 messages over loopback TCP to a spawned process that only receives them (no checksum, no
 header, no write into a cache), timed like a transfer.
@@ -56,7 +60,7 @@ def _evict_caches() -> None:
 
 
 # bench name -> (backend, receiver options)
-VARIANTS = {"shm-rverify": ("shm", {"verify": "receiver"})}
+VARIANTS = {"shm-sverify": ("shm", {"verify": "sender"}), "shm-rverify": ("shm", {"verify": "receiver"})}
 
 
 def _receiver(conn, name: str, num_blocks: int, shm_name: str) -> None:
@@ -218,10 +222,10 @@ def _bench_copy(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[in
     return results, per_cpu
 
 
-def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+def _bench_kernel(tokens: list[int], reps: int, stream: bool) -> tuple[dict[int, float], ...]:
     """The shm writer's byte path alone: kernels/copy_crc32c.py over the same bytes, one call
-    per layer as the writer makes them (copy, crc32c and read-back check), no protocol; with a
-    torch copy timed before each run as for the backends."""
+    per layer as the writer makes them (copy and crc32c, streamed or read back), no protocol;
+    with a torch copy timed before each run as for the backends."""
     results, copies, per_cpu = {}, {}, {}
     for n_tokens in tokens:
         n = n_tokens // LAYOUT.block_size
@@ -238,7 +242,7 @@ def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[
             _evict_caches()
             cpu_start, start = time.process_time(), time.perf_counter()
             for layer in layers:
-                copy_crc32c([layer])
+                copy_crc32c([layer], verify=not stream, stream=stream)
             best = min(best, time.perf_counter() - start)
             best_cpu = min(best_cpu, time.process_time() - cpu_start)
         nbytes = src.numel() * src.element_size()
@@ -249,7 +253,8 @@ def _bench_kernel(tokens: list[int], reps: int) -> tuple[dict[int, float], dict[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["zmq", "zmq-raw", "shm", "shm-rverify", "grpc", "dist"])
+    parser.add_argument("--backends", nargs="+",
+                        default=["zmq", "zmq-raw", "shm", "shm-sverify", "shm-rverify", "grpc", "dist"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[128, 512, 2048])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", action="store_true",
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     beside: dict[str, dict[int, float]] = {}
     cpu: dict[str, dict[int, float]] = {}
     rows["torch copy"], cpu["torch copy"] = _bench_copy(args.tokens, args.reps)
-    rows["copy+crc32c"], beside["copy+crc32c"], cpu["copy+crc32c"] = _bench_kernel(args.tokens, args.reps)
+    for name, stream in (("copy+crc32c", True), ("+read-back", False)):
+        rows[name], beside[name], cpu[name] = _bench_kernel(args.tokens, args.reps, stream)
     for backend in args.backends:
         if backend == "zmq-raw":
             rows[backend], beside[backend], cpu[backend] = _bench_raw_zmq(args.tokens, args.reps)

@@ -4,13 +4,17 @@ word once, folds it into the CRC and stores it, so checksum and copy cost one pa
 bytes instead of two or three; it runs without the GIL (a ctypes call).
 
     crc32c_ranges([(address, nbytes), ...], value=0) -> crc
-    copy_crc32c([(dst_address, src_address, nbytes), ...], value=0, verify=True) -> crc of the source
+    copy_crc32c([(dst_address, src_address, nbytes), ...], value=0, verify=True, stream=False)
+        -> crc of the source
     stream_copies(dst_ranges, src_ranges) -> the copies that move one byte stream, cut one way
         at the source (received frames) and another at the destination (cache blocks)
 
 Both continue `value` exactly as crc32c.crc32c(data, value) does, so either side of a transfer
 may compute its CRC either way. With verify, each copied chunk is compared with its source
-while both are in cache, and a copy that does not read back raises CopyMismatch.
+while both are in cache, and a copy that does not read back raises CopyMismatch. With stream
+(and verify=False) the stores go past the cache (movnti): a copy out of memory then moves two
+lines per line instead of three (a plain store first reads its destination), so it runs ~1.5x
+a memcpy; the destination is left in memory, so whoever needs it checked checks the CRC there.
 
 Addresses are raw pointers: the caller has checked every range against the tensors it belongs
 to (nothing here can). Without the native library (no compiler) the same results come from the
@@ -49,22 +53,28 @@ def crc32c_ranges(ranges: Sequence[tuple[int, int]], value: int = 0) -> int:
 
 
 def copy_crc32c(copies: Sequence[tuple[int, int, int]], value: int = 0, verify: bool = True,
-                corrupt_at: int = -1) -> int:
+                corrupt_at: int = -1, stream: bool = False) -> int:
     """Copy each (dst_address, src_address, nbytes) and return the CRC32C of the source bytes in
     order, continuing from `value`. Ranges must not overlap their destinations. With verify, a
     destination that does not read back as its source raises CopyMismatch (after the copy).
+    stream stores past the cache (see the module docstring); it excludes verify, whose read-back
+    would then come from memory. Without the native library it is a plain copy.
 
     corrupt_at >= 0 is a test seam: that byte of the concatenated destination is flipped after
     its copy and before the comparison, so a test can show the check catches a bad write."""
     _check_value(value)
+    if verify and stream:
+        raise ValueError("stream stores past the cache: a read-back (verify) would read memory "
+                         "again; check the CRC at the destination instead")
     if not native.available():
         return _copy_crc32c_fallback(copies, value, verify, corrupt_at)
     dsts = _array([d for d, _, _ in copies])
     srcs = _array([s for _, s, _ in copies])
     sizes = _array([n for _, _, n in copies])
     out = ctypes.c_uint32()
+    flags = int(verify) | 2 * int(stream)
     code = native.library().tandem_copy_crc32c(len(copies), srcs, dsts, sizes, value,
-                                               int(verify), corrupt_at, ctypes.byref(out))
+                                               flags, corrupt_at, ctypes.byref(out))
     if code == 2:
         raise CopyMismatch("a copied range does not read back as its source")
     native.check(code, "copy_crc32c")

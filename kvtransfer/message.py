@@ -398,6 +398,7 @@ class HandshakeReply:
     shm_name: str = ""
     owner_shm_name: str = ""
     max_unit_layers: int = 1  # the receiver takes data units of up to this many layers
+    shm_verify: str = "sender"  # shm: who reads the written blocks again (shm_backend.py)
 
     def to_pb(self) -> pb.HandshakeReply:
         return pb.HandshakeReply(
@@ -406,12 +407,13 @@ class HandshakeReply:
             shm_name=self.shm_name,
             owner_shm_name=self.owner_shm_name,
             max_unit_layers=self.max_unit_layers,
+            shm_verify=self.shm_verify,
         )
 
     @classmethod
     def from_pb(cls, m: pb.HandshakeReply) -> HandshakeReply:
         return cls(layout_from_pb(m.layout), m.num_blocks, m.shm_name, m.owner_shm_name,
-                   m.max_unit_layers or 1)
+                   m.max_unit_layers or 1, m.shm_verify or "sender")
 
     def encode(self) -> bytes:
         return self.to_pb().SerializeToString()

@@ -15,19 +15,30 @@ headers cross it, never payload bytes:
     (pre_write_hook: tests hold the writer here)
     one native pass over the unit's runs of ids (kernels/copy_crc32c.py): each word of
       the source is loaded once, folded into the crc32c and stored into kv_cache[layer,
-      kv, ids]; each 24 KiB chunk is then compared with its source while both are in cache
-      (a chunk that does not read back fails the unit)
+      kv, ids] (verify="sender": each 24 KiB chunk is then compared with its source while
+      both are in cache, and a chunk that does not read back fails the unit)
     [N, header with the crc]               --->   validate the header (owner, shape, layout);
                                            <---   verify="receiver": crc32c the blocks in
-                                                  place too; [A, ack]
+                                                  place first; [A, ack]
 
-Integrity. By default (verify="sender") the writer checks its own copy, each chunk against
-its source right after the copy, both in cache, and sends the crc32c of the source bytes it
-copied: a copy that went wrong fails the unit, and the whole transfer costs about one memory
-copy. verify="receiver" (ShmReceiver(verify=...)) adds
-the receiver's own crc32c of the blocks in place, an end-to-end check by the other process,
-at the price of a second full read of the bytes on the other core, concurrent with the copy
-(about half the bandwidth on a 2-core host: benchmarks.bench_kvtransfer prints both).
+Integrity: the receiver's `verify` (ShmReceiver(verify=...), told to the writer in the
+handshake) says who reads the written blocks a second time. Every mode computes the crc32c in
+the copy loop, from the very registers that are stored, and carries it in the header.
+- "copy" (the default): nobody. The writer streams its stores past the cache (movnti), so a
+  copy out of memory moves two lines per line copied instead of the three an ordinary store
+  costs (it reads its destination first): the transfer beats a torch copy of the same bytes.
+  What is not checked is that memory holds what the core stored (ECC's job) and the writer's
+  address arithmetic (tests/kvtransfer check it; the receiver still checks every header's
+  ids against its grant).
+- "sender": the writer compares each chunk with its source right after the copy, both still
+  in cache (ordinary stores): a copy that did not land fails the unit. A third pass over the
+  bytes on the writer's core: ~0.85x a torch copy.
+- "receiver": the receiver crc32c's the blocks in place before it acks each unit, an
+  end-to-end check by the other process (it also catches a writer that wrote the wrong
+  blocks); the writer streams, in units of at most RECEIVER_VERIFY_UNIT_BYTES so the check
+  of one unit overlaps the copy of the next. Still a third pass, on the receiver's core,
+  sharing the host's memory bandwidth with the copy.
+benchmarks.bench_kvtransfer prints all three (shm, shm-sverify, shm-rverify).
 
 Block reuse after a cancel or failure (the reason for the revocation round trip). Writes are
 one-sided: the receiver cannot stop bytes that a sender has decided to write. The owner table
@@ -78,6 +89,11 @@ FENCE_INTERVAL_S = 0.1
 # The most bytes one unit writes when several layers are queued: bounds how long a revocation
 # waits for the write in progress and keeps acks flowing while a long prompt streams.
 MAX_UNIT_BYTES = 64 << 20
+# ... when the receiver checks each unit in place: its check of one unit runs while the next
+# is copied, so the last unit's check is the tail the transfer waits for (16 MiB measured
+# best of 4/8/16/32/64 at 2,048 tokens on a 2-core Xeon: smaller units cost more Python per
+# unit than their shorter tail saves).
+RECEIVER_VERIFY_UNIT_BYTES = 16 << 20
 
 
 def owner_tag(transfer_id: str) -> int:
@@ -86,12 +102,12 @@ def owner_tag(transfer_id: str) -> int:
     return (tag & (2**63 - 1)) or 1
 
 
-VERIFY_MODES = ("sender", "receiver")
+VERIFY_MODES = ("copy", "sender", "receiver")
 
 
 class ShmReceiver(ZmqReceiver):
     def __init__(self, cache: KVCacheBuffer, layout: KVLayout, endpoint: str | None = None,
-                 verify: str = "sender", auth: KVAuth | None = None) -> None:
+                 verify: str = "copy", auth: KVAuth | None = None) -> None:
         if cache.shm_name is None:
             raise ValueError("shm receiver needs a cache allocated with shared_memory_name=...")
         if verify not in VERIFY_MODES:
@@ -125,7 +141,7 @@ class ShmReceiver(ZmqReceiver):
     def _handshake_reply(self) -> HandshakeReply:
         return HandshakeReply(
             self.layout, self.cache.num_blocks, self.cache.shm_name or "", self._owner_shm.name,
-            max_unit_layers=self.layout.num_layers,
+            max_unit_layers=self.layout.num_layers, shm_verify=self.verify,
         )
 
     def _on_idle(self) -> None:
@@ -167,6 +183,7 @@ class ShmSender(ZmqSender):
         self._cache: torch.Tensor | None = None
         self._owners: torch.Tensor | None = None
         self._owner_view: np.ndarray | None = None  # numpy view of _owners
+        self._verify = "sender"  # the receiver's mode, from its handshake
 
     def _on_handshake(self, reply: HandshakeReply, endpoint: str) -> None:
         if not reply.shm_name or not reply.owner_shm_name:
@@ -183,9 +200,14 @@ class ShmSender(ZmqSender):
         self._cache = map_shared_tensor(cache_shm, reply.layout.torch_dtype, shape)
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
         self._owner_view = self._owners.numpy()  # fancy indexing without a torch op per unit
+        if reply.shm_verify not in VERIFY_MODES:
+            self._unmap()
+            raise KVTransferError(f"receiver at {endpoint} asks for an unknown shm check {reply.shm_verify!r}")
+        self._verify = reply.shm_verify
 
     def _io_unit_layers(self, layer_nbytes: int) -> int:
-        return max(1, min(self._max_unit_layers, MAX_UNIT_BYTES // max(1, layer_nbytes)))
+        cap = RECEIVER_VERIFY_UNIT_BYTES if self._verify == "receiver" else MAX_UNIT_BYTES
+        return max(1, min(self._max_unit_layers, cap // max(1, layer_nbytes)))
 
     def _io_transmit(
         self, t: OutgoingTransfer, layer: int, sources: tuple[torch.Tensor, ...],
@@ -211,9 +233,10 @@ class ShmSender(ZmqSender):
         if self.pre_write_hook is not None:
             self.pre_write_hook(self.data_header(t, layer, dst_ids, None, seq, crc=0, layer_count=count))
         # One native pass per unit (kernels/copy_crc32c.py, GIL released): each word of the
-        # source is read once, folded into the crc32c and stored into the shared cache, and each
-        # 24 KiB chunk is compared with its source while both are in cache. Bounds were checked
-        # against both tensors: dst ids above, src ids by send(); layer + count by the loop.
+        # source is read once, folded into the crc32c and stored into the shared cache; the
+        # receiver's mode says whether the stores stream past the cache or each 24 KiB chunk
+        # is compared with its source while both are in cache. Bounds were checked against
+        # both tensors: dst ids above, src ids by send(); layer + count by the loop.
         itemsize = cache.element_size()
         block_bytes = cache[0, 0, 0].numel() * itemsize
         runs = list(block_runs(src_ids, dst_ids))
@@ -224,8 +247,9 @@ class ShmSender(ZmqSender):
                 dst_base = cache.data_ptr() + ((layer + i) * cache.stride(0) + kv * cache.stride(1)) * itemsize
                 copies += [(dst_base + dst * block_bytes, src_base + src * block_bytes, length * block_bytes)
                            for src, dst, length in runs]
+        read_back = self._verify == "sender"
         try:
-            crc = copy_crc32c(copies)
+            crc = copy_crc32c(copies, verify=read_back, stream=not read_back)
         except CopyMismatch:
             return f"layers {layer}-{layer + count - 1}: the copy into the shared cache does not read back"
         self._send([NOTIFY, self.data_header(t, layer, dst_ids, None, seq, crc=crc,

@@ -87,18 +87,20 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., sender_id: _Optional[str] = ..., pid: _Optional[int] = ..., start_time: _Optional[int] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("layout", "num_blocks", "shm_name", "owner_shm_name", "max_unit_layers")
+    __slots__ = ("layout", "num_blocks", "shm_name", "owner_shm_name", "max_unit_layers", "shm_verify")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_UNIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_VERIFY_FIELD_NUMBER: _ClassVar[int]
     layout: Layout
     num_blocks: int
     shm_name: str
     owner_shm_name: str
     max_unit_layers: int
-    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., owner_shm_name: _Optional[str] = ..., max_unit_layers: _Optional[int] = ...) -> None: ...
+    shm_verify: str
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., owner_shm_name: _Optional[str] = ..., max_unit_layers: _Optional[int] = ..., shm_verify: _Optional[str] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_id", "auth_token")

@@ -67,6 +67,32 @@ def test_copy_lands_and_returns_the_source_crc(impl):
             assert got[offset:offset + len(piece)] == piece
 
 
+def test_streamed_copy_lands_and_returns_the_source_crc(impl):
+    """stream=True (non-temporal stores): the same bytes and CRC as a cached copy, on every
+    length around the stream groups and on odd destination offsets (movnti unaligned)."""
+    src = _source(1 << 18, 6)
+    data = bytes(src.numpy())
+    rng = random.Random(7)
+    for length in LENGTHS:
+        for dst_offset in (0, 3, 64):
+            dst = torch.zeros(length + 128, dtype=torch.uint8)
+            at = rng.randrange(0, len(data) - length + 1)
+            copies = [(dst.data_ptr() + dst_offset, src.data_ptr() + at, length)]
+            got = cc.copy_crc32c(copies, value=11, verify=False, stream=True)
+            assert got == crc32c.crc32c(data[at:at + length], 11), (length, dst_offset)
+            out = bytes(dst.numpy())
+            assert out[dst_offset:dst_offset + length] == data[at:at + length]
+            assert out[:dst_offset] == bytes(dst_offset)  # nothing written outside the range
+            assert out[dst_offset + length:] == bytes(128 - dst_offset)
+
+
+def test_stream_excludes_the_read_back():
+    src = _source(64, 8)
+    dst = torch.zeros_like(src)
+    with pytest.raises(ValueError, match="stream"):
+        cc.copy_crc32c([(dst.data_ptr(), src.data_ptr(), 64)], stream=True)
+
+
 @pytest.mark.parametrize("where", [0, 5000, 3 * 8192, 16384, 70_000 - 1])
 def test_read_back_catches_a_flipped_byte(impl, where):
     src = _source(70_000, 4)

@@ -1,6 +1,6 @@
 """shm's block reuse only after the writer acknowledged, made deterministic: a writer held
-between its owner check and its memcpy; a negative control; the pid fence; the writer's own
-verification of its copy (hosts and raw clients: tests/helpers/kvtransfer_hosts.py)."""
+between its owner check and its memcpy; a negative control; the pid fence; the three checks
+of a written copy (the writer's read-back, the receiver's crc32c in place, none) (hosts and raw clients: tests/helpers/kvtransfer_hosts.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvtransfer as kt
+from kernels.copy_crc32c import copy_crc32c
 from kvtransfer.message import KVHeader
 from tests.helpers.kvtransfer_hosts import (  # noqa: F401 (pytest fixtures, used by name)
     KEYS, by_transfer, connected_sender, expect, FAILED, hosts, make_layout, no_leaks,
@@ -145,27 +146,81 @@ def test_shm_killed_sender_is_fenced_by_its_pid(shm_pair):
         child.join(10)
 
 
+def _flipping_copy(monkeypatch, calls: list):
+    """shm's copy_crc32c, recording how it was called and flipping one byte of each unit inside
+    the real copy loop (copy_crc32c's corrupt_at): after its store, before any read-back."""
+    import kvtransfer.shm_backend as shm
+
+    def bad_copy(copies, value=0, verify=True, stream=False):
+        calls.append((verify, stream))
+        return copy_crc32c(copies, value, verify, corrupt_at=sum(n for _, _, n in copies) // 2, stream=stream)
+    monkeypatch.setattr(shm, "copy_crc32c", bad_copy)
+
+
 def test_shm_sender_verifies_its_copy(hosts, monkeypatch):
-    """verify="sender" (the default): the writer compares each copied chunk with its source;
-    a copy that does not read back fails the transfer, and the receiver reports it. The byte
-    is flipped inside the real copy loop (copy_crc32c's corrupt_at), after its store and
-    before the comparison."""
+    """verify="sender": the writer compares each copied chunk with its source; a copy that does
+    not read back fails the transfer, and the receiver reports it."""
+    host = hosts("shm")
+    layout = make_layout()
+    key, endpoint = open_receiver(host, verify="sender")
+    expect(host, key, "flipped", [3, 4])
+    calls: list = []
+    _flipping_copy(monkeypatch, calls)
+    sender = connected_sender("shm", endpoint, layout)
+    send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
+    status = wait_all(sender, ["flipped"])["flipped"]
+    assert status.failed and "does not read back" in status.reason
+    assert calls and all(c == (True, False) for c in calls)  # cached stores, read back
+    events = by_transfer(host.call("wait", key, 2, 10.0))
+    assert [e[0] for e in events["flipped"]] == [FAILED, RELEASED]
+    sender.close()
+    host.call("close", key)
+
+
+def test_shm_receiver_catches_a_bad_streamed_write(hosts, monkeypatch):
+    """verify="receiver": the writer streams (no read-back of its own), and the receiver's
+    crc32c of the blocks in place refuses the unit whose byte was flipped after its store."""
+    host = hosts("shm")
+    layout = make_layout()
+    key, endpoint = open_receiver(host, verify="receiver")
+    expect(host, key, "flipped", [3, 4])
+    calls: list = []
+    _flipping_copy(monkeypatch, calls)
+    sender = connected_sender("shm", endpoint, layout)
+    send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
+    status = wait_all(sender, ["flipped"])["flipped"]
+    assert status.failed and "checksum mismatch" in status.reason
+    assert calls and all(c == (False, True) for c in calls)  # streamed, not read back
+    events = by_transfer(host.call("wait", key, 2, 10.0))
+    assert [e[0] for e in events["flipped"]] == [FAILED, RELEASED]
+    sender.close()
+    host.call("close", key)
+
+
+def test_shm_default_streams_and_lands(hosts, monkeypatch):
+    """verify="copy" (the default): the writer streams its stores past the cache and nobody
+    reads them again; the blocks land byte for byte and the transfer completes. (What the mode
+    does not check is shown by the same flipped byte going unnoticed.)"""
     import kvtransfer.shm_backend as shm
 
     host = hosts("shm")
     layout = make_layout()
     key, endpoint = open_receiver(host)
-    expect(host, key, "flipped", [3, 4])
-    real = shm.copy_crc32c
-
-    def bad_copy(copies, value=0, verify=True):
-        return real(copies, value, verify, corrupt_at=sum(n for _, _, n in copies) // 2)
-    monkeypatch.setattr(shm, "copy_crc32c", bad_copy)
+    expect(host, key, "good", [3, 4])
+    calls: list = []
+    monkeypatch.setattr(shm, "copy_crc32c", lambda copies, value=0, verify=True, stream=False:
+                        calls.append((verify, stream)) or copy_crc32c(copies, value, verify, stream=stream))
     sender = connected_sender("shm", endpoint, layout)
-    send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
-    status = wait_all(sender, ["flipped"])["flipped"]
-    assert status.failed and "does not read back" in status.reason
-    events = by_transfer(host.call("wait", key, 2, 10.0))
-    assert [e[0] for e in events["flipped"]] == [FAILED, RELEASED]
+    src = source_cache(layout, 2, seed=9)
+    send_all(sender, "good", src, [0, 1], first_token=2)
+    assert wait_all(sender, ["good"])["good"].done
+    assert calls and all(c == (False, True) for c in calls)
+    cache = host.call("cache", key)
+    for layer in range(layout.num_layers):
+        assert same_bytes(cache[layer][:, [3, 4]], src[layer][:, [0, 1]])
+    expect(host, key, "flipped", [5, 6])
+    _flipping_copy(monkeypatch, calls)
+    send_all(sender, "flipped", src, [0, 1], first_token=2)
+    assert wait_all(sender, ["flipped"])["flipped"].done
     sender.close()
     host.call("close", key)
