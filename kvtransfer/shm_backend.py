@@ -90,9 +90,9 @@ FENCE_INTERVAL_S = 0.1
 # waits for the write in progress and keeps acks flowing while a long prompt streams.
 MAX_UNIT_BYTES = 64 << 20
 # ... when the receiver checks each unit in place: its check of one unit runs while the next
-# is copied, so the last unit's check is the tail the transfer waits for (16 MiB measured
-# best of 4/8/16/32/64 at 2,048 tokens on a 2-core Xeon: smaller units cost more Python per
-# unit than their shorter tail saves).
+# is copied, so the last unit's check is the tail the transfer waits for (of 4/8/16/32/64 MiB
+# at 2,048 tokens on a 2-core Xeon, 16 and 32 ran alike and best: smaller units cost more
+# Python per unit than their shorter tail saves, larger ones a longer tail).
 RECEIVER_VERIFY_UNIT_BYTES = 16 << 20
 
 
