@@ -72,7 +72,7 @@ def copy_crc32c(copies: Sequence[tuple[int, int, int]], value: int = 0, verify: 
     srcs = _array([s for _, s, _ in copies])
     sizes = _array([n for _, _, n in copies])
     out = ctypes.c_uint32()
-    flags = int(verify) | 2 * int(stream)
+    flags = int(bool(verify)) | 2 * int(bool(stream))
     code = native.library().tandem_copy_crc32c(len(copies), srcs, dsts, sizes, value,
                                                flags, corrupt_at, ctypes.byref(out))
     if code == 2:

@@ -188,6 +188,8 @@ class ShmSender(ZmqSender):
     def _on_handshake(self, reply: HandshakeReply, endpoint: str) -> None:
         if not reply.shm_name or not reply.owner_shm_name:
             raise KVTransferError(f"receiver at {endpoint} has no shared-memory cache (not an shm receiver?)")
+        if reply.shm_verify not in VERIFY_MODES:
+            raise KVTransferError(f"receiver at {endpoint} asks for an unknown shm check {reply.shm_verify!r}")
         try:
             cache_shm = AttachedSegment(reply.shm_name)
             self._segments.append(cache_shm)
@@ -200,9 +202,6 @@ class ShmSender(ZmqSender):
         self._cache = map_shared_tensor(cache_shm, reply.layout.torch_dtype, shape)
         self._owners = map_shared_tensor(owner_shm, torch.int64, (reply.num_blocks,))
         self._owner_view = self._owners.numpy()  # fancy indexing without a torch op per unit
-        if reply.shm_verify not in VERIFY_MODES:
-            self._unmap()
-            raise KVTransferError(f"receiver at {endpoint} asks for an unknown shm check {reply.shm_verify!r}")
         self._verify = reply.shm_verify
 
     def _io_unit_layers(self, layer_nbytes: int) -> int:

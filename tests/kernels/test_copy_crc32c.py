@@ -93,6 +93,24 @@ def test_stream_excludes_the_read_back():
         cc.copy_crc32c([(dst.data_ptr(), src.data_ptr(), 64)], stream=True)
 
 
+def test_native_refuses_bad_flags():
+    """The native entry point refuses read-back with streaming (flags 3) and unknown bits
+    itself, writing nothing, whatever its caller checked."""
+    import ctypes
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    src = _source(64, 9)
+    dst = torch.zeros_like(src)
+    arr = lambda v: (ctypes.c_int64 * 1)(v)  # noqa: E731
+    out = ctypes.c_uint32()
+    for flags in (3, 4, -1):
+        code = native.library().tandem_copy_crc32c(1, arr(src.data_ptr()), arr(dst.data_ptr()), arr(64), 0,
+                                                  flags, -1, ctypes.byref(out))
+        assert code == 1, flags
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("where", [0, 5000, 3 * 8192, 16384, 70_000 - 1])
 def test_read_back_catches_a_flipped_byte(impl, where):
     src = _source(70_000, 4)

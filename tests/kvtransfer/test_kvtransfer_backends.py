@@ -172,7 +172,7 @@ def test_refused_unit_fails_only_its_transfer(hosts, backend, fault):
     host = hosts(backend)
     layout = make_layout()
     # shm's receiver checksums the written blocks itself only with verify="receiver" (by
-    # default the writer verifies its own copy: test_shm_sender_verifies_its_copy).
+    # default nobody reads them again: test_kvtransfer_shm.py).
     options = {"verify": "receiver"} if backend == "shm" else {}
     key, endpoint = open_receiver(host, **options)
     expect(host, key, "good", [0])

@@ -157,40 +157,26 @@ def _flipping_copy(monkeypatch, calls: list):
     monkeypatch.setattr(shm, "copy_crc32c", bad_copy)
 
 
-def test_shm_sender_verifies_its_copy(hosts, monkeypatch):
-    """verify="sender": the writer compares each copied chunk with its source; a copy that does
-    not read back fails the transfer, and the receiver reports it."""
+@pytest.mark.parametrize("mode, reason, call", [
+    ("sender", "does not read back", (True, False)),  # cached stores, read back by the writer
+    ("receiver", "checksum mismatch", (False, True)),  # streamed, crc32c'd in place
+])
+def test_shm_checked_modes_catch_a_bad_write(hosts, monkeypatch, mode, reason, call):
+    """verify="sender": the writer compares each copied chunk with its source, and a copy that
+    does not read back fails the transfer. verify="receiver": the writer streams (no read-back
+    of its own) and the receiver's crc32c of the blocks in place refuses the unit. Either way
+    the receiver reports the failure and releases the blocks."""
     host = hosts("shm")
     layout = make_layout()
-    key, endpoint = open_receiver(host, verify="sender")
+    key, endpoint = open_receiver(host, verify=mode)
     expect(host, key, "flipped", [3, 4])
     calls: list = []
     _flipping_copy(monkeypatch, calls)
     sender = connected_sender("shm", endpoint, layout)
     send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
     status = wait_all(sender, ["flipped"])["flipped"]
-    assert status.failed and "does not read back" in status.reason
-    assert calls and all(c == (True, False) for c in calls)  # cached stores, read back
-    events = by_transfer(host.call("wait", key, 2, 10.0))
-    assert [e[0] for e in events["flipped"]] == [FAILED, RELEASED]
-    sender.close()
-    host.call("close", key)
-
-
-def test_shm_receiver_catches_a_bad_streamed_write(hosts, monkeypatch):
-    """verify="receiver": the writer streams (no read-back of its own), and the receiver's
-    crc32c of the blocks in place refuses the unit whose byte was flipped after its store."""
-    host = hosts("shm")
-    layout = make_layout()
-    key, endpoint = open_receiver(host, verify="receiver")
-    expect(host, key, "flipped", [3, 4])
-    calls: list = []
-    _flipping_copy(monkeypatch, calls)
-    sender = connected_sender("shm", endpoint, layout)
-    send_all(sender, "flipped", source_cache(layout, 2, seed=8), [0, 1], first_token=1)
-    status = wait_all(sender, ["flipped"])["flipped"]
-    assert status.failed and "checksum mismatch" in status.reason
-    assert calls and all(c == (False, True) for c in calls)  # streamed, not read back
+    assert status.failed and reason in status.reason
+    assert calls and all(c == call for c in calls)
     events = by_transfer(host.call("wait", key, 2, 10.0))
     assert [e[0] for e in events["flipped"]] == [FAILED, RELEASED]
     sender.close()
@@ -224,3 +210,38 @@ def test_shm_default_streams_and_lands(hosts, monkeypatch):
     assert wait_all(sender, ["flipped"])["flipped"].done
     sender.close()
     host.call("close", key)
+
+
+def test_handshake_carries_the_mode_and_reads_an_old_receiver_as_sender():
+    """shm_verify crosses the wire; a receiver that predates the field (empty) reads as
+    "sender", what it did then, so its writer keeps reading back."""
+    from kvtransfer.message import HandshakeReply
+    from kvtransfer.pb import kvtransfer_pb2 as pb
+
+    layout = make_layout()
+    for mode in ("copy", "sender", "receiver"):
+        reply = HandshakeReply(layout, 8, "seg", "own", 4, mode)
+        assert HandshakeReply.decode(reply.encode()).shm_verify == mode
+    old = HandshakeReply(layout, 8, "seg", "own", 4).to_pb()
+    old.ClearField("shm_verify")
+    assert HandshakeReply.decode(old.SerializeToString()).shm_verify == "sender"
+    assert pb.HandshakeReply().shm_verify == ""
+
+
+def test_sender_refuses_an_unknown_mode_before_mapping_anything():
+    from kvtransfer.base import KVTransferError
+    from kvtransfer.message import HandshakeReply
+
+    layout = make_layout()
+    cache = kt.allocate_cache(layout, 4, shared_memory_name=f"{SHM_PREFIX}-mode{next(KEYS)}")
+    receiver = kt.create_receiver("shm", cache, layout)
+    try:
+        sender = kt.create_sender("shm")
+        reply = HandshakeReply(layout, 4, cache.shm_name, f"{cache.shm_name}-own", 4, "bogus")
+        with pytest.raises(KVTransferError, match="unknown shm check 'bogus'"):
+            sender._on_handshake(reply, "ipc://nowhere")
+        assert sender._segments == [] and sender._cache is None
+        sender.close()
+    finally:
+        receiver.close()
+        cache.close()
