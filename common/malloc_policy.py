@@ -5,6 +5,7 @@
                              back to the OS when it is freed; on exit the heap is trimmed and
                              the serving policy, if it was asked for, is restored
     release_freed_memory()   gc, then malloc_trim(0) once
+    freeze_loaded_heap()     once loaded: the objects alive now leave the cyclic GC's reach
 
 Serving: a decode step's large temporaries (attention scratch, GEMM outputs) would otherwise be
 returned to the OS and page-faulted back on the next step, which can cost half of a CPU decode
@@ -20,11 +21,22 @@ w8a8): 3.2 GiB of anonymous memory for a model holding 1.4 GiB, against 1.6 GiB 
 serving thresholds. During loading_weights the mmap threshold is 1 MiB: each temporary of a
 matrix is its own mapping, unmapped when freed, and each packed tensor one of exactly its size.
 
-Outside glibc (musl, macOS) every function does nothing and reports False.
+Outside glibc (musl, macOS) the malloc functions do nothing and report False.
+
+The cyclic GC: a full (generation 2) collection walks every tracked object, and a loaded worker
+holds ~200,000 of them (modules, the model's modules and tensors, gRPC and kvtransfer state):
+measured on the default model, 46-59 ms per full collection in a process that only built the
+engine, 64-106 ms in a serving worker on a busy 2-core host, every stream of that worker
+stalled meanwhile. Python runs one whenever the objects promoted since the last one reach a
+quarter of those it holds, which a server reaches in time. gc.freeze() after loading moves
+the loaded objects to a permanent generation that no collection walks (0.01 ms per full
+collection then), as vLLM's engine core does; they are unfrozen at exit, so interpreter
+shutdown still collects them (nanobind reports what it finds alive then as leaks).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -82,6 +94,20 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def freeze_loaded_heap() -> int:
+    """Collect, then freeze every object alive now (module docstring); returns how many are
+    frozen in all. Call it once a process has loaded what it keeps, before it serves."""
+    gc.collect()
+    gc.freeze()
+    if not _frozen:
+        _frozen.append(True)
+        atexit.register(gc.unfreeze)
+    return gc.get_freeze_count()
+
+
+_frozen: list[bool] = []  # the exit hook is registered
 
 
 @contextmanager

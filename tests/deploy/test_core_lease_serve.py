@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,6 +110,11 @@ def test_serve_makes_claims_and_removes_its_lease(tmp_path):
         assert f"core lease {path} slot 1 (decode): native pool of {most} threads" in log
         assert "this process may run on cores [" in log
         assert f"native kernels {most}" in log
+        # Each process froze what it loaded out of the cyclic GC before serving.
+        for name in ("prefill-0", "decode-0", "coordinator"):
+            frozen = re.search(r"(\d+) loaded objects frozen out of the cyclic GC",
+                               (tmp_path / "logs" / f"{name}.log").read_text())
+            assert frozen and int(frozen.group(1)) > 10_000, name
         body = json.dumps({"model": str(tiny), "prompt": "hello there", "stream": False,
                            "options": {"temperature": 0, "num_predict": 4}}).encode()
         with urllib.request.urlopen(urllib.request.Request(
@@ -117,6 +123,8 @@ def test_serve_makes_claims_and_removes_its_lease(tmp_path):
         os.kill(launcher.pid, signal.SIGTERM)
         assert launcher.wait(DEADLINE_S) == 0
         assert not path.exists(), "the lease outlived its cluster"
+        for name in ("prefill-0", "decode-0", "coordinator"):  # exits as clean as before
+            assert "leaked" not in (tmp_path / "logs" / f"{name}.log").read_text(), name
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
