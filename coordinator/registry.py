@@ -287,6 +287,11 @@ class WorkerRegistry:
         silence = self.responsive_now() - record.last_heartbeat
         if record.alive and silence > self.config.heartbeat_deadline_s:
             self._kill(record, f"no heartbeat for {self.config.heartbeat_deadline_s:g} s")
+            # Silent through the deadline and the Status probe: frozen (stopped, hung), or cut
+            # off. Its open calls would otherwise wait out token_timeout_s and then fail; ended
+            # now (CANCELLED), each request moves as from a worker that died (request_flow.py).
+            # The worker gets a fresh channel if it registers again.
+            _close_now(record.channel)
         return record.alive
 
     def sweep(self) -> None:
@@ -475,6 +480,11 @@ class RegistryView:
 def _close_later(channel: grpc.aio.Channel) -> None:
     # The replaced record's in-flight calls end with CANCELLED, which their flows report.
     asyncio.get_running_loop().create_task(channel.close(grace=5.0))
+
+
+def _close_now(channel: grpc.aio.Channel) -> None:
+    # No grace: a silent worker answers none of its calls; each ends with CANCELLED at once.
+    asyncio.get_running_loop().create_task(channel.close())
 
 
 def _peer_identity(context) -> str:

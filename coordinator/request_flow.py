@@ -16,7 +16,8 @@ Local prefill (colocated worker, short prompt, or no prefill worker): Generate(r
 false) alone; its `tokens` events start with the first token.
 
 Failures and migration: a worker that dies (UNAVAILABLE, or a stream cut before it finished) is
-marked dead, and the request is placed again, on the other workers, with the prompt plus the
+marked dead, and the request is placed again (so is one on a worker the registry declares dead
+for its silence: its calls are cancelled then), on the other workers, with the prompt plus the
 tokens generated so far and what is left of max_tokens: the client's stream goes on where it
 was, with the same text for greedy (and seeded) sampling. At most config.max_migrations times
 per request; each attempt has its own transfer id. Any other failure (a worker's own error, a
@@ -259,7 +260,7 @@ class RequestFlow:
                 if _cancelled_from_outside():
                     raise
                 raise _WorkerDied(prefill_id, f"prefill worker {prefill_id}'s call was "
-                                  "cancelled (it registered again)") from None
+                                  "cancelled (declared dead, or it registered again)") from None
             except grpc.aio.AioRpcError as exc:
                 message = _rpc_message("prefill", record, exc)
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -327,9 +328,10 @@ class RequestFlow:
             if _cancelled_from_outside():
                 raise
             # Not our task's cancellation: the call's channel was closed under it (the worker
-            # registered again and its old channel was retired). A worker failure: move on.
+            # was declared dead for its silence, or registered again and its old channel was
+            # retired). A worker failure: move on.
             raise _WorkerDied(decode.worker_id, f"decode worker {decode.worker_id}'s call was "
-                              "cancelled (it registered again)") from None
+                              "cancelled (declared dead, or it registered again)") from None
         except grpc.aio.AioRpcError as exc:
             message = _rpc_message("decode", decode, exc)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:

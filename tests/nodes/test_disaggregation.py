@@ -178,6 +178,41 @@ def test_killed_decode_worker_mid_stream_migrates_and_the_stream_completes(tiny,
         assert reply["message"]["content"] == expected_text(reference, content, 6)
 
 
+def test_frozen_decode_worker_mid_stream_is_declared_dead_and_the_stream_moves(tiny, reference, tmp_path):
+    """SIGSTOP the decode worker serving a stream: nothing is cut (the process lives, its
+    sockets stay open), so only its silence tells. At the heartbeat deadline the registry
+    declares it dead and ends its calls; the request moves to the survivor and the stream goes
+    on to the greedy text, long before the token timeout. Thawed, the worker registers again
+    with every block free."""
+    content = text_prompt(30, 2)
+    n = 1500
+    want = expected_text(reference, content, n)
+    with running_cluster(tiny, tmp_path / "logs", decode=2, chunk_size=64, worker_args=FP32) as cluster:
+        stream = stream_chat(cluster, content, n)
+        first = json.loads(stream.readline())
+        assert first["done"] is False
+        victim = serving_decode_worker(cluster)
+        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
+        frozen = next(c for c in cluster.handle.children if c.spec.name == victim).process
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            lines = [first] + [json.loads(line) for line in stream if line.strip()]
+            assert "error" not in lines[-1], lines[-1]
+            assert "".join(line["message"]["content"] for line in lines) == want
+            final = lines[-1]
+            assert final["done"] is True and final["tandem"]["decode_worker"] == survivor
+            assert final["tandem"]["migrations"] == 1
+            state = {w["worker_id"]: w for w in cluster.workers()}
+            assert state[victim]["alive"] is False and "no heartbeat" in state[victim]["dead_reason"]
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while not {w["worker_id"]: w["alive"] for w in cluster.workers()}[victim]:
+            assert time.monotonic() < deadline, "the thawed worker did not register again"
+            time.sleep(0.2)
+        assert_pools_full(cluster)  # the thawed worker freed the blocks of the moved request
+
+
 def test_killed_prefill_worker_is_routed_around(tiny, reference, tmp_path):
     with running_cluster(tiny, tmp_path / "logs", prefill=2, prefill_threshold=1, chunk_size=64,
                          worker_args=FP32) as cluster:
