@@ -5,10 +5,11 @@
     tandem plan --profile PROFILE.json --trace requests.jsonl --slo-ttft-p99 2 --slo-tpot-p99 0.05
     tandem plan --measure ...            measure the profile on this host first (a checkout:
                                          benchmarks.profile_host --quick)
-    tandem plan ... --fail decode:0@30 --fail prefill:0@60+20
+    tandem plan ... --fail decode:0@30 --fail prefill:0@60+20 --freeze decode:1@90
                                          every candidate must ride out these worker deaths
                                          (ROLE:INDEX@SECONDS[+RESTART_SECONDS]): requests
-                                         move as the coordinator moves them, none may be lost
+                                         move as the coordinator moves them, none may be lost;
+                                         a frozen worker dies --heartbeat-deadline late
 
 Prints every candidate the search simulated, the recommendation (the cheapest that meets the
 SLO) with its predicted figures, and with --write-topology writes it as a topology file for
@@ -72,9 +73,22 @@ def register(subparsers) -> None:
     p.add_argument("--fail", action="append", default=[], metavar="ROLE:INDEX@S[+RESTART_S]",
                    help="a worker dies S seconds into the load (and comes back empty RESTART_S "
                         "later); repeatable; a candidate meets the SLO only if no request is lost")
+    p.add_argument("--freeze", action="append", default=[], metavar="ROLE:INDEX@S[+RESTART_S]",
+                   help="a worker freezes S seconds into the load (stopped or hung: alive to the "
+                        "coordinator until its heartbeat deadline, then dead and its requests "
+                        "moved; back empty RESTART_S after the freeze); repeatable")
+    p.add_argument("--heartbeat-deadline", type=float, default=3.0, metavar="S",
+                   help="when the coordinator declares a silent worker dead (default 3: tandem "
+                        "coordinator's 1 s heartbeats x 3 misses)")
     p.add_argument("--write-topology", metavar="OUT.toml", help="write the recommendation for `tandem launch`")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model in the written topology (default {DEFAULT_MODEL})")
     p.set_defaults(func=cmd_plan)
+
+
+def _deadline(args: argparse.Namespace) -> float:
+    if not (args.heartbeat_deadline > 0 and args.heartbeat_deadline < float("inf")):
+        raise ValueError(f"--heartbeat-deadline must be a time > 0, got {args.heartbeat_deadline:g}")
+    return args.heartbeat_deadline
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -99,7 +113,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         space = SearchSpace(token_budgets=args.token_budgets, max_batches=args.max_batches,
                             max_workers=args.max_workers, prefill_cost=args.prefill_cost,
                             decode_cost=args.decode_cost, kv_blocks_per_decode=args.kv_blocks,
-                            failures=tuple(WorkerFailure.parse(f) for f in args.fail))
+                            failures=tuple(WorkerFailure.parse(f) for f in args.fail)
+                            + tuple(WorkerFailure.parse(f, noticed_after_s=_deadline(args))
+                                    for f in args.freeze))
     except (ValueError, OSError) as exc:
         print(f"tandem plan: {exc}", file=sys.stderr)
         return 2
@@ -111,7 +127,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"SLO: TTFT p99 <= {1e3 * slo.ttft_s:g} ms, TPOT p99 <= {1e3 * slo.tpot_s:g} ms")
     if space.failures:
         print("failures: " + ", ".join(
-            f"{f.role} worker {f.index} at {f.at_s:g} s"
+            f"{f.role} worker {f.index} "
+            + (f"frozen at {f.at_s:g} s, noticed {f.noticed_after_s:g} s later" if f.noticed_after_s
+               else f"at {f.at_s:g} s")
             + (f", back after {f.restart_after_s:g} s" if f.restart_after_s is not None else ", not restarted")
             for f in space.failures))
     plan = search(requests, profile, slo, space)

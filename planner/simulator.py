@@ -48,6 +48,12 @@ worker of a role left and none to come back, fails; so does one moved while no d
 is alive (the coordinator has nowhere to place it and ends it with an error). Lost requests
 are counted in Summary.failed, never in the TTFT, TPOT and E2E percentiles (the gaps of the
 tokens they did stream stay in the ITL record: the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
+A frozen worker (WorkerFailure.noticed_after_s > 0: a stopped or hung process) dies the same
+way, but only that long after it froze, as the coordinator declares a silent worker dead at
+its heartbeat deadline and then ends its calls (coordinator/registry.py): meanwhile it
+computes nothing (a decode worker's completed steps count, the one in progress is lost; a
+prefill pass in progress is lost), no KV lands from or on it, and the coordinator, which
+still counts it alive, goes on placing requests on it, which move with the rest.
 Where it differs, conservatively: with no live prefill worker the coordinator prefills on a
 decode worker (conditional disaggregation, not modelled), where the simulator waits for a
 restart; new arrivals wait for a restart however long (the coordinator, up to its load
@@ -57,8 +63,9 @@ must not overlap in time (ClusterConfig refuses them).
 
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
-colocated workers, contention between transfers on a link, the time to notice a silent
-(frozen, not dead) worker, network latency to the client, heterogeneous workers, and a
+colocated workers, contention between transfers on a link, a worker frozen only for a
+while (one that thaws before its deadline resumes in tandem; here it freezes until declared
+dead), network latency to the client, heterogeneous workers, and a
 worker borrowing an idle one's core (the core lease).
 """
 
@@ -81,11 +88,14 @@ ROLES = ("prefill", "decode")
 @dataclass(frozen=True)
 class WorkerFailure:
     """Worker `index` of `role` dies at `at_s` (trace time); restart_after_s: it comes back,
-    empty, that long after (None: never)."""
+    empty, that long after (None: never). noticed_after_s > 0: it freezes at at_s instead
+    (alive to the coordinator, working no more) and is declared dead that long after, as the
+    coordinator declares a silent worker at its heartbeat deadline (module docstring)."""
     role: str
     index: int
     at_s: float
     restart_after_s: float | None = None
+    noticed_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +107,11 @@ class WorkerFailure:
         if self.restart_after_s is not None and not (math.isfinite(self.restart_after_s)
                                                      and self.restart_after_s >= 0):
             raise ValueError(f"WorkerFailure.restart_after_s must be a finite time >= 0, got {self.restart_after_s}")
+        if not (math.isfinite(self.noticed_after_s) and self.noticed_after_s >= 0):
+            raise ValueError(f"WorkerFailure.noticed_after_s must be a finite time >= 0, got {self.noticed_after_s}")
+        if self.restart_after_s is not None and self.restart_after_s < self.noticed_after_s:
+            raise ValueError(f"WorkerFailure: a restart {self.restart_after_s:g} s after the freeze comes "
+                             f"before its death is noticed ({self.noticed_after_s:g} s)")
 
     @property
     def until_s(self) -> float:
@@ -104,15 +119,17 @@ class WorkerFailure:
         return math.inf if self.restart_after_s is None else self.at_s + self.restart_after_s
 
     @classmethod
-    def parse(cls, spec: str) -> "WorkerFailure":
-        """ROLE:INDEX@SECONDS[+RESTART_SECONDS], e.g. decode:0@30 or prefill:1@12.5+20."""
+    def parse(cls, spec: str, noticed_after_s: float = 0.0) -> "WorkerFailure":
+        """ROLE:INDEX@SECONDS[+RESTART_SECONDS], e.g. decode:0@30 or prefill:1@12.5+20; a
+        freeze where noticed_after_s > 0."""
         try:
             who, when = spec.split("@")
             role, index = who.split(":")
             at, plus, restart = when.partition("+")
             if plus and not restart:
                 raise ValueError("no restart time after '+'")
-            return cls(role.strip(), int(index), float(at), float(restart) if plus else None)
+            return cls(role.strip(), int(index), float(at), float(restart) if plus else None,
+                       noticed_after_s)
         except ValueError as exc:
             raise ValueError(f"bad failure {spec!r} (ROLE:INDEX@SECONDS[+RESTART_SECONDS], "
                              f"e.g. decode:0@30 or prefill:1@12.5+20): {exc}") from None
@@ -215,6 +232,7 @@ class _Prefill:
     pass_start: float = 0.0
     version: int = 0
     alive: bool = True
+    frozen: bool = False             # alive to the coordinator, computing and sending nothing
 
 
 @dataclass
@@ -233,10 +251,11 @@ class _Decode:
     slowdown: float = 1.0            # shared host: its steps' time over the profile's
     version: int = 0                 # bumped when a segment is cut or the worker dies: stale end events drop
     alive: bool = True
+    frozen: bool = False             # alive to the coordinator, stepping and receiving nothing
     placed: dict = field(default_factory=dict)    # _Req -> None, in placement order
 
 
-_ARRIVE, _PASS_END, _KV_READY, _SEG_END, _FAIL, _RESTART = range(6)
+_ARRIVE, _PASS_END, _KV_READY, _SEG_END, _FAIL, _RESTART, _FREEZE = range(7)
 
 
 class Simulator:
@@ -274,7 +293,9 @@ class Simulator:
         rejected = [r for r in reqs if cap and r.blocks > cap]
         overhead = self.p.coordinator_overhead_s
         for f in self.c.failures:
-            self.push(f.at_s, _FAIL, f.role, f.index)
+            if f.noticed_after_s > 0:
+                self.push(f.at_s, _FREEZE, f.role, f.index)
+            self.push(f.at_s + f.noticed_after_s, _FAIL, f.role, f.index)
             if f.restart_after_s is not None:
                 self.push(f.at_s + f.restart_after_s, _RESTART, f.role, f.index)
         arrivals = iter(r for r in reqs if not (cap and r.blocks > cap))
@@ -295,6 +316,8 @@ class Simulator:
                 self.segment_end(t, a, b)
             elif kind == _FAIL:
                 self.fail(t, a, b)
+            elif kind == _FREEZE:
+                self.freeze(t, a, b)
             else:
                 self.restart(t, a, b)
         if self.pending and any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes):
@@ -347,7 +370,7 @@ class Simulator:
             w.queue.append(r)
             w.queued_tokens += r.prompt_now
             heapq.heappush(self.prefill_heap, (w.queued_tokens, p))
-            if not w.busy:
+            if not w.busy and not w.frozen:
                 self.start_pass(t, p)
 
     def _decode_load(self, i: int) -> float:
@@ -453,6 +476,8 @@ class Simulator:
             r.finish_s = r.last_token_s
             self.free(t, d, r)
             return
+        if w.frozen or self.prefills[r.prefill].frozen:
+            return  # its KV never lands: it stays in TRANSFER until the death is noticed
         r.state = _State.WAITING
         w.waiting.append(r)
         if not w.active:
@@ -527,6 +552,8 @@ class Simulator:
         until the earliest finish (or until a landing request cuts it). resumed: right after
         the worker's previous segment (it has been computing), else from idle."""
         w = self.decodes[d]
+        if w.frozen:
+            return
         while w.waiting and w.running < self.c.max_batch:
             r = w.waiting.popleft()
             w.running += 1
@@ -564,16 +591,10 @@ class Simulator:
             w = self.decodes[i]
             if not w.alive:
                 return
-            if w.active:  # the steps completed before t count; the one in progress is lost
-                k = self._steps_done(w, t)
-                self._record_steps(w, k)
-                for _, _, r in w.finishes:
-                    if w.step > r.join_step:  # its latest token: the last completed step's
-                        r.last_token_s = w.t0 + self._steps_s(w, k)
-                    r.done += 1 + w.step - r.join_step  # the prefill's token and its steps
-                w.active = False
-                w.version += 1  # its end event is stale
-                self._computing(t, -1)
+            self._halt_decode(w, t)  # a frozen worker halted when it froze
+            for _, _, r in w.finishes:
+                r.done += 1 + w.step - r.join_step  # the prefill's token and its steps
+            w.frozen = False
             for r in w.waiting:
                 r.done += 1
             for r in w.placed:
@@ -589,6 +610,7 @@ class Simulator:
             w = self.prefills[i]
             if not w.alive:
                 return
+            w.frozen = False
             for d in self.decodes:
                 for r in d.placed:
                     if r.prefill == i and r.state in (_State.PREFILL, _State.TRANSFER):
@@ -604,11 +626,7 @@ class Simulator:
             w.chunks = []
             w.queued_tokens = 0
             w.alive = False
-            w.version += 1  # its pass's end event is stale
-            if w.busy:
-                w.busy = False
-                self.busy_s += t - w.pass_start
-                self._computing(t, -1)
+            self._halt_prefill(w, t)
         # This death's moves go first, in arrival order, ahead of everything still queued (the
         # coordinator places a move at once; admission is for new requests). With no live
         # decode worker the coordinator has nowhere to place them: they fail.
@@ -626,6 +644,42 @@ class Simulator:
             r.state = _State.QUEUED
             self.pending.appendleft(r)
         self.admit(t)
+
+    def _halt_decode(self, w: _Decode, t: float) -> None:
+        """w stops stepping at t: the steps completed before t count (the clients have their
+        tokens), the one in progress is lost."""
+        if not w.active:
+            return
+        k = self._steps_done(w, t)
+        self._record_steps(w, k)
+        for _, _, r in w.finishes:
+            if w.step > r.join_step:  # its latest token: the last completed step's
+                r.last_token_s = w.t0 + self._steps_s(w, k)
+        w.active = False
+        w.version += 1  # its end event is stale
+        self._computing(t, -1)
+
+    def _halt_prefill(self, w: _Prefill, t: float) -> None:
+        """w's pass in progress stops at t, unfinished (its end event is stale)."""
+        w.version += 1
+        if w.busy:
+            w.busy = False
+            self.busy_s += t - w.pass_start
+            self._computing(t, -1)
+
+    def freeze(self, t: float, role: str, i: int) -> None:
+        """Worker i of role freezes at t: it computes and sends nothing more, but the
+        coordinator still counts it alive and places requests on it until fail() notices."""
+        if role == "decode":
+            w = self.decodes[i]
+            if w.alive:
+                self._halt_decode(w, t)
+                w.frozen = True
+        else:
+            w = self.prefills[i]
+            if w.alive:
+                self._halt_prefill(w, t)
+                w.frozen = True
 
     def _leave_prefill(self, r: _Req) -> None:
         """r leaves its (live) prefill worker's queue; a pass computing it runs on as waste."""

@@ -73,3 +73,12 @@ def test_plan_sizes_for_a_worker_death_and_refuses_a_bad_one(tmp_path):
     assert found and int(found.group(1)) >= 2, result.stdout  # one prefill worker loses requests
     result = plan(*args, "--fail", "decode:x@5")
     assert result.returncode == 2 and "bad failure 'decode:x@5'" in result.stderr
+    # A frozen worker: the same death, noticed at the heartbeat deadline.
+    result = plan(*args, "--freeze", "prefill:0@5+10", "--heartbeat-deadline", "2.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("failures: prefill worker 0 frozen at 5 s, noticed 2.5 s later, back after 10 s"
+            in result.stdout)
+    result = plan(*args, "--freeze", "prefill:0@5+1")
+    assert result.returncode == 2 and "before its death is noticed (3 s)" in result.stderr
+    result = plan(*args, "--freeze", "prefill:0@5", "--heartbeat-deadline", "0")
+    assert result.returncode == 2 and "--heartbeat-deadline must be a time > 0" in result.stderr

@@ -206,3 +206,71 @@ def test_a_one_token_request_whose_kv_was_landing_is_done_not_moved(profile):
                    ClusterConfig(1, 2, failures=(WorkerFailure("decode", 0, first + p.transfer_latency_s / 2),)))
     assert res.summary.failed == res.summary.migrations == 0
     assert res.times[0].finish_s == res.times[0].first_token_s == pytest.approx(first)
+
+
+# -- a frozen worker: alive to the coordinator until its heartbeat deadline ---------------------
+
+
+def test_a_frozen_decode_worker_moves_its_request_when_noticed(profile):
+    """The same death as above, but frozen: the request's tokens stop at the freeze and it moves
+    only when the death is noticed `n` seconds later; the cluster is otherwise idle, so the
+    rest of its run is the prompt death's, shifted by n, and the gap across grows by n."""
+    p, prompt, output, n = profile, 300, 20, 3.0
+    landed = p.coordinator_overhead_s + prefill_s(p, prompt) + p.transfer_latency_s
+    at = landed + steps_s(p, prompt + 1, 6) + 0.5 * p.decode_step_s(1, prompt + 7)
+    config = lambda f: ClusterConfig(1, 2, failures=(f,))  # noqa: E731
+    dead = simulate([Request(0.0, prompt, output)], p, config(WorkerFailure("decode", 0, at)))
+    frozen = simulate([Request(0.0, prompt, output)], p,
+                      config(WorkerFailure("decode", 0, at, noticed_after_s=n)))
+    a, b = dead.times[0], frozen.times[0]
+    assert b.first_token_s == pytest.approx(a.first_token_s)
+    assert b.finish_s == pytest.approx(a.finish_s + n)
+    assert frozen.summary.migrations == 1 and frozen.summary.failed == 0
+    assert max(v for v, _ in frozen.itl) == pytest.approx(max(v for v, _ in dead.itl) + n)
+    assert sum(v * k for v, k in frozen.itl) == pytest.approx(b.finish_s - b.first_token_s)
+
+
+def test_requests_placed_on_a_frozen_worker_wait_for_the_deadline_then_move(profile):
+    """Decode 1 freezes while idle, so it stays the least loaded: the next request is placed on
+    it, prefilled (its first token comes as usual), and its KV never lands; it moves to
+    decode 0 when the freeze is noticed, and its second token comes only after that."""
+    p, n = profile, 2.0
+    trace = [Request(0.0, 200, 400), Request(1.0, 100, 10)]  # the first keeps decode 0 busy
+    res = simulate(trace, p, ClusterConfig(1, 2, failures=(
+        WorkerFailure("decode", 1, 0.5, noticed_after_s=n),)))
+    long, late = res.times
+    solo = simulate([Request(1.0, 100, 10)], p, ClusterConfig(1, 1))
+    assert late.first_token_s == pytest.approx(solo.times[0].first_token_s)
+    assert late.finish_s > 0.5 + n
+    assert res.summary.migrations == 1 and res.summary.failed == 0
+    # Without the freeze the same request is placed on the idle decode 1 and done long before.
+    calm = simulate(trace, p, ClusterConfig(1, 2))
+    assert calm.times[1].finish_s < 0.5 + n < late.finish_s
+
+
+def test_a_frozen_prefill_worker_loses_its_pass_and_its_queue_moves(profile):
+    """Prefill 0 freezes mid-pass: the pass is lost, nothing more is prefilled there, and when
+    the freeze is noticed its request is prefilled again on prefill 1."""
+    p, n = profile, 1.5
+    first = p.coordinator_overhead_s + prefill_s(p, 400)
+    at = p.coordinator_overhead_s + 0.5 * prefill_s(p, 400)
+    res = simulate([Request(0.0, 400, 5)], p, ClusterConfig(2, 1, failures=(
+        WorkerFailure("prefill", 0, at, noticed_after_s=n),)))
+    assert res.times[0].first_token_s == pytest.approx(at + n + prefill_s(p, 400))
+    assert res.times[0].first_token_s > first + n
+    assert res.summary.migrations == 1 and res.prefill_passes == 2
+
+
+def test_a_frozen_worker_restarted_serves_again(profile):
+    trace = generate(10, 60, LengthDist("uniform", low=16, high=300), LengthDist("uniform", low=2, high=30), seed=5)
+    res = simulate(trace, profile, ClusterConfig(1, 2, failures=(
+        WorkerFailure("decode", 0, 1.0, restart_after_s=4.0, noticed_after_s=3.0),)))
+    assert res.summary.failed == 0 and len(res.times) == len(trace)
+
+
+def test_bad_freezes_are_refused():
+    with pytest.raises(ValueError, match="noticed_after_s must be a finite time"):
+        WorkerFailure("decode", 0, 1.0, noticed_after_s=-1)
+    with pytest.raises(ValueError, match="before its death is noticed"):
+        WorkerFailure("decode", 0, 1.0, restart_after_s=2.0, noticed_after_s=3.0)
+    assert WorkerFailure.parse("prefill:1@4+9", noticed_after_s=3.0) == WorkerFailure("prefill", 1, 4.0, 9.0, 3.0)
