@@ -149,26 +149,34 @@ def serving_decode_worker(cluster, timeout_s: float = 10.0) -> str:
     raise AssertionError("no decode worker reported the running request")
 
 
+def stream_through_a_fault(cluster, reference, seed: int, fault) -> tuple[str, str]:
+    """A 1,500-token greedy stream; `fault(victim)` hits the decode worker serving it once its
+    first token is out. The request moves to the other decode worker and the stream ends there
+    with the single-process text, one migration, no error. Returns (victim, survivor)."""
+    content = text_prompt(30, seed)
+    n = 1500
+    want = expected_text(reference, content, n)
+    stream = stream_chat(cluster, content, n)
+    first = json.loads(stream.readline())
+    assert first["done"] is False
+    victim = serving_decode_worker(cluster)
+    survivor = ({"decode-0", "decode-1"} - {victim}).pop()
+    fault(victim)
+    lines = [first] + [json.loads(line) for line in stream if line.strip()]
+    assert "error" not in lines[-1], lines[-1]
+    assert "".join(line["message"]["content"] for line in lines) == want
+    final = lines[-1]
+    assert final["done"] is True and final["tandem"]["decode_worker"] == survivor
+    assert final["tandem"]["migrations"] == 1
+    return victim, survivor
+
+
 def test_killed_decode_worker_mid_stream_migrates_and_the_stream_completes(tiny, reference, tmp_path):
     """kill -9 the decode worker serving a stream: the coordinator places the request again on
     the survivor with the prompt plus the tokens generated so far (re-prefilled on the prefill
     worker), and the client's stream goes on to the single-process greedy text, no error."""
-    content = text_prompt(30, 1)
-    n = 1500
-    want = expected_text(reference, content, n)
     with running_cluster(tiny, tmp_path / "logs", decode=2, chunk_size=64, worker_args=FP32) as cluster:
-        stream = stream_chat(cluster, content, n)
-        first = json.loads(stream.readline())
-        assert first["done"] is False
-        victim = serving_decode_worker(cluster)
-        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
-        kill(cluster, victim)
-        lines = [first] + [json.loads(line) for line in stream if line.strip()]
-        assert "error" not in lines[-1], lines[-1]
-        assert "".join(line["message"]["content"] for line in lines) == want
-        final = lines[-1]
-        assert final["done"] is True and final["tandem"]["decode_worker"] == survivor
-        assert final["tandem"]["migrations"] == 1
+        victim, survivor = stream_through_a_fault(cluster, reference, 1, lambda v: kill(cluster, v))
         state = {w["worker_id"]: w["alive"] for w in cluster.workers()}
         assert state[victim] is False and state[survivor] is True
         assert_pools_full(cluster)  # the survivors': prefill-0 and the new decode worker
@@ -184,28 +192,20 @@ def test_frozen_decode_worker_mid_stream_is_declared_dead_and_the_stream_moves(t
     declares it dead and ends its calls; the request moves to the survivor and the stream goes
     on to the greedy text, long before the token timeout. Thawed, the worker registers again
     with every block free."""
-    content = text_prompt(30, 2)
-    n = 1500
-    want = expected_text(reference, content, n)
     with running_cluster(tiny, tmp_path / "logs", decode=2, chunk_size=64, worker_args=FP32) as cluster:
-        stream = stream_chat(cluster, content, n)
-        first = json.loads(stream.readline())
-        assert first["done"] is False
-        victim = serving_decode_worker(cluster)
-        survivor = ({"decode-0", "decode-1"} - {victim}).pop()
-        frozen = next(c for c in cluster.handle.children if c.spec.name == victim).process
-        frozen.send_signal(signal.SIGSTOP)
+        stopped = []
+
+        def freeze(victim: str) -> None:
+            process = next(c for c in cluster.handle.children if c.spec.name == victim).process
+            process.send_signal(signal.SIGSTOP)
+            stopped.append(process)
         try:
-            lines = [first] + [json.loads(line) for line in stream if line.strip()]
-            assert "error" not in lines[-1], lines[-1]
-            assert "".join(line["message"]["content"] for line in lines) == want
-            final = lines[-1]
-            assert final["done"] is True and final["tandem"]["decode_worker"] == survivor
-            assert final["tandem"]["migrations"] == 1
+            victim, _ = stream_through_a_fault(cluster, reference, 2, freeze)
             state = {w["worker_id"]: w for w in cluster.workers()}
             assert state[victim]["alive"] is False and "no heartbeat" in state[victim]["dead_reason"]
         finally:
-            frozen.send_signal(signal.SIGCONT)
+            for process in stopped:
+                process.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 60
         while not {w["worker_id"]: w["alive"] for w in cluster.workers()}[victim]:
             assert time.monotonic() < deadline, "the thawed worker did not register again"
