@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from coordinator.call_cancelled import cancelled_from_outside
 from coordinator.config import CoordinatorConfig
 from coordinator.convert import (
     KVCounters, SpecDecodeCounters, WorkerLoad, kv_from_status, load_from_status,
@@ -288,8 +289,10 @@ class WorkerRegistry:
         if record.alive and silence > self.config.heartbeat_deadline_s:
             self._kill(record, f"no heartbeat for {self.config.heartbeat_deadline_s:g} s")
             # Silent through the deadline and the Status probe: frozen (stopped, hung), or cut
-            # off. Its open calls would otherwise wait out token_timeout_s and then fail; ended
-            # now (CANCELLED), each request moves as from a worker that died (request_flow.py).
+            # off. Its open calls would otherwise wait out their timeouts and then fail; ended
+            # now (asyncio.CancelledError in each caller: coordinator/call_cancelled.py), each
+            # request moves as from a worker that died (request_flow.py), an embedding tries
+            # another worker (service.py).
             # The worker gets a fresh channel if it registers again.
             _close_now(record.channel)
         return record.alive
@@ -331,6 +334,10 @@ class WorkerRegistry:
             log.info("worker %s at %s did not answer a Status probe: %s", record.worker_id,
                      record.address, exc.code().name)
             return None
+        except asyncio.CancelledError:
+            if cancelled_from_outside():
+                raise
+            return None  # its channel closed under the probe (declared dead meanwhile)
 
     async def _probe(self, record: WorkerRecord) -> None:
         try:

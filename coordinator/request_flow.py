@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from coordinator import convert
+from coordinator.call_cancelled import cancelled_from_outside
 from coordinator.config import CoordinatorConfig
 from coordinator.placement import Placement, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
@@ -257,7 +258,7 @@ class RequestFlow:
             try:
                 result = prefill.result()
             except asyncio.CancelledError:  # the call's channel retired under it (see _read)
-                if _cancelled_from_outside():
+                if cancelled_from_outside():
                     raise
                 raise _WorkerDied(prefill_id, f"prefill worker {prefill_id}'s call was "
                                   "cancelled (declared dead, or it registered again)") from None
@@ -325,7 +326,7 @@ class RequestFlow:
             raise WorkerError(f"decode worker {decode.worker_id} sent nothing for "
                               f"{timeout:g} s") from None
         except asyncio.CancelledError:
-            if _cancelled_from_outside():
+            if cancelled_from_outside():
                 raise
             # Not our task's cancellation: the call's channel was closed under it (the worker
             # was declared dead for its silence, or registered again and its old channel was
@@ -347,14 +348,6 @@ class RequestFlow:
         if max_tokens <= 1:
             return "length"
         return None
-
-
-def _cancelled_from_outside() -> bool:
-    """Whether the running task itself is being cancelled (the client left, a deadline), as
-    opposed to a gRPC call that grpc.aio ended with CancelledError because its channel closed."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before it, assume ours
-    return cancelling is None or cancelling() > 0
 
 
 def _raise_failure(decode: WorkerRecord, tokens: pb.Tokens, prefill_id: str) -> None:

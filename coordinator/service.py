@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import grpc
 
 from coordinator.admission import Admission, Overloaded, TooManyStreams
+from coordinator.call_cancelled import cancelled_from_outside
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.metrics import Metrics, RequestTimings
@@ -371,6 +372,10 @@ class Coordinator:
                                               metadata=request_id.metadata(
                                                   request_id.current.get()))
                     return [list(e.values) for e in result.embeddings]
+                except asyncio.CancelledError:
+                    if cancelled_from_outside():
+                        raise
+                    continue  # its channel closed under the call: declared dead, try another
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code == grpc.StatusCode.UNAVAILABLE:

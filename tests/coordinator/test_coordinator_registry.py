@@ -95,6 +95,29 @@ def test_heartbeat_expiry_marks_dead_and_stops_routing_then_reregistration_reviv
     assert registrations == 2
 
 
+def test_an_embedding_on_a_worker_declared_dead_moves_to_another(model, tokens):
+    """A hung worker (no heartbeats, no Status, no answer to Embed) holds an embedding call:
+    when the registry declares it dead it ends the worker's calls, and the embedding is
+    computed by the worker that joined meanwhile, not failed (nor left to its timeout)."""
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            hung = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            hung.heartbeating = hung.status_answers = False
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                call = asyncio.ensure_future(client.post(f"{h.url}/api/embed",
+                                                         json={"model": "tiny", "input": "hello"}))
+                await wait_until(lambda: hung.requests, "the embedding to reach d1")
+                other = await h.add_worker("d2", "decode", Script(tokens=tokens))
+                response = await call
+            registry = h.coordinator.registry
+            return response, registry.get("d1").dead_reason, other.requests
+
+    response, reason, served = run(scenario())
+    assert response.status_code == 200, response.text
+    assert len(response.json()["embeddings"]) == 1
+    assert "no heartbeat" in reason and len(served) == 1
+
+
 def test_a_worker_whose_heartbeats_stop_but_that_answers_status_stays_routable(model, tokens):
     """Silent for half its deadline, a worker is probed with Status; answering counts as a
     heartbeat (its registration channel broke, not its server)."""

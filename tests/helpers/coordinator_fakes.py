@@ -280,6 +280,8 @@ async def fake_embed(w: FakeWorker, request: pb.EmbedRequest, context) -> pb.Emb
     per input: its token count, then zeros (unit length when normalize)."""
     w.requests.append(request)
     await w.refuse_unloaded(context)
+    if not w.status_answers:
+        await asyncio.sleep(DEADLINE_S)  # hung: it answers nothing
     return pb.EmbedResult(embeddings=[
         pb.Embedding(values=[1.0 if request.normalize else float(len(ids.token_ids))]
                      + [0.0] * (EMBED_SIZE - 1)) for ids in request.inputs])
