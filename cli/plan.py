@@ -9,7 +9,8 @@
                                          every candidate must ride out these worker deaths
                                          (ROLE:INDEX@SECONDS[+RESTART_SECONDS]): requests
                                          move as the coordinator moves them, none may be lost;
-                                         a frozen worker dies --heartbeat-deadline late
+                                         a frozen worker dies --heartbeat-deadline late, or
+                                         resumes if it thaws before that (decode:1@90+0.5)
 
 Prints every candidate the search simulated, the recommendation (the cheapest that meets the
 SLO) with its predicted figures, and with --write-topology writes it as a topology file for
@@ -73,10 +74,12 @@ def register(subparsers) -> None:
     p.add_argument("--fail", action="append", default=[], metavar="ROLE:INDEX@S[+RESTART_S]",
                    help="a worker dies S seconds into the load (and comes back empty RESTART_S "
                         "later); repeatable; a candidate meets the SLO only if no request is lost")
-    p.add_argument("--freeze", action="append", default=[], metavar="ROLE:INDEX@S[+RESTART_S]",
+    p.add_argument("--freeze", action="append", default=[], metavar="ROLE:INDEX@S[+THAW_S]",
                    help="a worker freezes S seconds into the load (stopped or hung: alive to the "
                         "coordinator until its heartbeat deadline, then dead and its requests "
-                        "moved; back empty RESTART_S after the freeze); repeatable")
+                        "moved) and thaws THAW_S after the freeze: before the deadline it "
+                        "resumes where it stopped and nothing moves, after it it comes back "
+                        "empty; repeatable")
     p.add_argument("--heartbeat-deadline", type=float, default=3.0, metavar="S",
                    help="when the coordinator declares a silent worker dead (default 3: tandem "
                         "coordinator's 1 s heartbeats x 3 misses)")
@@ -128,9 +131,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if space.failures:
         print("failures: " + ", ".join(
             f"{f.role} worker {f.index} "
-            + (f"frozen at {f.at_s:g} s, noticed {f.noticed_after_s:g} s later" if f.noticed_after_s
-               else f"at {f.at_s:g} s")
-            + (f", back after {f.restart_after_s:g} s" if f.restart_after_s is not None else ", not restarted")
+            + (f"frozen at {f.at_s:g} s, thawed {f.restart_after_s:g} s later, before its "
+               f"{f.noticed_after_s:g} s deadline (resumes)" if f.thaws else
+               (f"frozen at {f.at_s:g} s, noticed {f.noticed_after_s:g} s later" if f.noticed_after_s
+                else f"at {f.at_s:g} s")
+               + (f", back after {f.restart_after_s:g} s" if f.restart_after_s is not None
+                  else ", not restarted"))
             for f in space.failures))
     plan = search(requests, profile, slo, space)
     print()

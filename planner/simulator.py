@@ -54,6 +54,14 @@ its heartbeat deadline and then ends its calls (coordinator/registry.py): meanwh
 computes nothing (a decode worker's completed steps count, the one in progress is lost; a
 prefill pass in progress is lost), no KV lands from or on it, and the coordinator, which
 still counts it alive, goes on placing requests on it, which move with the rest.
+A frozen worker that thaws before its deadline (restart_after_s < noticed_after_s: a SIGSTOP
+and SIGCONT, a swap storm, a VM paused for migration) is never declared dead, and nothing
+moves: it resumes where it stopped. A prefill pass goes on with the work it had left; a
+decode worker's batch runs on, each running request's gap across the freeze one ITL, the step
+in progress at the freeze computed again from its start (conservative by at most one step:
+tandem resumes it mid-step); KV that would have landed from or on it meanwhile lands at the
+thaw (a transfer's part left at the freeze counted as none), and requests placed on it
+meanwhile start then. Thawing after the deadline is the death above, then a restart.
 Where it differs, conservatively: with no live prefill worker the coordinator prefills on a
 decode worker (conditional disaggregation, not modelled), where the simulator waits for a
 restart; new arrivals wait for a restart however long (the coordinator, up to its load
@@ -63,10 +71,10 @@ must not overlap in time (ClusterConfig refuses them).
 
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
-colocated workers, contention between transfers on a link, a worker frozen only for a
-while (one that thaws before its deadline resumes in tandem; here it freezes until declared
-dead), network latency to the client, heterogeneous workers, and a
-worker borrowing an idle one's core (the core lease).
+colocated workers, contention between transfers on a link, network latency to the client,
+heterogeneous workers, a worker borrowing an idle one's core (the core lease), and the OS
+leaving one worker off the cores for a time slice where workers outnumber cores (processor
+sharing slows all of them evenly instead; README, Planning a cluster).
 """
 
 from __future__ import annotations
@@ -90,7 +98,9 @@ class WorkerFailure:
     """Worker `index` of `role` dies at `at_s` (trace time); restart_after_s: it comes back,
     empty, that long after (None: never). noticed_after_s > 0: it freezes at at_s instead
     (alive to the coordinator, working no more) and is declared dead that long after, as the
-    coordinator declares a silent worker at its heartbeat deadline (module docstring)."""
+    coordinator declares a silent worker at its heartbeat deadline; a restart_after_s shorter
+    than that is a thaw: it resumes where it stopped and is never declared dead (module
+    docstring)."""
     role: str
     index: int
     at_s: float
@@ -109,9 +119,13 @@ class WorkerFailure:
             raise ValueError(f"WorkerFailure.restart_after_s must be a finite time >= 0, got {self.restart_after_s}")
         if not (math.isfinite(self.noticed_after_s) and self.noticed_after_s >= 0):
             raise ValueError(f"WorkerFailure.noticed_after_s must be a finite time >= 0, got {self.noticed_after_s}")
-        if self.restart_after_s is not None and self.restart_after_s < self.noticed_after_s:
-            raise ValueError(f"WorkerFailure: a restart {self.restart_after_s:g} s after the freeze comes "
-                             f"before its death is noticed ({self.noticed_after_s:g} s)")
+        if self.thaws and self.restart_after_s == 0:
+            raise ValueError("WorkerFailure: a freeze that thaws must last > 0 s, got 0")
+
+    @property
+    def thaws(self) -> bool:
+        """A freeze that ends before the heartbeat deadline: nothing moves, it resumes."""
+        return self.restart_after_s is not None and self.restart_after_s < self.noticed_after_s
 
     @property
     def until_s(self) -> float:
@@ -233,6 +247,7 @@ class _Prefill:
     version: int = 0
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, computing and sending nothing
+    paused_pass: bool = False        # frozen mid-pass: `chunks` resume with `work_left` at the thaw
 
 
 @dataclass
@@ -255,7 +270,7 @@ class _Decode:
     placed: dict = field(default_factory=dict)    # _Req -> None, in placement order
 
 
-_ARRIVE, _PASS_END, _KV_READY, _SEG_END, _FAIL, _RESTART, _FREEZE = range(7)
+_ARRIVE, _PASS_END, _KV_READY, _SEG_END, _FAIL, _RESTART, _FREEZE, _THAW = range(8)
 
 
 class Simulator:
@@ -279,6 +294,9 @@ class Simulator:
         self.computing = 0               # workers computing now (busy prefill, active decode)
         self.slowdown = 1.0              # shared host: time over the profile's, for all of them
         self.migrations = 0
+        # KV_READY events that came while their decode or prefill worker was frozen: a thaw
+        # delivers them again (a death makes them stale: their request's attempt moves on).
+        self.held: list[tuple[int, tuple]] = []
 
     def push(self, t: float, kind: int, a, b=None) -> None:
         self.seq += 1
@@ -295,6 +313,9 @@ class Simulator:
         for f in self.c.failures:
             if f.noticed_after_s > 0:
                 self.push(f.at_s, _FREEZE, f.role, f.index)
+            if f.thaws:
+                self.push(f.at_s + f.restart_after_s, _THAW, f.role, f.index)
+                continue
             self.push(f.at_s + f.noticed_after_s, _FAIL, f.role, f.index)
             if f.restart_after_s is not None:
                 self.push(f.at_s + f.restart_after_s, _RESTART, f.role, f.index)
@@ -318,6 +339,8 @@ class Simulator:
                 self.fail(t, a, b)
             elif kind == _FREEZE:
                 self.freeze(t, a, b)
+            elif kind == _THAW:
+                self.thaw(t, a, b)
             else:
                 self.restart(t, a, b)
         if self.pending and any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes):
@@ -477,7 +500,9 @@ class Simulator:
             self.free(t, d, r)
             return
         if w.frozen or self.prefills[r.prefill].frozen:
-            return  # its KV never lands: it stays in TRANSFER until the death is noticed
+            # It stays in TRANSFER: a thaw lands it, a death noticed moves it.
+            self.held.append((d, event))
+            return
         r.state = _State.WAITING
         w.waiting.append(r)
         if not w.active:
@@ -623,7 +648,7 @@ class Simulator:
                 del dw.placed[r]
                 heapq.heappush(self.decode_heap, (dw.reserved, r.decode))
             w.queue.clear()
-            w.chunks = []
+            w.chunks, w.paused_pass = [], False
             w.queued_tokens = 0
             w.alive = False
             self._halt_prefill(w, t)
@@ -669,7 +694,8 @@ class Simulator:
 
     def freeze(self, t: float, role: str, i: int) -> None:
         """Worker i of role freezes at t: it computes and sends nothing more, but the
-        coordinator still counts it alive and places requests on it until fail() notices."""
+        coordinator still counts it alive and places requests on it until fail() notices or
+        thaw() resumes it. A prefill pass keeps the work it has left (fail() drops it)."""
         if role == "decode":
             w = self.decodes[i]
             if w.alive:
@@ -678,8 +704,41 @@ class Simulator:
         else:
             w = self.prefills[i]
             if w.alive:
+                if w.busy:
+                    w.work_left = max(0.0, w.work_left - (t - w.since) / self.slowdown)
+                    w.paused_pass = True
                 self._halt_prefill(w, t)
                 w.frozen = True
+
+    def thaw(self, t: float, role: str, i: int) -> None:
+        """Worker i of role, frozen, resumes at t before anyone declared it dead (module
+        docstring): its pass or batch goes on, and the KV held by its freeze lands."""
+        if role == "decode":
+            w = self.decodes[i]
+            if not (w.alive and w.frozen):
+                return
+            w.frozen = False
+            # Every running request's next token is its first since the freeze: each gap
+            # across it is recorded on its own, as a joiner's first gap is.
+            seen = set(map(id, w.joiners))
+            w.joiners += [r for _, _, r in sorted(w.finishes, key=lambda e: e[:2]) if id(r) not in seen]
+            self.boundary(t, i)
+        else:
+            w = self.prefills[i]
+            if not (w.alive and w.frozen):
+                return
+            w.frozen = False
+            if w.paused_pass:
+                w.paused_pass = False
+                w.since = w.pass_start = t
+                w.busy = True
+                self._computing(t, +1)
+                self._schedule_pass_end(i)
+            elif w.queue:
+                self.start_pass(t, i)
+        held, self.held = self.held, []
+        for d, event in held:
+            self.push(t, _KV_READY, d, event)
 
     def _leave_prefill(self, r: _Req) -> None:
         """r leaves its (live) prefill worker's queue; a pass computing it runs on as waste."""

@@ -78,7 +78,13 @@ def test_plan_sizes_for_a_worker_death_and_refuses_a_bad_one(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert ("failures: prefill worker 0 frozen at 5 s, noticed 2.5 s later, back after 10 s"
             in result.stdout)
+    # Thawed before the deadline: it resumes, nothing moves.
     result = plan(*args, "--freeze", "prefill:0@5+1")
-    assert result.returncode == 2 and "before its death is noticed (3 s)" in result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("failures: prefill worker 0 frozen at 5 s, thawed 1 s later, before its 3 s deadline "
+            "(resumes)" in result.stdout)
+    assert "; 0 moves after the failures, none lost" in result.stdout
+    result = plan(*args, "--freeze", "prefill:0@5+0")
+    assert result.returncode == 2 and "a freeze that thaws must last > 0 s" in result.stderr
     result = plan(*args, "--freeze", "prefill:0@5", "--heartbeat-deadline", "0")
     assert result.returncode == 2 and "--heartbeat-deadline must be a time > 0" in result.stderr
