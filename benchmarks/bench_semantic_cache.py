@@ -9,7 +9,9 @@ serve`). Each PROBES row is a question that is cached first, then asked again as
 (the same question in other words: a hit is right) and near-misses (another number or name:
 a hit is a wrong answer). As in the cache, a query is matched to the most similar cached
 question among all of them (one partition: same options and everything but the turn), by the
-embedding alone and with the cache's rule that numbers and names must be the same:
+embedding alone, with the same numbers and names required (the cache's rule before stop 45),
+and with the cache's rules on the words (coordinator/turn_terms.py: those, and no content word
+swapped for another, no negation on one side only):
 
     hit     paraphrases whose best match is their own question, at >= T
     wrong   paraphrases whose best match at >= T is another question
@@ -101,7 +103,9 @@ class Match:
     best: int  # the most similar cached question's row (embedding alone)
     score: float  # its cosine
     own_score: float  # the cosine with its own question
-    guarded: int  # ... among those with the same numbers and names (the cache's rule), or -1
+    named: int  # ... among those with the same numbers and names, or -1
+    named_score: float
+    guarded: int  # ... among those the cache's word rules allow (turn_terms.py), or -1
     guarded_score: float
     other_score: float  # the highest cosine with another question (an unrelated one)
 
@@ -128,7 +132,7 @@ def queries() -> list[tuple[str, str, int]]:
 
 
 def matches(url: str, model: str, pooling: str = "last") -> list[Match]:
-    from coordinator.response_cache import literals  # the cache's own rule
+    from coordinator.turn_terms import TurnTerms  # the cache's own rules
 
     bases = [p[0] for p in PROBES]
     asked = queries()
@@ -136,21 +140,31 @@ def matches(url: str, model: str, pooling: str = "last") -> list[Match]:
     scores = vectors[len(bases):] @ vectors[:len(bases)].T
     out = []
     for j, (q, kind, own) in enumerate(asked):
-        same = [i for i, b in enumerate(bases) if literals(b) == literals(q)]
-        guarded = max(same, key=lambda i: scores[j, i]) if same else -1
+        terms = TurnTerms.of(q)
+
+        def best(allowed: list[int]) -> tuple[int, float]:
+            i = max(allowed, key=lambda i: scores[j, i]) if allowed else -1
+            return i, float(scores[j, i]) if allowed else -2.0
+
+        named = best([i for i, b in enumerate(bases) if TurnTerms.of(b).literals == terms.literals])
+        guarded = best([i for i, b in enumerate(bases) if TurnTerms.of(b).same_question(terms)])
         out.append(Match(q, kind, own, int(np.argmax(scores[j])), float(np.max(scores[j])),
-                         float(scores[j, own]), guarded,
-                         float(scores[j, guarded]) if same else -2.0,
+                         float(scores[j, own]), *named, *guarded,
                          float(max(scores[j, i] for i in range(len(bases)) if i != own))))
     return out
 
 
-def rates(found: list[Match], threshold: float, guard: bool = True) -> dict[str, float]:
-    """At `threshold`, as the cache decides (guard: with its numbers-and-names rule):
-    "hit" paraphrases answered with their own question's answer, "wrong" with another's,
-    and per near-miss kind (and "near-miss" for all) the share answered at all (false hits)."""
+GUARDS = {"none": "embedding alone", "names": "with the same numbers and names required (the "
+          "cache's rule before stop 45)", "words": "with the cache's rules on the words (turn_terms.py)"}
+
+
+def rates(found: list[Match], threshold: float, guard: str = "words") -> dict[str, float]:
+    """At `threshold`, as the cache decides (guard: GUARDS' key): "hit" paraphrases answered
+    with their own question's answer, "wrong" with another's, and per near-miss kind (and
+    "near-miss" for all) the share answered at all (false hits)."""
     def best(m: Match) -> tuple[int, float]:
-        return (m.guarded, m.guarded_score) if guard else (m.best, m.score)
+        return {"none": (m.best, m.score), "names": (m.named, m.named_score),
+                "words": (m.guarded, m.guarded_score)}[guard]
 
     para = [m for m in found if m.kind == "paraphrase"]
     out = {"hit": sum(best(m)[1] >= threshold and best(m)[0] == m.own for m in para) / len(para),
@@ -170,9 +184,8 @@ def report(found: list[Match]) -> None:
           f"{np.median(para):.4f} max {para[-1]:.4f}; near-misses min {near[0]:.4f} median "
           f"{np.median(near):.4f} max {near[-1]:.4f}; any query with another question: max "
           f"{max(m.other_score for m in found):.4f}")
-    for guard in (False, True):
-        print("embedding alone" if not guard else "with the same numbers and names required "
-              "(the cache's rule)")
+    for guard, title in GUARDS.items():
+        print(title)
         print(f"{'threshold':>9} {'hit':>7} {'wrong':>7} {'false':>7} {'number':>7} {'name':>7} "
               f"{'word':>7}")
         for t in THRESHOLDS:

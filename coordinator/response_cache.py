@@ -30,10 +30,11 @@ the request in hand, so a hit streams exactly like a computed answer.
 
 The semantic key is the same digest with the last user turn cut out of the prompt (its text
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
-the turn's vector is compared. A hit must also have the same numbers and names in its turn
-(literals(): an embedding of a chat model's hidden states does not separate "12 times 7" from
-"12 times 8") and fit the new request's max_tokens; a request for prompt logprobs is matched
-exactly only.
+the turn's vector is compared. A hit must also pass the rules on the turns' words
+(coordinator/turn_terms.py: the same numbers and names, no content word put in another's
+place, no negation on one side only: an embedding of a chat model's hidden states does not
+separate "12 times 7" from "12 times 8", nor "the capital of France" from "the currency")
+and fit the new request's max_tokens; a request for prompt logprobs is matched exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
 ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed
@@ -49,7 +50,6 @@ import asyncio
 import contextvars
 import hashlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -64,6 +64,7 @@ from coordinator.prompts import encode, off_loop
 from coordinator.request_flow import FlowOutcome, FlowRequest, TokenIds
 from coordinator.response_cache_config import ResponseCacheConfig
 from coordinator.response_store import AnswerStore, CachedAnswer
+from coordinator.turn_terms import TurnTerms
 from common.pooling import Pooling
 from common.sampling_params import SamplingParams
 
@@ -126,30 +127,6 @@ def without_turn(prompt_text: str, turn: str) -> str | None:
     if at < 0:
         return None
     return prompt_text[:at] + _TURN + prompt_text[at + len(turn):]
-
-
-_WORD = re.compile(r"\d+(?:[.,:]\d+)*|[^\W\d_]+")
-_SENTENCE_END = ".!?\n"
-
-
-def literals(text: str) -> tuple[str, ...]:
-    """The numbers and names of a turn, sorted: every run of digits (12, 3.5, 1,000, 3:30) and
-    every capitalized word that does not start a sentence (France, Alice, II; not "I").
-    A semantic hit needs the same ones: the default model's embedding puts "What is 12 times
-    8?" closer to "What is 12 times 7?" (cosine 0.9996) than most paraphrases are to each other,
-    so it cannot tell them apart by itself (README, Response cache). Capitalization makes this
-    a guard for scripts with case (English and the like); it does not see common words."""
-    found = []
-    for m in _WORD.finditer(text):
-        word = m.group()
-        if word[0].isdigit():
-            found.append(word)
-            continue
-        before = text[:m.start()].rstrip()
-        starts = not before or before[-1] in _SENTENCE_END
-        if word[0].isupper() and not starts and word != "I":
-            found.append(word)
-    return tuple(sorted(found))
 
 
 def last_user_text(messages: Sequence[dict]) -> str | None:
@@ -224,12 +201,11 @@ class ResponseCache:
         # Prompt logprobs describe one prompt's tokens: another prompt's are no answer.
         if self.config.semantic and turn and request.params.prompt_logprobs is None:
             partition, vector = await self._turn_vector(request, model, turn, embed)
-        if partition is not None and vector is not None:
-            names = literals(turn or "")
-
+        terms = TurnTerms.of(turn) if turn else None
+        if partition is not None and vector is not None and terms is not None:
             def fits(a: CachedAnswer) -> bool:
-                if a.literals != names:  # another number or name: another question
-                    return False
+                if a.terms is None or not terms.same_question(a.terms):
+                    return False  # another number, name or word: another question
                 if a.finish_reason == "length":  # cut by its limit: the same limit only
                     return a.max_tokens == request.max_tokens
                 return len(a.output_ids) <= request.max_tokens
@@ -243,7 +219,7 @@ class ResponseCache:
         self.stats.misses += 1
         generation = await begin(request, timings, keep_alive_s, model)
         generation.on_finish = lambda g: self._put(key, g, partition, vector,
-                                                   literals(turn) if vector is not None else ())
+                                                   terms if vector is not None else None)
         return self._mark(generation, MISS)
 
     async def _turn_vector(self, request: FlowRequest, model: ServedModel, turn: str,
@@ -277,13 +253,12 @@ class ResponseCache:
         return self._mark(generation, HIT)
 
     def _put(self, key: bytes, g: Generation, partition: bytes | None,
-             vector: np.ndarray | None, names: tuple[str, ...] = ()) -> None:
+             vector: np.ndarray | None, terms: TurnTerms | None = None) -> None:
         answer = CachedAnswer(
             output_ids=tuple(g.output_ids), chunk_sizes=tuple(g.chunk_sizes),
             logprobs=tuple(g.logprobs), prompt_logprobs=tuple(g.prompt_logprobs),
             finish_reason=g.done_reason or "stop", max_tokens=g.request.max_tokens,
-            partition=partition, vector=vector,
-            literals=names)
+            partition=partition, vector=vector, terms=terms)
         if self.store.put(key, answer):
             self.stats.stored += 1
 

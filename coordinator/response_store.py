@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.logprobs import TokenLogprob
+from coordinator.turn_terms import TurnTerms
 
 # Estimated sizes, for the byte bound (Python objects, roughly): an entry's fixed part (its
-# object, two keys, its LRU slot), a token id, a logprob entry and each of its alternatives.
-_ENTRY_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES, _ALT_BYTES = 512, 8, 96, 48
+# object, two keys, its LRU slot), a token id, a logprob entry and each of its alternatives,
+# and a word of its turn's terms.
+_ENTRY_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES, _ALT_BYTES, _WORD_BYTES = 512, 8, 96, 48, 64
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class CachedAnswer:
     max_tokens: int  # the request's; a semantic hit must fit the new one's
     partition: bytes | None = None  # its semantic partition, if it is in the index
     vector: np.ndarray | None = None  # its last user turn's unit vector (float32), if it is
-    literals: tuple[str, ...] = ()  # its last user turn's numbers and names (literals())
+    terms: TurnTerms | None = None  # its last user turn's words, if it is (turn_terms.py)
 
 
 def entry_bytes(answer: CachedAnswer) -> int:
@@ -39,7 +41,9 @@ def entry_bytes(answer: CachedAnswer) -> int:
 
     return (_ENTRY_BYTES + _TOKEN_BYTES * (len(answer.output_ids) + len(answer.chunk_sizes))
             + lp(answer.logprobs) + lp(answer.prompt_logprobs)
-            + (answer.vector.nbytes if answer.vector is not None else 0))
+            + (answer.vector.nbytes if answer.vector is not None else 0)
+            + (_WORD_BYTES * (len(answer.terms.literals) + len(answer.terms.words))
+               if answer.terms is not None else 0))
 
 
 class AnswerStore:

@@ -1,12 +1,12 @@
 """The semantic response cache on the default model (SmolLM2-135M-Instruct), through a real
 cluster at the default threshold: each question of benchmarks/bench_semantic_cache.py's PROBES
 is answered and cached, then its paraphrases and near-misses (another number, name or word)
-are asked. Every decision the cache makes must be the one its rule predicts from the vectors
+are asked. Every decision the cache makes must be the one its rules predict from the vectors
 /api/embed gives for the same texts as the cache embeds them (each in EMBED_TEMPLATE, `"pooling":
-"last"`: the same Embed path), and the hit and false-hit rates it reaches are printed (README,
-Response cache). The rule's guarantee is asserted: a question that differs in a number or a name
-is never answered from another's entry; this model's embedding does not separate every
-near-miss that differs in another word, and the test says how many were answered."""
+"last"`: the same Embed path) and from the turns' words (coordinator/turn_terms.py), and the
+hit and false-hit rates it reaches are printed (README, Response cache). The rules' guarantee
+is asserted: a question that differs in a number or a name, or swaps a word for another, is
+never answered from another's entry. The one near-miss they let through is printed."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_semantic_cache import PROBES, embed, queries
-from coordinator.response_cache import literals
 from coordinator.response_cache_config import DEFAULT_THRESHOLD
+from coordinator.turn_terms import TurnTerms
 from tests.helpers.cluster import running_cluster
 
 OPTIONS = {"temperature": 0, "num_predict": 1}
@@ -39,15 +39,16 @@ def test_paraphrases_and_near_misses_at_the_default_threshold(default_gguf, tmp_
         bases = [p[0] for p in PROBES]
         asked = queries()
         vectors = embed(c.url, "m", bases + [q for q, _, _ in asked])
-        # The cache's index as it grows: each miss is stored (text's vector, literals, row).
-        stored: list[tuple[np.ndarray, tuple[str, ...], int]] = []
+        # The cache's index as it grows: each miss is stored (text's vector, its terms, row).
+        stored: list[tuple[np.ndarray, TurnTerms, int]] = []
         for row, (text, vector) in enumerate(zip(bases, vectors)):
             assert ask(c.url, text) == "miss"
-            stored.append((vector, literals(text), row))
+            stored.append((vector, TurnTerms.of(text), row))
         assert ask(c.url, bases[0]) == "hit"  # the exact repeat
         outcomes: list[tuple[str, str, bool, int]] = []  # (kind, text, hit, served row)
         for (text, kind, own), vector in zip(asked, vectors[len(bases):]):
-            same = [(float(v @ vector), row) for v, lit, row in stored if lit == literals(text)]
+            terms = TurnTerms.of(text)
+            same = [(float(v @ vector), row) for v, t, row in stored if t.same_question(terms)]
             score, row = max(same, default=(-2.0, -1))
             got = ask(c.url, text)
             if abs(score - DEFAULT_THRESHOLD) > NEAR_EDGE:
@@ -55,7 +56,7 @@ def test_paraphrases_and_near_misses_at_the_default_threshold(default_gguf, tmp_
             hit = got == "hit"
             outcomes.append((kind, text, hit, row if hit else -1))
             if not hit:
-                stored.append((vector, literals(text), own))
+                stored.append((vector, terms, own))
 
     def share(kinds: tuple[str, ...], right: bool | None = None) -> tuple[int, int]:
         rows = [(o, own) for o, (_, _, own) in zip(outcomes, asked) if o[0] in kinds]
@@ -74,3 +75,7 @@ def test_paraphrases_and_near_misses_at_the_default_threshold(default_gguf, tmp_
     for kind, text, hit, _ in outcomes:
         print(f"  {'HIT ' if hit else 'miss'} {kind:10} {text}")
     assert share(("number", "name")) == (0, sum(k in ("number", "name") for _, k, _ in asked))
+    # A word near-miss is answered only when the rules see no swap against what answered it.
+    for (kind, text, hit, served), (_, _, own) in zip(outcomes, asked):
+        if kind == "word" and hit:
+            assert TurnTerms.of(text).same_question(TurnTerms.of(bases[served])), text
