@@ -18,7 +18,7 @@ from common.errors import TandemError
 from common.log_format import LOG_FORMATS
 from common.tracing import add_tracing_flag
 from common.model_store import default_home
-from worker.config import DEFAULT_TOKEN_BUDGET
+from worker.config import DEFAULT_KV_BACKEND, DEFAULT_TOKEN_BUDGET
 from worker.flags import add_engine_flags, add_kv_backend_flag, add_worker_flags
 
 
@@ -71,7 +71,7 @@ def register(subparsers) -> None:
                    help="with --load-on-request: most bytes of model weights loaded at once "
                         "(the weight files' sizes, e.g. 16GB or 900MiB), the --model ones "
                         "included; unloads as --max-loaded-models does (default: no bound)")
-    add_kv_backend_flag(p)
+    add_kv_backend_flag(p, auto=True)
     p.add_argument("--chunk-size", type=int, default=DEFAULT_TOKEN_BUDGET,
                    help="per-pass token budget of every worker (their --max-batched-tokens), so "
                         "also the largest prefill chunk on a prefill worker (the coordinator's "
@@ -130,7 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             host=host, port=port, api_key=api_key, prefill=args.prefill,
                             decode=args.decode, colocated=args.colocated,
                             model_workers=model_workers(args.workers),
-                            kv_backend=args.kv_backend, chunk_size=args.chunk_size,
+                            kv_backend=DEFAULT_KV_BACKEND if args.kv_backend == "auto"
+                            else args.kv_backend, chunk_size=args.chunk_size,
                             prefill_threshold=args.prefill_threshold,
                             prefill_quant=args.prefill_quant, decode_quant=args.decode_quant,
                             threads=args.threads, num_blocks=args.num_blocks,
@@ -153,12 +154,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             core_lease=args.core_lease)
         from engine.device import resolve_device
 
-        resolve_device(args.device)  # the workers run here: a CUDA-less host fails now, not in them
+        # The workers run here: a CUDA-less host fails now, not in them.
+        device = resolve_device(args.device)
     except ValueError as exc:
         raise TandemError(str(exc)) from None
     topology = dataclasses.replace(
         topology, model_path=resolve_or_pull(models[0]),
         more_models=tuple((m, resolve_or_pull(m)) for m in models[1:]))
+    if args.kv_backend == "auto":
+        from deploy.kv_backend_choice import choose
+
+        backend, why = choose(topology, device.torch_device.type)
+        topology = dataclasses.replace(topology, kv_backend=backend)
+        _log(f"KV transfer: {backend} ({why})")
     factory = None
     if topology.load_on_request:
         from deploy.model_supervisor import ModelSupervisor

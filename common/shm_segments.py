@@ -33,6 +33,17 @@ def _name_pattern(prefix: str) -> re.Pattern:
 _NAME = _name_pattern(PREFIX)
 
 
+def free_bytes(directory: str = SHM_DIR) -> int | None:
+    """Bytes this user may still allocate in `directory` (a tmpfs: what a new segment's pages
+    can take before touching one more kills the process with SIGBUS); None where it is not
+    there."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def segment_name(worker_id: str, pid: int | None = None) -> str:
     return f"{PREFIX}{worker_id}-{os.getpid() if pid is None else pid}"
 

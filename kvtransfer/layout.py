@@ -28,6 +28,8 @@ from multiprocessing import shared_memory
 
 import torch
 
+from common import shm_segments
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -168,6 +170,17 @@ def allocate_cache(
     if shared_memory_name is None:
         return KVCacheBuffer(layout, num_blocks, torch.zeros(shape, dtype=layout.torch_dtype))
     nbytes = layout.cache_nbytes(num_blocks)
+    # A tmpfs segment is sparse until written: one larger than /dev/shm's free space is made
+    # without complaint, and the zeroing below dies with SIGBUS at the first page past it (a
+    # container's /dev/shm is 64 MiB unless given more). Refuse it while an error can say so.
+    free = shm_segments.free_bytes()
+    if free is not None and nbytes > free:
+        from .base import KVTransferError  # noqa: PLC0415 (base imports this module)
+
+        raise KVTransferError(
+            f"the shared-memory KV pool needs {nbytes / 2**20:.0f} MiB and /dev/shm has "
+            f"{free / 2**20:.0f} MiB free: give the host or container more shared memory "
+            "(docker --shm-size), make the pool smaller (--num-blocks), or use --kv-backend zmq")
     shm = shared_memory.SharedMemory(name=shared_memory_name, create=True, size=nbytes)
     try:
         tensor = map_shared_tensor(shm, layout.torch_dtype, shape)

@@ -90,7 +90,14 @@ def add_worker_flags(p: argparse.ArgumentParser, scope: str) -> None:
                         f"(default: {default})")
 
 
-def add_kv_backend_flag(p: argparse.ArgumentParser) -> None:
+def add_kv_backend_flag(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """auto: the launcher of one host's workers picks (deploy/kv_backend_choice.py)."""
+    if auto:
+        p.add_argument("--kv-backend", choices=(*KV_BACKENDS, "auto"), default="auto",
+                       help="KV transfer between prefill and decode workers (default auto: shm "
+                            "where the workers compute on the CPU and /dev/shm holds every "
+                            "decode worker's KV pool, else zmq; the choice is logged)")
+        return
     p.add_argument("--kv-backend", choices=KV_BACKENDS, default=WorkerConfig.kv_backend,
                    help=f"KV transfer between prefill and decode workers "
                         f"(default {WorkerConfig.kv_backend})")

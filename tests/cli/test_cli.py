@@ -133,6 +133,7 @@ def test_serve_takes_ollama_host_and_hands_the_key_to_the_coordinator_only(
     (flagged, kw), (from_env, _) = seen
     assert (flagged.host, flagged.port, flagged.api_key) == ("0.0.0.0", 8123, "sk-flag")
     assert (from_env.host, from_env.port, from_env.api_key) == ("0.0.0.0", 9000, "sk-env")
+    assert capsys.readouterr().err.startswith("KV transfer: ")  # --kv-backend auto's choice
     kw["out"]("a status line")
     assert capsys.readouterr().err == "a status line\n"  # logs on stderr, as `ollama serve`
 

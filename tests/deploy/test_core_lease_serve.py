@@ -95,6 +95,11 @@ def test_serve_makes_claims_and_removes_its_lease(tmp_path):
     path = lease_path(str(port), launcher.pid)
     try:
         output.wait_for("is serving", launcher, time.monotonic() + START_S)
+        # --kv-backend auto: every worker is here, on the CPU, and /dev/shm holds the pool.
+        output.wait_for("  decode-0: decode_node ", launcher, time.monotonic() + DEADLINE_S)
+        assert any(line.startswith("KV transfer: shm (") for line in output.seen), output.seen
+        assert any(line.startswith("  decode-0: decode_node ") and "--kv-backend shm" in line
+                   for line in output.seen), output.seen
         assert not stale.path.exists()
         assert any(stale.path.name in line for line in output.seen)
         lease = CoreLease.open(path)
@@ -125,6 +130,9 @@ def test_serve_makes_claims_and_removes_its_lease(tmp_path):
         assert not path.exists(), "the lease outlived its cluster"
         for name in ("prefill-0", "decode-0", "coordinator"):  # exits as clean as before
             assert "leaked" not in (tmp_path / "logs" / f"{name}.log").read_text(), name
+        # The decode worker's shared-memory pool went with it.
+        pool = f"tandem-kv-decode-0-{by_module['decode']}"
+        assert not any(n.startswith(pool) for n in os.listdir(SHM_DIR))
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

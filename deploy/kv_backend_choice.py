@@ -1,0 +1,65 @@
+"""`tandem serve --kv-backend auto` (its default): which KV transfer its workers use.
+
+Every worker `tandem serve` starts is on this host, so the prefill workers can write the KV
+straight into the decode workers' pools in shared memory (kvtransfer/shm_backend.py): one
+streamed copy with its crc32c, nothing for the decode worker's core to do. Over zmq the same
+bytes cross loopback TCP, and the decode worker's process copies them again into its pool:
+measured on a 2-core host (README, Stop 45), a batch of 8 chats of 235-token prompts got
+~4x the ITL p99 and ~20% less output than over shm, as the receiving copies took the core its
+decode steps run on. So auto is shm wherever it can work, else zmq:
+
+    shm   the workers compute on the CPU (a CUDA cache is not host memory), the topology
+          moves KV at all (not --colocated), and /dev/shm has room for every decode
+          worker's pool: a segment past its free space would kill the worker with SIGBUS
+          (a container's /dev/shm is 64 MiB unless given more; kvtransfer/layout.py refuses
+          it with an error too, for pools that start later: models loaded on request)
+    zmq   otherwise, with the reason logged
+
+`tandem launch` keeps the explicit backends: its workers may be on other hosts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import shm_segments
+from common.model_files import load_config
+from deploy.local_topology import Topology
+from engine.config import CacheConfig
+from engine.kv_cache_sizing import KV_TORCH_DTYPES
+from engine.model_runner import kv_cache_bytes_per_block
+
+# Beside the pools: each pool's owner table, and room for what else the host keeps there.
+SHM_SLACK_BYTES = 64 << 20
+
+
+def pool_bytes(model_path: Path, num_blocks: int | None, kv_dtype: str) -> int:
+    """The most a decode worker's KV pool of this model takes: `num_blocks` blocks, or at most
+    the byte budget the worker sizes it by (CacheConfig.kv_cache_bytes, 1 GiB)."""
+    cache = CacheConfig(kv_dtype=kv_dtype)
+    if num_blocks is None:
+        return cache.kv_cache_bytes
+    per_block = kv_cache_bytes_per_block(load_config(model_path), cache.block_size,
+                                         KV_TORCH_DTYPES[kv_dtype])
+    return num_blocks * per_block
+
+
+def choose(topology: Topology, device_type: str, shm_free: int | None = None) -> tuple[str, str]:
+    """(backend, why) for a topology whose workers all run on this host. shm_free: /dev/shm's
+    free bytes (default: read now)."""
+    if topology.colocated:
+        return "zmq", "colocated workers move no KV between them"
+    if device_type != "cpu":
+        return "zmq", f"the workers compute on {device_type}, and shm needs a KV cache in host memory"
+    need = SHM_SLACK_BYTES + sum(
+        topology.counts(i)[1] * pool_bytes(path, topology.num_blocks, topology.kv_dtype)
+        for i, (_, path) in enumerate(topology.models))
+    free = shm_segments.free_bytes() if shm_free is None else shm_free
+    if free is None:
+        return "zmq", f"this host has no {shm_segments.SHM_DIR}"
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    if need > free:
+        return "zmq", (f"{shm_segments.SHM_DIR} has {mib(free)} free, the decode workers' KV pools "
+                       f"need {mib(need)} (more shared memory, or --num-blocks, allows shm)")
+    return "shm", (f"every worker is on this host and the decode workers' KV pools ({mib(need)}) "
+                   f"fit {shm_segments.SHM_DIR} ({mib(free)} free)")
