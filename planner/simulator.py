@@ -59,9 +59,10 @@ and SIGCONT, a swap storm, a VM paused for migration) is never declared dead, an
 moves: it resumes where it stopped. A prefill pass goes on with the work it had left; a
 decode worker's batch runs on, each running request's gap across the freeze one ITL, the step
 in progress at the freeze computed again from its start (conservative by at most one step:
-tandem resumes it mid-step); KV that would have landed from or on it meanwhile lands at the
-thaw (a transfer's part left at the freeze counted as none), and requests placed on it
-meanwhile start then. Thawing after the deadline is the death above, then a restart.
+tandem resumes it mid-step); no KV moves from or to it meanwhile (the receiver grants and
+acks, the sender writes), so each transfer it is an end of goes on after the thaw with the
+bytes it had left, and requests placed on it meanwhile start then. Thawing after the deadline
+is the death above, then a restart.
 Where it differs, conservatively: with no live prefill worker the coordinator prefills on a
 decode worker (conditional disaggregation, not modelled), where the simulator waits for a
 restart; new arrivals wait for a restart however long (the coordinator, up to its load
@@ -222,6 +223,8 @@ class _Req:
     done: int = 0                    # tokens generated before this placement (moves carry them)
     attempt: int = 0                 # placements so far - 1: events of an older one are stale
     join_step: int = 0               # its decode worker's step count when it joined the batch
+    transfer: int = 0                # version of its pending KV_READY event (a freeze delays it)
+    held: bool = False               # its KV landing waits for a thaw (Simulator.held)
 
     @property
     def prompt_now(self) -> int:     # what this placement prefills: the prompt and tokens so far
@@ -247,6 +250,7 @@ class _Prefill:
     version: int = 0
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, computing and sending nothing
+    frozen_at: float = 0.0           # when it froze (while frozen)
     paused_pass: bool = False        # frozen mid-pass: `chunks` resume with `work_left` at the thaw
 
 
@@ -267,6 +271,7 @@ class _Decode:
     version: int = 0                 # bumped when a segment is cut or the worker dies: stale end events drop
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, stepping and receiving nothing
+    frozen_at: float = 0.0           # when it froze (while frozen)
     placed: dict = field(default_factory=dict)    # _Req -> None, in placement order
 
 
@@ -294,9 +299,9 @@ class Simulator:
         self.computing = 0               # workers computing now (busy prefill, active decode)
         self.slowdown = 1.0              # shared host: time over the profile's, for all of them
         self.migrations = 0
-        # KV_READY events that came while their decode or prefill worker was frozen: a thaw
-        # delivers them again (a death makes them stale: their request's attempt moves on).
-        self.held: list[tuple[int, tuple]] = []
+        # (request, its attempt, transfer time left): KV whose landing waits for its frozen
+        # decode or prefill worker to thaw (_hold); a death makes an entry stale.
+        self.held: list[tuple[_Req, int, float]] = []
 
     def push(self, t: float, kind: int, a, b=None) -> None:
         self.seq += 1
@@ -455,7 +460,7 @@ class Simulator:
             r.last_token_s = t
             r.state = _State.TRANSFER
             landed = max(t, r.first_chunk_s + r.prompt_now * self.p.kv_bytes_per_token / self.p.transfer_bytes_per_s)
-            self.push(landed + self.p.transfer_latency_s, _KV_READY, r.decode, (r, r.attempt))
+            self.push(landed + self.p.transfer_latency_s, _KV_READY, r.decode, (r, r.attempt, r.transfer))
         heapq.heappush(self.prefill_heap, (w.queued_tokens, p))
         if w.queue:
             self.start_pass(t, p)  # still computing: the count of workers computing holds
@@ -490,18 +495,18 @@ class Simulator:
 
     # -- decode workers -----------------------------------------------------------------------
 
-    def kv_ready(self, t: float, d: int, event: tuple[_Req, int]) -> None:
-        r, attempt = event
-        if attempt != r.attempt:
-            return  # it moved while its KV was landing
+    def kv_ready(self, t: float, d: int, event: tuple[_Req, int, int]) -> None:
+        r, attempt, transfer = event
+        if attempt != r.attempt or transfer != r.transfer:
+            return  # it moved while its KV was landing, or a freeze held it
         w = self.decodes[d]
         if r.output_now == 1:  # the prefill's token was the last one
             r.finish_s = r.last_token_s
             self.free(t, d, r)
             return
         if w.frozen or self.prefills[r.prefill].frozen:
-            # It stays in TRANSFER: a thaw lands it, a death noticed moves it.
-            self.held.append((d, event))
+            since = max(x.frozen_at for x in (w, self.prefills[r.prefill]) if x.frozen)
+            self._hold(r, since)
             return
         r.state = _State.WAITING
         w.waiting.append(r)
@@ -659,6 +664,7 @@ class Simulator:
         no_decode = not any(w.alive for w in self.decodes)
         for r in reversed(moved):
             r.attempt += 1
+            r.held = False
             r.first_chunk_s = -1.0
             if r.done >= r.output:  # its prefill's token was its last (its KV had not landed)
                 r.state, r.finish_s = _State.DONE, r.last_token_s
@@ -676,9 +682,12 @@ class Simulator:
         if not w.active:
             return
         k = self._steps_done(w, t)
+        joiners = set(map(id, w.joiners))  # before _record_steps clears them
         self._record_steps(w, k)
         for _, _, r in w.finishes:
-            if w.step > r.join_step:  # its latest token: the last completed step's
+            # Its latest token: the last completed step's. With none completed, a joiner (a
+            # thaw makes every running request one) still has its token from before t0.
+            if w.step > r.join_step and (k or id(r) not in joiners):
                 r.last_token_s = w.t0 + self._steps_s(w, k)
         w.active = False
         w.version += 1  # its end event is stale
@@ -692,6 +701,20 @@ class Simulator:
             self.busy_s += t - w.pass_start
             self._computing(t, -1)
 
+    def _hold(self, r: _Req, since: float) -> None:
+        """r's KV, its pass done, stops landing at `since` (a freeze of either end): it stays
+        in TRANSFER, a death noticed moves it, and a thaw lands it once what its transfer had
+        not moved by `since` has (nothing moves while an end is frozen: the receiver grants
+        and acks, the sender writes). Bytes moved by x: bandwidth x (x - first chunk)."""
+        if r.held:
+            return
+        total = r.prompt_now * self.p.kv_bytes_per_token
+        moved = min(total, max(0.0, since - r.first_chunk_s) * self.p.transfer_bytes_per_s)
+        left = (total - moved) / self.p.transfer_bytes_per_s + self.p.transfer_latency_s
+        r.held = True
+        r.transfer += 1  # a pending KV_READY is stale
+        self.held.append((r, r.attempt, left))
+
     def freeze(self, t: float, role: str, i: int) -> None:
         """Worker i of role freezes at t: it computes and sends nothing more, but the
         coordinator still counts it alive and places requests on it until fail() notices or
@@ -700,7 +723,10 @@ class Simulator:
             w = self.decodes[i]
             if w.alive:
                 self._halt_decode(w, t)
-                w.frozen = True
+                w.frozen, w.frozen_at = True, t
+                for r in w.placed:
+                    if r.state is _State.TRANSFER:
+                        self._hold(r, t)
         else:
             w = self.prefills[i]
             if w.alive:
@@ -708,7 +734,11 @@ class Simulator:
                     w.work_left = max(0.0, w.work_left - (t - w.since) / self.slowdown)
                     w.paused_pass = True
                 self._halt_prefill(w, t)
-                w.frozen = True
+                w.frozen, w.frozen_at = True, t
+                for d in self.decodes:
+                    for r in d.placed:
+                        if r.prefill == i and r.state is _State.TRANSFER:
+                            self._hold(r, t)
 
     def thaw(self, t: float, role: str, i: int) -> None:
         """Worker i of role, frozen, resumes at t before anyone declared it dead (module
@@ -722,12 +752,22 @@ class Simulator:
             # across it is recorded on its own, as a joiner's first gap is.
             seen = set(map(id, w.joiners))
             w.joiners += [r for _, _, r in sorted(w.finishes, key=lambda e: e[:2]) if id(r) not in seen]
+            # The KV streaming to it from passes still running stood still meanwhile.
+            for r in w.placed:
+                if r.state is _State.PREFILL and r.first_chunk_s >= 0:
+                    r.first_chunk_s += t - w.frozen_at
             self.boundary(t, i)
+            self._release_held(t)
         else:
             w = self.prefills[i]
             if not (w.alive and w.frozen):
                 return
             w.frozen = False
+            # The KV its passes stream stood still while it was frozen (a request in the paused
+            # pass is also at the head of the queue: shifted once).
+            for r in {id(r): r for r in (*w.queue, *(r for r, _, _ in w.chunks))}.values():
+                if r.prefill == i and r.first_chunk_s >= 0:
+                    r.first_chunk_s += t - w.frozen_at
             if w.paused_pass:
                 w.paused_pass = False
                 w.since = w.pass_start = t
@@ -736,9 +776,20 @@ class Simulator:
                 self._schedule_pass_end(i)
             elif w.queue:
                 self.start_pass(t, i)
+            self._release_held(t)
+
+    def _release_held(self, t: float) -> None:
+        """A thaw at t: each held KV whose two ends are both thawed lands after what was left
+        of its transfer; a death made the others' moves (their attempt is newer)."""
         held, self.held = self.held, []
-        for d, event in held:
-            self.push(t, _KV_READY, d, event)
+        for r, attempt, left in held:
+            if attempt != r.attempt:
+                continue  # moved by a death meanwhile
+            if self.decodes[r.decode].frozen or self.prefills[r.prefill].frozen:
+                self.held.append((r, attempt, left))
+                continue
+            r.held = False
+            self.push(t + left, _KV_READY, r.decode, (r, r.attempt, r.transfer))
 
     def _leave_prefill(self, r: _Req) -> None:
         """r leaves its (live) prefill worker's queue; a pass computing it runs on as waste."""

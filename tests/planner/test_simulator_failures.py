@@ -315,18 +315,54 @@ def test_a_prefill_worker_thawed_before_its_deadline_finishes_its_pass(profile):
     assert res.prefill_busy * res.summary.duration_s * 2 == pytest.approx(prefill_s(p, 400))
 
 
-def test_kv_landing_on_a_frozen_decode_worker_lands_at_the_thaw(profile):
-    """Decode 0 freezes before the request's KV lands and thaws at 1 s: the first token comes
-    as usual, the KV lands at the thaw, and the decode steps run from there."""
+def test_kv_landing_on_a_frozen_decode_worker_moves_after_the_thaw(profile):
+    """Decode 0 freezes before the request's KV starts to move and thaws at 1 s: the first
+    token comes as usual (the prefill worker computes on), and the whole transfer happens
+    after the thaw (a frozen receiver grants and acknowledges nothing); the decode steps run
+    from there."""
     p, prompt, output = profile, 100, 10
     first = p.coordinator_overhead_s + prefill_s(p, prompt)
     res = simulate([Request(0.0, prompt, output)], p, ClusterConfig(1, 1, failures=(
-        WorkerFailure("decode", 0, 0.001, restart_after_s=0.999, noticed_after_s=3.0),)))
+        WorkerFailure("decode", 0, 0.0005, restart_after_s=0.9995, noticed_after_s=3.0),)))
     r = res.times[0]
-    assert first + p.transfer_latency_s < 1.0
+    assert 0.0005 < p.coordinator_overhead_s and first + p.transfer_latency_s < 1.0
     assert r.first_token_s == pytest.approx(first)
-    assert r.finish_s == pytest.approx(1.0 + steps_s(p, prompt + 1, output - 1))
+    landed = 1.0 + prompt * p.kv_bytes_per_token / p.transfer_bytes_per_s + p.transfer_latency_s
+    assert r.finish_s == pytest.approx(landed + steps_s(p, prompt + 1, output - 1))
     assert res.summary.migrations == 0
+
+
+def test_a_second_freeze_right_after_a_thaw_keeps_the_gap_across_both(profile):
+    """Frozen, thawed, and frozen again before the first step after the thaw ends: the gap
+    from the last token before the first freeze to the next one is one ITL, and the ITL
+    record still adds up (a review found it lost the first gap)."""
+    p, prompt, output = profile, 300, 20
+    landed = p.coordinator_overhead_s + prefill_s(p, prompt) + p.transfer_latency_s
+    before = landed + steps_s(p, prompt + 1, 3)
+    at = before + 0.5 * p.decode_step_s(1, prompt + 4)
+    step = p.decode_step_s(1, prompt + 4)
+    freezes = (WorkerFailure("decode", 0, at, 0.2, 3.0), WorkerFailure("decode", 0, at + 0.2 + step / 2, 0.3, 3.0))
+    res = simulate([Request(0.0, prompt, output)], p, ClusterConfig(1, 1, failures=freezes))
+    r = res.times[0]
+    assert r.finish_s == pytest.approx(at + 0.2 + step / 2 + 0.3 + steps_s(p, prompt + 4, output - 4))
+    assert sum(v * c for v, c in res.itl) == pytest.approx(r.finish_s - r.first_token_s)
+    assert max(v for v, _ in res.itl) == pytest.approx(at + 0.5 + step / 2 + step - before)
+
+
+def test_a_transfer_from_a_frozen_prefill_worker_resumes_after_the_thaw():
+    """A transfer-bound profile: prefill 0 freezes while its finished prompt's KV streams and
+    thaws 2.5 s later; the part left at the freeze moves after the thaw, so the request ends
+    2.5 s later than without the freeze (a review found the freeze had cost nothing)."""
+    from tests.planner.conftest import make_profile
+
+    p = make_profile(transfer_bytes_per_s=1e5)
+    trace = [Request(0.0, 1000, 5)]
+    calm = simulate(trace, p, ClusterConfig(1, 1)).times[0]
+    at = calm.first_token_s + 0.1  # the pass is done; the KV is still moving
+    assert at < calm.first_token_s + 1000 * p.kv_bytes_per_token / p.transfer_bytes_per_s
+    res = simulate(trace, p, ClusterConfig(1, 1, failures=(WorkerFailure("prefill", 0, at, 2.5, 3.0),)))
+    assert res.times[0].first_token_s == pytest.approx(calm.first_token_s)
+    assert res.times[0].finish_s == pytest.approx(calm.finish_s + 2.5)
 
 
 def test_thawing_freezes_under_load_lose_nothing_and_cost_time(profile):
