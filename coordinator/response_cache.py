@@ -31,10 +31,11 @@ the request in hand, so a hit streams exactly like a computed answer.
 The semantic key is the same digest with the last user turn cut out of the prompt (its text
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
 the turn's vector is compared. A hit must also pass the rules on the turns' words
-(coordinator/turn_terms.py: the same numbers and names, no content word put in another's
-place, no negation on one side only: an embedding of a chat model's hidden states does not
-separate "12 times 7" from "12 times 8", nor "the capital of France" from "the currency")
-and fit the new request's max_tokens; a request for prompt logprobs is matched exactly only.
+(coordinator/turn_terms.py: the same numbers and names, and the same words in the same order
+once case, punctuation, articles, contractions and plurals are set aside: an embedding of a
+chat model's hidden states separates neither "12 times 7" from "12 times 8" nor "an egg"
+from "an egg white") and fit the new request's max_tokens; a request for prompt logprobs is
+matched exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
 ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed
@@ -201,8 +202,9 @@ class ResponseCache:
         # Prompt logprobs describe one prompt's tokens: another prompt's are no answer.
         if self.config.semantic and turn and request.params.prompt_logprobs is None:
             partition, vector = await self._turn_vector(request, model, turn, embed)
-        terms = TurnTerms.of(turn) if turn else None
-        if partition is not None and vector is not None and terms is not None:
+        terms = None
+        if partition is not None and vector is not None and turn:
+            terms = await off_loop(TurnTerms.of, turn)  # linear, but a turn may be long
             def fits(a: CachedAnswer) -> bool:
                 if a.terms is None or not terms.same_question(a.terms):
                     return False  # another number, name or word: another question
@@ -218,8 +220,7 @@ class ResponseCache:
                 return self._replay(request, timings, model, metrics, found[0])
         self.stats.misses += 1
         generation = await begin(request, timings, keep_alive_s, model)
-        generation.on_finish = lambda g: self._put(key, g, partition, vector,
-                                                   terms if vector is not None else None)
+        generation.on_finish = lambda g: self._put(key, g, partition, vector, terms)
         return self._mark(generation, MISS)
 
     async def _turn_vector(self, request: FlowRequest, model: ServedModel, turn: str,

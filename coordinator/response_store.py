@@ -17,7 +17,8 @@ from coordinator.turn_terms import TurnTerms
 
 # Estimated sizes, for the byte bound (Python objects, roughly): an entry's fixed part (its
 # object, two keys, its LRU slot), a token id, a logprob entry and each of its alternatives,
-# and a word of its turn's terms.
+# and a word of its turn's terms beside its characters (a str object and its tuple slot; a
+# character takes up to 4 bytes).
 _ENTRY_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES, _ALT_BYTES, _WORD_BYTES = 512, 8, 96, 48, 64
 
 
@@ -42,7 +43,8 @@ def entry_bytes(answer: CachedAnswer) -> int:
     return (_ENTRY_BYTES + _TOKEN_BYTES * (len(answer.output_ids) + len(answer.chunk_sizes))
             + lp(answer.logprobs) + lp(answer.prompt_logprobs)
             + (answer.vector.nbytes if answer.vector is not None else 0)
-            + (_WORD_BYTES * (len(answer.terms.literals) + len(answer.terms.words))
+            + (sum(_WORD_BYTES + (len(w) if w.isascii() else 4 * len(w))
+                   for w in (*answer.terms.literals, *answer.terms.words))
                if answer.terms is not None else 0))
 
 

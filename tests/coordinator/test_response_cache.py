@@ -342,7 +342,7 @@ def _chat(turn: str, system: str = "be brief") -> str:
     ("What is 2 + 9?", "be brief", False),  # a near miss, below it
     ("What is 3 + 2?", "be brief", False),  # above it, but another number
     ("What is 2 + 2, Bob?", "be brief", False),  # above it, but a name more
-    ("Tell me what 2 + 2 is?", "be brief", True),  # above it, words added
+    ("Tell me what 2 + 2 is?", "be brief", False),  # above it, but words added
     ("What is not 2 + 2?", "be brief", False),  # above it, but a negation added
     ("What's 2 + 2?", "be verbose", False),  # the rest of the prompt differs
 ])

@@ -5,8 +5,8 @@ are asked. Every decision the cache makes must be the one its rules predict from
 /api/embed gives for the same texts as the cache embeds them (each in EMBED_TEMPLATE, `"pooling":
 "last"`: the same Embed path) and from the turns' words (coordinator/turn_terms.py), and the
 hit and false-hit rates it reaches are printed (README, Response cache). The rules' guarantee
-is asserted: a question that differs in a number or a name, or swaps a word for another, is
-never answered from another's entry. The one near-miss they let through is printed."""
+is asserted: a question that differs in a number, a name, a word or their order is never
+answered from another's entry."""
 
 from __future__ import annotations
 
@@ -74,8 +74,5 @@ def test_paraphrases_and_near_misses_at_the_default_threshold(default_gguf, tmp_
         print(f"  {label}: {n}/{of}")
     for kind, text, hit, _ in outcomes:
         print(f"  {'HIT ' if hit else 'miss'} {kind:10} {text}")
-    assert share(("number", "name")) == (0, sum(k in ("number", "name") for _, k, _ in asked))
-    # A word near-miss is answered only when the rules see no swap against what answered it.
-    for (kind, text, hit, served), (_, _, own) in zip(outcomes, asked):
-        if kind == "word" and hit:
-            assert TurnTerms.of(text).same_question(TurnTerms.of(bases[served])), text
+    kinds = ("number", "name", "word")
+    assert share(kinds) == (0, sum(k in kinds for _, k, _ in asked))
