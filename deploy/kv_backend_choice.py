@@ -3,10 +3,12 @@
 Every worker `tandem serve` starts is on this host, so the prefill workers can write the KV
 straight into the decode workers' pools in shared memory (kvtransfer/shm_backend.py): one
 streamed copy with its crc32c, nothing for the decode worker's core to do. Over zmq the same
-bytes cross loopback TCP, and the decode worker's process copies them again into its pool:
-measured on a 2-core host (README, Stop 45), a batch of 8 chats of 235-token prompts got
-~4x the ITL p99 and ~20% less output than over shm, as the receiving copies took the core its
-decode steps run on. So auto is shm wherever it can work, else zmq:
+bytes cross loopback TCP, and the decode worker's process copies them again into its pool,
+on the core its decode steps run on. Measured on a 2-core host (README, Stop 45: 8 clients,
+235-token prompts, two A/B pairs of `benchmarks.bench_peer`), shm against zmq: ITL p99 34.7
+and 32.5 ms against 56.2 and 36.9, TPOT p50 17.6 and 15.8 against 18.8 and 18.5, output
+tok/s within 5% either way; with another process busy on the host, ITL p99 45 and 39 ms
+against 218 and 152, and ~20% more output. So auto is shm wherever it can work, else zmq:
 
     shm   the workers compute on the CPU (a CUDA cache is not host memory), the topology
           moves KV at all (not --colocated), and /dev/shm has room for every decode
