@@ -10,8 +10,8 @@ serve`). Each PROBES row is a question that is cached first, then asked again as
 a hit is a wrong answer). As in the cache, a query is matched to the most similar cached
 question among all of them (one partition: same options and everything but the turn), by the
 embedding alone, with the same numbers and names required (the cache's rule before stop 45),
-and with the cache's rules on the words (coordinator/turn_terms.py: those, and no content word
-swapped for another, no negation on one side only):
+and with the cache's rules on the words (coordinator/turn_terms.py: the same numbers, names
+and symbols in order, and the same words in the same order once written out):
 
     hit     paraphrases whose best match is their own question, at >= T
     wrong   paraphrases whose best match at >= T is another question

@@ -31,10 +31,10 @@ the request in hand, so a hit streams exactly like a computed answer.
 The semantic key is the same digest with the last user turn cut out of the prompt (its text
 replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
 the turn's vector is compared. A hit must also pass the rules on the turns' words
-(coordinator/turn_terms.py: the same numbers and names, and the same words in the same order
-once case, punctuation, articles, contractions and plurals are set aside: an embedding of a
-chat model's hidden states separates neither "12 times 7" from "12 times 8" nor "an egg"
-from "an egg white") and fit the new request's max_tokens; a request for prompt logprobs is
+(coordinator/turn_terms.py: the same numbers, names and symbols, and the same words, each in
+the same order once case, punctuation and contractions are set aside: an embedding of a chat
+model's hidden states separates neither "12 times 7" from "12 times 8" nor "an egg" from "an
+egg white") and fit the new request's max_tokens; a request for prompt logprobs is
 matched exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token

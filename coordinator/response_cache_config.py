@@ -21,9 +21,9 @@ MODES = ("exact", "semantic")
 # coordinator/response_cache.py EMBED_TEMPLATE; README "Response cache", `python -m
 # benchmarks.bench_semantic_cache`): unrelated questions reached 0.960 with each other,
 # paraphrases 0.943-0.999, and near-misses 0.877-0.999, so the embedding alone separates no
-# near-miss, and the word rules do that work. 0.97 sits above every unrelated pair; there 8
-# of 32 paraphrases hit (the same words again: contractions, case, plurals) and none of 32
-# near-misses. With numbers and names alone (the rule before stop 45), 0.98 answered 7 of 15
+# near-miss, and the word rules do that work. 0.97 sits above every unrelated pair; there 7
+# of 32 paraphrases hit (the same words again: contractions, case, punctuation) and none of
+# 32 near-misses. With numbers and names alone (the rule before stop 45), 0.98 answered 7 of 15
 # near-misses that differ in another word.
 DEFAULT_THRESHOLD = 0.97
 DEFAULT_MAX_ENTRIES = 1024

@@ -71,7 +71,10 @@ async def main_async(config: WorkerConfig) -> None:
             log.info("reclaimed shared-memory segments of gone processes: %s", ", ".join(reclaimed))
     device = config.engine.device  # resolved by WorkerConfig.from_args
     if device == "cpu":
-        cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
+        try:
+            cache = kvtransfer.allocate_cache(layout, num_blocks, shared_memory_name=shm_name)
+        except kvtransfer.KVTransferError as e:  # no room in /dev/shm: the reason, no traceback
+            raise TandemError(str(e)) from None
     elif config.kv_backend != "shm":
         # Every other receiver copies each validated payload into the cache wherever it lives
         # (zmq and grpc from host frames, dist from its group, NCCL between two GPUs).

@@ -11,10 +11,11 @@ tok/s within 5% either way; with another process busy on the host, ITL p99 45 an
 against 218 and 152, and ~20% more output. So auto is shm wherever it can work, else zmq:
 
     shm   the workers compute on the CPU (a CUDA cache is not host memory), the topology
-          moves KV at all (not --colocated), and /dev/shm has room for every decode
-          worker's pool: a segment past its free space would kill the worker with SIGBUS
-          (a container's /dev/shm is 64 MiB unless given more; kvtransfer/layout.py refuses
-          it with an error too, for pools that start later: models loaded on request)
+          moves KV at all (not --colocated), every model's workers start now (not
+          --load-on-request: a model loaded later would need room nobody counted), and
+          /dev/shm has room for every decode worker's pool after the orphans of dead
+          workers are reclaimed (a container's /dev/shm is 64 MiB unless given more; a pool
+          that does not fit fails its worker with that reason, kvtransfer/layout.py)
     zmq   otherwise, with the reason logged
 
 `tandem launch` keeps the explicit backends: its workers may be on other hosts.
@@ -53,15 +54,20 @@ def choose(topology: Topology, device_type: str, shm_free: int | None = None) ->
         return "zmq", "colocated workers move no KV between them"
     if device_type != "cpu":
         return "zmq", f"the workers compute on {device_type}, and shm needs a KV cache in host memory"
-    need = SHM_SLACK_BYTES + sum(
-        topology.counts(i)[1] * pool_bytes(path, topology.num_blocks, topology.kv_dtype)
-        for i, (_, path) in enumerate(topology.models))
-    free = shm_segments.free_bytes() if shm_free is None else shm_free
-    if free is None:
+    if topology.load_on_request:
+        return "zmq", ("models loaded on request start workers later, whose KV pools in "
+                       f"{shm_segments.SHM_DIR} nobody can count now")
+    pools = sum(topology.counts(i)[1] * pool_bytes(path, topology.num_blocks, topology.kv_dtype)
+                for i, (_, path) in enumerate(topology.models))
+    if shm_free is None:
+        shm_segments.reclaim_orphans()  # pools of workers that died without closing them
+        shm_free = shm_segments.free_bytes()
+    if shm_free is None:
         return "zmq", f"this host has no {shm_segments.SHM_DIR}"
-    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
-    if need > free:
-        return "zmq", (f"{shm_segments.SHM_DIR} has {mib(free)} free, the decode workers' KV pools "
-                       f"need {mib(need)} (more shared memory, or --num-blocks, allows shm)")
-    return "shm", (f"every worker is on this host and the decode workers' KV pools ({mib(need)}) "
-                   f"fit {shm_segments.SHM_DIR} ({mib(free)} free)")
+    up, down = (lambda n: f"{-(-n // 2**20):,} MiB"), (lambda n: f"{n // 2**20:,} MiB")  # noqa: E731
+    if pools + SHM_SLACK_BYTES > shm_free:
+        return "zmq", (f"{shm_segments.SHM_DIR} has {down(shm_free)} free, the decode workers' KV "
+                       f"pools need {up(pools)} and {up(SHM_SLACK_BYTES)} to spare (more shared "
+                       "memory, or --num-blocks, allows shm)")
+    return "shm", (f"every worker is on this host and the decode workers' KV pools ({up(pools)}) "
+                   f"fit {shm_segments.SHM_DIR} ({down(shm_free)} free)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import errno
 import math
 import mmap
 import os
@@ -170,18 +171,7 @@ def allocate_cache(
     if shared_memory_name is None:
         return KVCacheBuffer(layout, num_blocks, torch.zeros(shape, dtype=layout.torch_dtype))
     nbytes = layout.cache_nbytes(num_blocks)
-    # A tmpfs segment is sparse until written: one larger than /dev/shm's free space is made
-    # without complaint, and the zeroing below dies with SIGBUS at the first page past it (a
-    # container's /dev/shm is 64 MiB unless given more). Refuse it while an error can say so.
-    free = shm_segments.free_bytes()
-    if free is not None and nbytes > free:
-        from .base import KVTransferError  # noqa: PLC0415 (base imports this module)
-
-        raise KVTransferError(
-            f"the shared-memory KV pool needs {nbytes / 2**20:.0f} MiB and /dev/shm has "
-            f"{free / 2**20:.0f} MiB free: give the host or container more shared memory "
-            "(docker --shm-size), make the pool smaller (--num-blocks), or use --kv-backend zmq")
-    shm = shared_memory.SharedMemory(name=shared_memory_name, create=True, size=nbytes)
+    shm = create_segment(shared_memory_name, nbytes, "KV pool")
     try:
         tensor = map_shared_tensor(shm, layout.torch_dtype, shape)
         tensor.zero_()
@@ -190,6 +180,36 @@ def allocate_cache(
         shm.unlink()
         raise
     return KVCacheBuffer(layout, num_blocks, tensor, shared_memory_name, shm)
+
+
+def create_segment(name: str, nbytes: int, what: str) -> shared_memory.SharedMemory:
+    """A new shared-memory segment of `nbytes` whose pages are reserved now. A tmpfs segment
+    is sparse until written, so one past /dev/shm's free space is made without complaint and
+    the first write beyond it dies with SIGBUS (a container's /dev/shm is 64 MiB unless given
+    more; two workers starting at once can each see room for themselves): posix_fallocate
+    takes the pages at once or fails with ENOSPC, which becomes an error that says so."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    fd = getattr(shm, "_fd", -1)  # POSIX only; elsewhere nothing is reserved
+    if fd < 0 or not nbytes:
+        return shm
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        if e.errno != errno.ENOSPC:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+                return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            raise
+        from .base import KVTransferError  # noqa: PLC0415 (base imports this module)
+
+        free = shm_segments.free_bytes()
+        have = "" if free is None else f" and {shm_segments.SHM_DIR} has {free // 2**20:,} MiB free"
+        raise KVTransferError(
+            f"the shared-memory {what} needs {-(-nbytes // 2**20):,} MiB{have}: give the host "
+            "or container more shared memory (docker --shm-size), make the pool smaller "
+            "(--num-blocks), or use --kv-backend zmq") from None
+    return shm
 
 
 def map_shared_tensor(

@@ -70,7 +70,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -79,7 +78,9 @@ from kernels.copy_crc32c import CopyMismatch, copy_crc32c
 
 from .auth import KVAuth
 from .base import KVTransferError
-from .layout import AttachedSegment, KVCacheBuffer, KVLayout, map_shared_tensor, unlink_segment
+from .layout import (
+    AttachedSegment, KVCacheBuffer, KVLayout, create_segment, map_shared_tensor, unlink_segment,
+)
 from .message import HandshakeReply, KVHeader, block_runs
 from .receive_table import ReceiveTable
 from .transfer import OutgoingTransfer
@@ -113,9 +114,8 @@ class ShmReceiver(ZmqReceiver):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.verify = verify
-        self._owner_shm = shared_memory.SharedMemory(
-            name=f"{cache.shm_name}-own", create=True, size=8 * cache.num_blocks
-        )
+        self._owner_shm = create_segment(f"{cache.shm_name}-own", 8 * cache.num_blocks,
+                                         "KV owner table")
         self._owners = map_shared_tensor(self._owner_shm, torch.int64, (cache.num_blocks,))
         self._owners.zero_()
         self._next_fence = 0.0

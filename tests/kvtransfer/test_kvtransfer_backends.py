@@ -477,8 +477,10 @@ def test_receiver_death_fails_sender_and_marks_peer(tmp_path, backend):
         sender.close()
     finally:
         host.stop()
-        for name in (f"{SHM_PREFIX}-{key}", f"{SHM_PREFIX}-{key}-own"):
-            if os.path.exists(f"/dev/shm/{name}"):  # the dead receiver could not unlink them
+        # The dead receiver could not unlink its segments, named by its own process's prefix.
+        prefix = f"tkvt{host.proc.pid}" if hasattr(host, "proc") else SHM_PREFIX
+        for name in (f"{prefix}-{key}", f"{prefix}-{key}-own"):
+            if os.path.exists(f"/dev/shm/{name}"):
                 os.unlink(f"/dev/shm/{name}")
         if endpoint.startswith("ipc://") and os.path.exists(endpoint[6:]):
             os.unlink(endpoint[6:])
