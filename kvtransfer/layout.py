@@ -17,9 +17,9 @@ comparing `KVLayout.description`, which spells the dtype and geometry next to th
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import errno
 import math
 import mmap
 import os
