@@ -98,15 +98,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import KVLayoutMismatch, KVTransferError  # noqa: F401 (defined there, exported here)
 from .layout import KVCacheBuffer, KVLayout
-
-
-class KVTransferError(RuntimeError):
-    """A transport could not be set up or used (unreachable peer, closed object)."""
-
-
-class KVLayoutMismatch(KVTransferError):
-    """The peer's KV layout (model identity, geometry or dtype) differs from ours."""
 
 
 class TransferState(enum.Enum):

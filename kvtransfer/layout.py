@@ -31,6 +31,8 @@ import torch
 
 from common import shm_segments
 
+from .errors import KVTransferError
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -201,8 +203,6 @@ def create_segment(name: str, nbytes: int, what: str) -> shared_memory.SharedMem
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
                 return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
             raise
-        from .base import KVTransferError  # noqa: PLC0415 (base imports this module)
-
         free = shm_segments.free_bytes()
         have = "" if free is None else f" and {shm_segments.SHM_DIR} has {free // 2**20:,} MiB free"
         raise KVTransferError(

@@ -92,8 +92,10 @@ def test_a_segment_without_room_is_an_error_and_leaves_nothing(monkeypatch):
 
 
 # Two processes, each asking for 3 MiB of a 4 MiB /dev/shm at once: each would pass a check
-# of the free space made before; with the pages reserved when the segment is made, one gets
-# its pool and the other the error, and neither dies of SIGBUS.
+# of the free space made before, and one of them died of SIGBUS. With the pages reserved when
+# the segment is made, neither dies: at most one gets its pool, and each other gets the error
+# (two reservations running at the same moment can each fail partway, so both may: a loaded
+# CI host did that).
 _RACE = """
 import multiprocessing as mp, sys
 sys.path.insert(0, {root!r})
@@ -121,7 +123,7 @@ if __name__ == "__main__":
 """
 
 
-def test_two_pools_racing_for_a_small_dev_shm_get_one_pool_and_one_error(tmp_path):
+def test_two_pools_racing_for_a_small_dev_shm_get_errors_not_sigbus(tmp_path):
     if os.geteuid() != 0:
         pytest.skip(f"a private mount namespace with its own /dev/shm needs root; uid is {os.geteuid()}")
     script = tmp_path / "race.py"
@@ -135,6 +137,7 @@ def test_two_pools_racing_for_a_small_dev_shm_get_one_pool_and_one_error(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr
     codes, outcomes = done.stdout.strip().splitlines()
     assert codes == "[0, 0]", done.stdout + done.stderr  # neither died of SIGBUS (-7)
-    pool, error = eval(outcomes)  # noqa: S307 (our own script's repr of two strings)
-    assert pool == "pool"
-    assert error.startswith("the shared-memory KV pool needs 3 MiB and /dev/shm has ")
+    got = eval(outcomes)  # noqa: S307 (our own script's repr of two strings)
+    assert got.count("pool") <= 1, got
+    for error in (g for g in got if g != "pool"):
+        assert error.startswith("the shared-memory KV pool needs 3 MiB and /dev/shm has "), got
