@@ -122,6 +122,18 @@ def test_bos_added_once_and_only_when_asked():
     assert no_bos.encode("abc") == [abc]
 
 
+def test_eos_added_when_the_vocabulary_asks_as_llama_cpp_does():
+    """`tokenizer.ggml.add_eos_token` (Qwen3-Embedding's GGUF sets it: its vector is read at
+    that EOS): llama.cpp's and Ollama's tokenizers append EOS whenever they add specials."""
+    tok = Tokenizer.from_gguf_metadata(_tiny_bpe_meta(**{"tokenizer.ggml.add_eos_token": True}))
+    abc = tok.token_to_id("abc")
+    assert tok.add_eos is True
+    assert tok.encode("abc") == [0, abc, 1]
+    assert tok.encode("abc</s>") == [0, abc, 1]  # already ends with EOS: not doubled
+    assert tok.encode("abc", add_special_tokens=False) == [abc]
+    assert Tokenizer.from_gguf_metadata(_tiny_bpe_meta()).encode("abc") == [0, abc]  # absent: none
+
+
 def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="common.tokenizer"):
         tok = Tokenizer.from_gguf_metadata(_tiny_bpe_meta(**{"tokenizer.ggml.pre": "martian"}))
@@ -319,6 +331,32 @@ def test_hf_dir_add_bos_flag(tmp_path):
     tok = Tokenizer.from_hf_dir(build_hf_dir(tmp_path / "bos", add_bos=True))
     assert tok.encode("hi")[0] == tok.bos_token_id == 1
     assert tok.encode("<|im_start|>hi").count(1) == 1
+
+
+def test_hf_dir_add_eos_from_the_flag_or_the_post_processor(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    assert Tokenizer.from_hf_dir(build_hf_dir(tmp_path / "plain")).add_eos is False
+    flagged = build_hf_dir(tmp_path / "flag")
+    config = json.loads((flagged / "tokenizer_config.json").read_text())
+    (flagged / "tokenizer_config.json").write_text(json.dumps(config | {"add_eos_token": True}))
+    tok = Tokenizer.from_hf_dir(flagged)
+    assert tok.encode("hi")[-1] == tok.eos_token_id == 2 and tok.encode("hi<|im_end|>").count(2) == 1
+    # No flag, but a post-processor that ends every text with EOS (Qwen3-Embedding's
+    # tokenizer.json does): followed, as the BOS rule follows one that starts it.
+    processed = build_hf_dir(tmp_path / "post")
+    inner = HFTokenizer.from_file(str(processed / "tokenizer.json"))
+    inner.post_processor = TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", 2)])
+    inner.save(str(processed / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(processed)
+    assert tok.add_eos is True and tok.encode("hi") == tok.encode("hi", add_special_tokens=False) + [2]
+    # ... and one that starts every text with a BOS sharing EOS's id is no EOS rule
+    shared = build_hf_dir(tmp_path / "shared")
+    inner = HFTokenizer.from_file(str(shared / "tokenizer.json"))
+    inner.post_processor = TemplateProcessing(single="<|im_end|> $A", special_tokens=[("<|im_end|>", 2)])
+    inner.save(str(shared / "tokenizer.json"))
+    assert Tokenizer.from_hf_dir(shared).add_eos is False
 
 
 def test_hf_dir_chat_template_file_wins(tmp_path):
