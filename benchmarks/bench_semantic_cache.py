@@ -3,9 +3,13 @@ and near-misses of a set of questions, embedded by tandem's own path (/api/embed
 that coordinator/response_cache.py calls), and the hit and false-hit rates per threshold.
 
     python -m benchmarks.bench_semantic_cache [--model smollm2] [--url URL]
+    python -m benchmarks.bench_semantic_cache --embed-model FILE_OR_NAME [--url URL]
 
 Without --url it starts a cluster of the model (1 prefill + 1 decode worker, as `tandem
-serve`). Each PROBES row is a question that is cached first, then asked again as paraphrases
+serve`). --embed-model measures an embedding model as `--response-cache
+semantic:model=NAME,threshold=T` uses it (each text as written, the model's own pooling): the
+table to choose T from, and whether `match=literals` (the numbers-and-names rows) is safe
+with it. Each PROBES row is a question that is cached first, then asked again as paraphrases
 (the same question in other words: a hit is right) and near-misses (another number or name:
 a hit is a wrong answer). As in the cache, a query is matched to the most similar cached
 question among all of them (one partition: same options and everything but the turn), by the
@@ -112,13 +116,17 @@ class Match:
 
 def embed(url: str, model: str, texts: list[str], pooling: str = "last") -> np.ndarray:
     """Unit vectors of `texts` from /api/embed (L2-normalized), as the cache computes them
-    (pooling "last": each text in its EMBED_TEMPLATE, the last position's state) or, with
-    pooling "mean", as /api/embed does by default."""
+    with the chat model's own embedding (pooling "last": each text in its EMBED_TEMPLATE, the
+    last position's state) or with an embedding model (pooling "own": each text as written,
+    the model's own pooling), or, with pooling "mean", each text mean-pooled."""
     from coordinator.response_cache import EMBED_TEMPLATE
 
     if pooling == "last":
         texts = [EMBED_TEMPLATE.format(t) for t in texts]
-    body = json.dumps({"model": model, "input": texts, "pooling": pooling}).encode()
+    fields = {"model": model, "input": texts}
+    if pooling != "own":
+        fields["pooling"] = pooling
+    body = json.dumps(fields).encode()
     request = urllib.request.Request(url + "/api/embed", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as r:
@@ -155,7 +163,8 @@ def matches(url: str, model: str, pooling: str = "last") -> list[Match]:
 
 
 GUARDS = {"none": "embedding alone", "names": "with the same numbers and names required (the "
-          "cache's rule before stop 45)", "words": "with the cache's rules on the words (turn_terms.py)"}
+          "cache's match=literals; its only rule before stop 45)",
+          "words": "with the cache's rules on the words (turn_terms.py; match=words, the default)"}
 
 
 def rates(found: list[Match], threshold: float, guard: str = "words") -> dict[str, float]:
@@ -205,11 +214,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pooling", choices=("last", "mean", "both"), default="both",
                    help="last: the cache's embedding (default threshold's); mean: /api/embed's "
                         "default, which the cache used before; both: one after the other")
+    p.add_argument("--embed-model", metavar="MODEL",
+                   help="measure this embedding model as the cache's model=NAME embeds (the "
+                        "text as written, the model's own pooling) instead of --model")
     args = p.parse_args(argv)
+    if args.embed_model:
+        args.model, poolings = args.embed_model, ("own",)
+    else:
+        poolings = ("mean", "last") if args.pooling == "both" else (args.pooling,)
 
     def run(url: str, model: str) -> None:
-        for pooling in ("mean", "last") if args.pooling == "both" else (args.pooling,):
-            print(f"== pooling {pooling}" + (" (the cache's)" if pooling == "last" else ""))
+        for pooling in poolings:
+            print(f"== pooling {pooling}" + {"last": " (the cache's)", "own": " (the model's own: "
+                                             "the cache's with model=NAME)"}.get(pooling, ""))
             report(matches(url, model, pooling))
 
     if args.url:

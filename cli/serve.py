@@ -95,6 +95,8 @@ def register(subparsers) -> None:
     p.add_argument("--response-cache", metavar="MODE",
                    help="the coordinator answers repeated requests from memory: exact, or "
                         "semantic[:threshold=T] (also a paraphrased last user turn); "
+                        "',model=NAME' embeds the turns with a served embedding model (a "
+                        "threshold required), ',match=literals' leaves the words to it; "
                         "',entries=N,bytes=B' bound it (default off)")
     add_api_tls_args(p)
     p.add_argument("--log-dir", help="where process logs go (default $TANDEM_HOME/logs/serve-*)")

@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "request id; on by default at INFO, logger coordinator.access)")
     p.add_argument("--response-cache", metavar="MODE",
                    help="answer repeated requests from memory: exact, or semantic[:threshold=T] "
-                        "(also a paraphrased last user turn); ',entries=N,bytes=B' bound it "
+                        "(also a paraphrased last user turn); ',model=NAME' embeds the turns "
+                        "with a served embedding model (a threshold required), ',match=literals' "
+                        "leaves the words to it; ',entries=N,bytes=B' bound it "
                         "(coordinator/response_cache.py; default off)")
     add_auth_args(p)  # the internal plane's secret and TLS files
     add_api_tls_args(p)  # the client APIs' TLS, separate from the internal plane's
@@ -270,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         from coordinator.model_catalog import ModelCatalog
 
         models = ModelCatalog(models)  # refuses one file twice, or one name for two models
+        embedder = config.response_cache.embed_model if config.response_cache else None
+        if embedder is not None and not args.load_on_request and models.find(embedder) is None:
+            raise ValueError(f"--response-cache: the embedding model {embedder!r} is not served; "
+                             f"serve it beside the chat models (another --model), or load "
+                             f"models on request")
         attach = _on_demand(args, store, templates)
     except (TandemError, ValueError) as exc:
         sys.stderr.write(f"Error: {exc}\n")

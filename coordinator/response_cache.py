@@ -1,6 +1,7 @@
 """The response cache: a repeated question answered from memory, without a worker.
 
-Opt-in (`--response-cache exact|semantic[:threshold=T]`, coordinator/response_cache_config.py).
+Opt-in (`--response-cache exact|semantic[:threshold=T,model=NAME,match=literals]`,
+coordinator/response_cache_config.py).
 Coordinator.submit hands every prepared request to `ResponseCache.submit`, the one place where
 requests of every client API (Ollama, OpenAI, the Responses API, gRPC) are admitted:
 
@@ -9,8 +10,9 @@ requests of every client API (Ollama, OpenAI, the Responses API, gRPC) are admit
            exact key found? ──yes──> replay (cache "hit")
                   │no
       semantic: the last user turn's embedding (an Embed RPC: EMBED_TEMPLATE's last position,
-      as /api/embed computes it with "pooling": "last") is compared with those of past
-      answers whose request matched in everything else;
+      as /api/embed computes it with "pooling": "last"; with model=NAME, that model's vector
+      of the turn as written, as /api/embed of NAME computes it) is compared with those of
+      past answers whose request matched in everything else;
       best cosine >= threshold? ──yes──> replay (cache "hit")
                   │no
            workers (cache "miss"); a normal finish stores the answer
@@ -29,13 +31,15 @@ of the tokens afterwards (tool-call parsing, thinking, echo, shapes) runs again 
 the request in hand, so a hit streams exactly like a computed answer.
 
 The semantic key is the same digest with the last user turn cut out of the prompt (its text
-replaced by a marker in the decoded prompt) and without max_tokens; within one such partition
-the turn's vector is compared. A hit must also pass the rules on the turns' words
+replaced by a marker in the decoded prompt), without max_tokens and with the embedding model's
+fingerprint (vectors of two models are not comparable: a changed embedder starts an empty
+index); within one such partition the turn's vector is compared. A hit must also pass the rules on the turns' words
 (coordinator/turn_terms.py: the same numbers, names and symbols, and the same words, each in
 the same order once case, punctuation and contractions are set aside: an embedding of a chat
 model's hidden states separates neither "12 times 7" from "12 times 8" nor "an egg" from "an
-egg white") and fit the new request's max_tokens; a request for prompt logprobs is
-matched exactly only.
+egg white"; with match=literals the first rule only, for an embedding model trusted with
+the words) and fit the new request's max_tokens; a request for prompt logprobs is matched
+exactly only.
 
 Memory (coordinator/response_store.py): an LRU bounded by entries and by estimated bytes (token
 ids, logprobs, vector, keys); an evicted answer leaves the semantic index with it. A replayed
@@ -115,9 +119,12 @@ def exact_key(fingerprint: str, request: FlowRequest) -> bytes:
                    request.max_tokens)
 
 
-def partition_key(fingerprint: str, request: FlowRequest, prompt_without_turn: str) -> bytes:
+def partition_key(fingerprint: str, request: FlowRequest, prompt_without_turn: str,
+                  embedder_fingerprint: str = "") -> bytes:
+    """embedder_fingerprint: the embedding model's ("" for the chat model's own embedding)."""
     return _digest("semantic", fingerprint, request.cache_salt, prompt_without_turn,
-                   _answer_params(request.params), sorted(request.stop_token_ids))
+                   _answer_params(request.params), sorted(request.stop_token_ids),
+                   embedder_fingerprint)
 
 
 def without_turn(prompt_text: str, turn: str) -> str | None:
@@ -176,11 +183,17 @@ Begin = Callable[[FlowRequest, RequestTimings, "float | None", "ServedModel | No
                  Awaitable[Generation]]
 Embed = Callable[[list[list[int]], bool, RequestTimings, "ServedModel | None", Pooling],
                  Awaitable[list[list[float]]]]
+FindModel = Callable[[str], Awaitable["ServedModel"]]
 
 
 class ResponseCache:
-    def __init__(self, config: ResponseCacheConfig) -> None:
+    def __init__(self, config: ResponseCacheConfig, find_model: FindModel | None = None) -> None:
+        """find_model: the served model of a name (Coordinator.find_model), for
+        config.embed_model; required when that is set."""
+        if config.embed_model is not None and find_model is None:
+            raise ValueError("a response cache with an embedding model needs find_model")
         self.config = config
+        self.find_model = find_model
         self.store = AnswerStore(config.max_entries, config.max_bytes)
         self.stats = CacheStats()
 
@@ -205,8 +218,10 @@ class ResponseCache:
         terms = None
         if partition is not None and vector is not None and turn:
             terms = await off_loop(TurnTerms.of, turn)  # linear, but a turn may be long
+            words = self.config.match == "words"
+
             def fits(a: CachedAnswer) -> bool:
-                if a.terms is None or not terms.same_question(a.terms):
+                if a.terms is None or not terms.same_question(a.terms, words):
                     return False  # another number, name or word: another question
                 if a.finish_reason == "length":  # cut by its limit: the same limit only
                     return a.max_tokens == request.max_tokens
@@ -232,10 +247,9 @@ class ResponseCache:
         rest = without_turn(text, turn)
         if rest is None:
             return None, None
-        ids = await off_loop(encode, tokenizer, EMBED_TEMPLATE.format(turn))
         try:
-            vectors = await embed([ids[-model.context_len:]], True, RequestTimings(), model,
-                                  Pooling.LAST)
+            embedder, ids, pooling = await self._embed_input(model, turn)
+            vectors = await embed([ids], True, RequestTimings(), embedder, pooling)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 (the request goes on without the index)
@@ -243,8 +257,24 @@ class ResponseCache:
             log.warning("request %s: no semantic cache lookup, the embedding failed: %s",
                         request.request_id, exc)
             return None, None
-        return (partition_key(model.fingerprint, request, rest),
+        embedder_fingerprint = "" if self.config.embed_model is None else embedder.fingerprint
+        return (partition_key(model.fingerprint, request, rest, embedder_fingerprint),
                 np.asarray(vectors[0], dtype=np.float32))
+
+    async def _embed_input(self, model: ServedModel,
+                           turn: str) -> tuple[ServedModel, list[int], Pooling]:
+        """The model that embeds the turn, its token ids and the pooling. The chat model
+        itself: the turn in EMBED_TEMPLATE, the last position, the template's end kept when
+        cut to the context. An embedding model (config.embed_model): the turn as written,
+        that model's own pooling, cut at its context, as /api/embed of that model computes
+        it (coordinator/embedding_routes.py), so its cosines there are the cache's."""
+        if self.config.embed_model is None:
+            ids = await off_loop(encode, model.tokenizer, EMBED_TEMPLATE.format(turn))
+            return model, ids[-model.context_len:], Pooling.LAST
+        assert self.find_model is not None  # __init__
+        embedder = await self.find_model(self.config.embed_model)
+        ids = await off_loop(encode, embedder.tokenizer, turn)
+        return embedder, ids[:embedder.context_len], embedder.config.pooling
 
     def _replay(self, request: FlowRequest, timings: RequestTimings, model: ServedModel,
                 metrics: ModelMetrics, answer: CachedAnswer) -> Generation:

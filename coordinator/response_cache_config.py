@@ -4,6 +4,14 @@
     exact                              identical requests only
     semantic                           also a paraphrased last user turn, at DEFAULT_THRESHOLD
     semantic:threshold=0.97            ... at that cosine similarity or above
+    semantic:model=NAME,threshold=T    ... the turn embedded by model NAME (an embedding model
+                                       served beside the chat models) instead of the chat
+                                       model itself; T is required: DEFAULT_THRESHOLD was
+                                       measured for the chat model's own embedding
+    semantic:...,match=literals        a hit needs the same numbers, names and symbols only,
+                                       not the same words too (match=words, the default;
+                                       coordinator/turn_terms.py): for an embedding model
+                                       that separates paraphrases from near-misses itself
     exact:entries=256,bytes=16000000   the bounds (both modes; the LRU drops beyond either)
 
 Off unless the flag is given. Its own module (not response_cache.py) so that
@@ -15,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("exact", "semantic")
+MATCHES = ("words", "literals")  # what a semantic hit's turns must share (TurnTerms)
 # The cosine at and above which a last user turn counts as the same question, when the rules on
 # the turns' words (coordinator/turn_terms.py) allow it. Measured on the default model
 # (SmolLM2-135M-Instruct; the turn embedded as the cache does, PromptEOL's last position,
@@ -36,6 +45,9 @@ class ResponseCacheConfig:
     threshold: float = DEFAULT_THRESHOLD  # semantic: least cosine similarity of a hit, -1..1
     max_entries: int = DEFAULT_MAX_ENTRIES  # answers kept, at most
     max_bytes: int = DEFAULT_MAX_BYTES  # their estimated size (ResponseCache.entry_bytes), at most
+    # semantic: the served model that embeds the turns; None: each request's own chat model
+    embed_model: str | None = None
+    match: str = "words"  # semantic: "words" | "literals" (MATCHES; TurnTerms.same_question)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -44,6 +56,12 @@ class ResponseCacheConfig:
         if isinstance(self.threshold, bool) or not -1.0 <= self.threshold <= 1.0:
             raise ValueError(f"response cache threshold must be a cosine similarity in -1..1, "
                              f"got {self.threshold!r}")
+        if self.match not in MATCHES:
+            raise ValueError(f"response cache match must be one of {', '.join(MATCHES)}, "
+                             f"got {self.match!r}")
+        if self.embed_model is not None and (not isinstance(self.embed_model, str)
+                                             or not self.embed_model.strip()):
+            raise ValueError(f"response cache model must be a model name, got {self.embed_model!r}")
         for name in ("max_entries", "max_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -55,11 +73,12 @@ class ResponseCacheConfig:
 
     @classmethod
     def parse(cls, spec: str) -> ResponseCacheConfig:
-        """`MODE[:key=value,...]` with keys threshold (semantic only), entries and bytes;
-        ValueError naming what is wrong."""
+        """`MODE[:key=value,...]` with keys threshold, model and match (semantic only),
+        entries and bytes; ValueError naming what is wrong."""
         mode, _, rest = spec.strip().partition(":")
         values: dict[str, object] = {"mode": mode}
-        names = {"threshold": ("threshold", float), "entries": ("max_entries", int),
+        names = {"threshold": ("threshold", float), "model": ("embed_model", str),
+                 "match": ("match", str), "entries": ("max_entries", int),
                  "bytes": ("max_bytes", int)}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, eq, value = item.partition("=")
@@ -67,8 +86,8 @@ class ResponseCacheConfig:
                 raise ValueError(f"--response-cache {spec!r}: expected key=value with keys "
                                  f"{', '.join(names)}, got {item!r}")
             field, kind = names[key.strip()]
-            if field == "threshold" and mode != "semantic":
-                raise ValueError(f"--response-cache {spec!r}: threshold applies to the "
+            if field in ("threshold", "embed_model", "match") and mode != "semantic":
+                raise ValueError(f"--response-cache {spec!r}: {key.strip()} applies to the "
                                  "semantic mode only")
             try:
                 values[field] = kind(value.strip())
@@ -76,4 +95,11 @@ class ResponseCacheConfig:
                 raise ValueError(f"--response-cache {spec!r}: {key.strip()} must be "
                                  f"{'a number' if kind is float else 'an integer'}, "
                                  f"got {value.strip()!r}") from None
+        if "embed_model" in values and "threshold" not in values:
+            # Cosines of another model's vectors sit elsewhere: a threshold measured for the
+            # chat model's embedding would be a guess for this one.
+            raise ValueError(f"--response-cache {spec!r}: give a threshold with model=, "
+                             f"measured for that model (python -m benchmarks.bench_semantic_cache "
+                             f"--embed-model NAME prints the hit rates at each threshold); "
+                             f"{DEFAULT_THRESHOLD} is the chat model's own embedding's")
         return cls(**values)  # type: ignore[arg-type]

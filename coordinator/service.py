@@ -71,7 +71,7 @@ class Coordinator:
         self.open_requests = 0  # queued or running, on every API (config.max_streams)
         self._sweeper: asyncio.Task | None = None
         # Opt-in (config.response_cache): answers of repeated requests, served in submit().
-        self.response_cache = (ResponseCache(config.response_cache)
+        self.response_cache = (ResponseCache(config.response_cache, self.find_model)
                                if config.response_cache is not None else None)
         if self.response_cache is not None:
             self.metrics.registry.register(ResponseCacheCollector(self.response_cache))

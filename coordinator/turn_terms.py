@@ -23,7 +23,9 @@ added, dropped, swapped or reordered word misses, a paraphrase in other words in
 a chat model's embedding the cosine cannot tell those from near-misses, so the semantic mode
 answers, in effect, the same question asked again (an embedding model that separates them
 would be what widens it). English rules: in a script without case no word is a name, so they
-only get stricter there.
+only get stricter there. With a dedicated embedding model
+(`--response-cache semantic:model=NAME,threshold=T,match=literals`) the words rule can be left
+to the model; the literals rule always holds.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ class TurnTerms:
     def of(cls, text: str) -> TurnTerms:
         return cls(literals(text), content_words(text))
 
-    def same_question(self, other: TurnTerms) -> bool:
-        """Whether the rules let a hit between the two turns stand (the cosine decides)."""
-        return self.literals == other.literals and self.words == other.words
+    def same_question(self, other: TurnTerms, words: bool = True) -> bool:
+        """Whether the rules let a hit between the two turns stand (the cosine decides).
+        words False: the literals rule only (`--response-cache semantic:...,match=literals`,
+        for an embedding model that tells paraphrases from near-misses in other words)."""
+        return self.literals == other.literals and (not words or self.words == other.words)

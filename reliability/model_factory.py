@@ -218,7 +218,8 @@ def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama"
                    vocab_size: int = 320, hidden: int = 64, layers: int = 2, heads: int = 4,
                    kv_heads: int = 2, intermediate: int = 128, tie: bool = False, seed: int = 0,
                    max_position: int = 512, types: dict[str, str] | None = None,
-                   store_dequantized: bool = False, head_dim: int | None = None) -> TinyGGUF:
+                   store_dequantized: bool = False, head_dim: int | None = None,
+                   metadata: dict[str, Any] | None = None) -> TinyGGUF:
     """Write a random model as llama.cpp would convert it: Q/K permuted for arch "llama",
     2-D matrices in `ggml_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K), norms and biases in F32 as llama.cpp keeps them, lm_head omitted when tied.
@@ -231,7 +232,11 @@ def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama"
 
     store_dequantized: write each matrix as F32 holding exactly what its quantized blocks
     dequantize to (by gguf.quants, the oracle), so the same seed and types give the F32
-    twin of a quantized file."""
+    twin of a quantized file.
+
+    metadata: more keys, as a converted file of that kind holds them (an embedding model's
+    {"qwen3.pooling_type": 3, "tokenizer.ggml.add_eos_token": True}): bools, ints as uint32,
+    strings."""
     from gguf import GGUFWriter, quants
 
     types = types or {}
@@ -241,6 +246,13 @@ def make_tiny_gguf(path: str | Path, ggml_type: str = "F32", arch: str = "llama"
     path = Path(path)
     writer = GGUFWriter(str(path), arch)
     _gguf_metadata(writer, arch, model, vocab_size)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, str(value))
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight"}

@@ -100,6 +100,11 @@ def run(coro):
     ("semantic", ResponseCacheConfig("semantic", DEFAULT_THRESHOLD)),
     ("semantic:threshold=0.9", ResponseCacheConfig("semantic", 0.9)),
     ("exact:entries=3,bytes=5000", ResponseCacheConfig("exact", max_entries=3, max_bytes=5000)),
+    ("semantic:model=qwen3-embedding,threshold=0.8",
+     ResponseCacheConfig("semantic", 0.8, embed_model="qwen3-embedding")),
+    ("semantic:threshold=0.8,model=e,match=literals",
+     ResponseCacheConfig("semantic", 0.8, embed_model="e", match="literals")),
+    ("semantic:match=words", ResponseCacheConfig("semantic")),
 ])
 def test_config_parses_the_flag(spec, expected):
     assert ResponseCacheConfig.parse(spec) == expected
@@ -111,7 +116,12 @@ def test_config_parses_the_flag(spec, expected):
     ("semantic:threshold=1.5", "cosine similarity in -1..1"),
     ("semantic:threshold=high", "threshold must be a number"),
     ("exact:entries=0", "max_entries must be an integer >= 1"),
-    ("exact:size=3", "expected key=value with keys threshold, entries, bytes"),
+    ("exact:size=3", "expected key=value with keys threshold, model, match, entries, bytes"),
+    ("semantic:model=e", "give a threshold with model=, measured for that model"),
+    ("exact:model=e", "model applies to the semantic mode only"),
+    ("exact:match=literals", "match applies to the semantic mode only"),
+    ("semantic:match=any", "match must be one of words, literals"),
+    ("semantic:model=,threshold=0.8", "model must be a model name"),
 ])
 def test_config_refuses_bad_flags_by_name(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -451,3 +461,93 @@ def test_metrics_series_move(model):
     assert "tandem_response_cache_entries 1.0" in text
     assert f"tandem_response_cache_bytes {float(cache.store.bytes)}" in text
     assert cache.store.bytes > 0
+
+
+# ---- semantic mode with an embedding model of its own (model=NAME) ------------------------------
+
+class EmbedderWorkers(Workers):
+    """The embedding model's vectors: the turn as written, in the embedder's tokens and its
+    own pooling (as /api/embed of that model), by the turn's text."""
+
+    def __init__(self, model, embedder, vectors):
+        super().__init__(model, vectors=vectors)
+        self.embedder = embedder
+        self.calls: list[tuple[str, Pooling]] = []
+
+    async def embed(self, inputs, normalize, timings, model, pooling):
+        assert model is self.embedder and normalize
+        self.embedded.append(inputs[0])
+        assert inputs[0] == model.tokenizer.encode(model.tokenizer.decode(
+            inputs[0], skip_special_tokens=True))  # the turn alone, special tokens as /api/embed
+        text = model.tokenizer.decode(inputs[0], skip_special_tokens=True)
+        self.calls.append((text, pooling))
+        vector = np.asarray(self.vectors[text], dtype=np.float64)
+        return [list(vector / np.linalg.norm(vector))]
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("rc") / "e"))
+
+
+def _finder(models: dict):
+    async def find_model(name):
+        return models[name]  # KeyError: not served (an embedding failure)
+    return find_model
+
+
+@pytest.mark.parametrize("match, turn, hit", [
+    ("words", "What's 2 + 2?", True),  # the same words
+    ("words", "Tell me what 2 + 2 is?", False),  # other words: the words rule
+    ("literals", "Tell me what 2 + 2 is?", True),  # ... left to the embedding model
+    ("literals", "What is 3 + 2?", False),  # another number: never
+    ("literals", "What is 2 + 2, Bob?", False),  # another name: never
+])
+def test_an_embedding_model_embeds_the_turns(model, embedder, match, turn, hit):
+    assert embedder.fingerprint != model.fingerprint
+    cache = ResponseCache(ResponseCacheConfig("semantic", 0.95, embed_model="e", match=match),
+                          _finder({"e": embedder}))
+    workers = EmbedderWorkers(model, embedder, TURNS)
+
+    async def scenario():
+        base = "What is 2 + 2?"
+        await ask(cache, workers, request(model, prompt=_chat(base)), base)
+        g, _ = await ask(cache, workers, request(model, prompt=_chat(turn)), turn)
+        return g
+
+    assert run(scenario()).cache == ("hit" if hit else "miss")
+    assert workers.calls == [("What is 2 + 2?", embedder.config.pooling), (turn, embedder.config.pooling)]
+
+
+def test_another_embedding_model_starts_an_empty_index(model, embedder):
+    """Vectors of two models are not comparable: a changed embedder (the same name pulled
+    again) matches nothing stored before it."""
+    models = {"e": embedder}
+    cache = ResponseCache(ResponseCacheConfig("semantic", 0.95, embed_model="e"), _finder(models))
+    workers = EmbedderWorkers(model, embedder, TURNS)
+
+    async def scenario():
+        await ask(cache, workers, request(model, prompt=_chat("What is 2 + 2?")), "What is 2 + 2?")
+        first, _ = await ask(cache, workers, request(model, prompt=_chat("What's 2 + 2?")),
+                             "What's 2 + 2?")
+        models["e"] = workers.embedder = replace(embedder, fingerprint="another")
+        second, _ = await ask(cache, workers, request(model, prompt=_chat("what's 2 + 2")),
+                              "what's 2 + 2")
+        return first, second
+
+    first, second = run(scenario())
+    assert (first.cache, second.cache) == ("hit", "miss")
+
+
+def test_an_embedding_model_that_is_not_served_leaves_the_request_to_the_workers(model):
+    cache = ResponseCache(ResponseCacheConfig("semantic", 0.95, embed_model="gone"), _finder({}))
+    workers = Workers(model, vectors=TURNS)
+    g, _ = run(ask(cache, workers, request(model, prompt=_chat("What is 2 + 2?")),
+                   "What is 2 + 2?"))
+    assert g.cache == "miss" and cache.stats.embed_failures == 1 and len(workers.begun) == 1
+    assert workers.embedded == []
+
+
+def test_a_cache_with_an_embedding_model_needs_a_way_to_find_it():
+    with pytest.raises(ValueError, match="needs find_model"):
+        ResponseCache(ResponseCacheConfig("semantic", 0.9, embed_model="e"))

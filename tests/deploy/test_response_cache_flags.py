@@ -44,3 +44,24 @@ def test_a_bad_response_cache_is_refused_before_anything_starts(tmp_path, monkey
     assert coordinator_main(["--model", str(tmp_path / "absent"), "--response-cache",
                              "fuzzy"]) == 1
     assert "mode must be one of exact, semantic" in capsys.readouterr().err
+
+
+def test_the_coordinator_refuses_an_embedding_model_it_does_not_serve(tmp_path, monkeypatch,
+                                                                      capsys):
+    import coordinator.server
+
+    chat = make_tiny_model_dir(tmp_path / "chat")
+    embedder = make_tiny_model_dir(tmp_path / "emb")
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "h"))
+    served = []
+    monkeypatch.setattr(coordinator.server, "serve",
+                        lambda config, models, *a: served.append((config, models)))
+    assert coordinator_main(["--model", str(chat), "--response-cache",
+                             "semantic:model=emb,threshold=0.8"]) == 1
+    assert "the embedding model 'emb' is not served" in capsys.readouterr().err
+    assert not served
+    assert coordinator_main(["--model", str(chat), "--model", str(embedder),
+                             "--model-name", "chat", "--model-name", "emb",
+                             "--response-cache", "semantic:model=emb,threshold=0.8"]) == 0
+    config, models = served[0]
+    assert config.response_cache.embed_model == "emb" and models.find("emb") is not None
