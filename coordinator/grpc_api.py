@@ -26,6 +26,7 @@ from coordinator.ollama_request import check_messages
 from coordinator.model import shown
 from coordinator.prompts import chat_prompt_ids, generate_prompt_ids, off_loop
 from coordinator.request_flow import NoWorkers, WorkerError
+from coordinator.response_cache import last_user_text
 from common import request_id
 from common.rpc import tandem_pb2 as pb
 from common.rpc import tandem_pb2_grpc as pb_grpc
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
             "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict",
-            "num_ctx", "num_keep", "num_batch", "num_thread")
+            "num_ctx", "num_keep", "num_batch", "num_thread", "cache")
 
 
 def options_to_params(options: pb.Options, defaults: ModelDefaults = ModelDefaults()
@@ -73,7 +74,7 @@ def _figures(g: Generation) -> pb.Figures:
         prompt_eval_duration=ns(t.ttft if t.ttft is not None else t.e2e),
         eval_count=t.output_tokens, eval_duration=ns(t.eval_time),
         cached_tokens=g.outcome.cached_tokens, decode_worker=g.outcome.decode_worker,
-        prefill_worker=g.outcome.prefill_worker)
+        prefill_worker=g.outcome.prefill_worker, cache=g.cache or "")
 
 
 async def _serve_request_id(context: grpc.aio.ServicerContext) -> None:
@@ -114,7 +115,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                                         params.context_limit(model.context_len))
             generation = await self.coordinator.submit(
                 prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context),
-                model=model)
+                model=model, turn=request.prompt or None)
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return
@@ -148,7 +149,7 @@ class TandemServicer(pb_grpc.TandemServicer):
                                         params.context_limit(model.context_len))
             generation = await self.coordinator.submit(
                 prompt_ids, params, timings, cache_salt=grpc_salt(self.keys, context),
-                model=model)
+                model=model, turn=last_user_text(messages))
         except Exception as exc:  # noqa: BLE001 (every failure becomes a status code)
             await self._abort(context, exc)
             return

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Options(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "stop", "num_ctx", "num_keep", "num_batch", "num_thread")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "num_predict", "stop", "num_ctx", "num_keep", "num_batch", "num_thread", "cache")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Options(_message.Message):
     NUM_KEEP_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCH_FIELD_NUMBER: _ClassVar[int]
     NUM_THREAD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -40,7 +41,8 @@ class Options(_message.Message):
     num_keep: int
     num_batch: int
     num_thread: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_ctx: _Optional[int] = ..., num_keep: _Optional[int] = ..., num_batch: _Optional[int] = ..., num_thread: _Optional[int] = ...) -> None: ...
+    cache: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_predict: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_ctx: _Optional[int] = ..., num_keep: _Optional[int] = ..., num_batch: _Optional[int] = ..., num_thread: _Optional[int] = ..., cache: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "system", "raw", "options", "context")
@@ -77,7 +79,7 @@ class ChatRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., options: _Optional[_Union[Options, _Mapping]] = ...) -> None: ...
 
 class Figures(_message.Message):
-    __slots__ = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration", "cached_tokens", "decode_worker", "prefill_worker")
+    __slots__ = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration", "cached_tokens", "decode_worker", "prefill_worker", "cache")
     TOTAL_DURATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_DURATION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EVAL_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,7 @@ class Figures(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     total_duration: int
     load_duration: int
     prompt_eval_count: int
@@ -96,7 +99,8 @@ class Figures(_message.Message):
     cached_tokens: int
     decode_worker: str
     prefill_worker: str
-    def __init__(self, total_duration: _Optional[int] = ..., load_duration: _Optional[int] = ..., prompt_eval_count: _Optional[int] = ..., prompt_eval_duration: _Optional[int] = ..., eval_count: _Optional[int] = ..., eval_duration: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
+    cache: str
+    def __init__(self, total_duration: _Optional[int] = ..., load_duration: _Optional[int] = ..., prompt_eval_count: _Optional[int] = ..., prompt_eval_duration: _Optional[int] = ..., eval_count: _Optional[int] = ..., eval_duration: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., decode_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., cache: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("model", "response", "done", "done_reason", "figures", "context")

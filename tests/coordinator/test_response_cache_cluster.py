@@ -130,6 +130,31 @@ def test_the_responses_api_and_grpc_go_through_the_cache(url):
     assert r.headers["X-Tandem-Cache"] == "hit" and answer("/api/chat", r) == text
 
 
+def test_grpc_reports_the_cache_and_takes_the_opt_in(url):
+    """Figures.cache on the last message of each gRPC stream, as X-Tandem-Cache over HTTP;
+    Options.cache opts a sampled request in (true) or out (false)."""
+    def outcome(call) -> tuple[str, str]:
+        replies = list(call)
+        assert replies[-1].done and all(not r.done for r in replies[:-1])
+        return replies[-1].figures.cache, "".join(r.message.content for r in replies)
+
+    sampled = {"temperature": 0.9, "num_predict": 5}
+    with TandemClient(f"127.0.0.1:{GRPC_PORT}", api_key=KEYS["alice"]) as client:
+        def ask(text: str, options: dict) -> tuple[str, str]:
+            return outcome(client.chat("tiny", [{"role": "user", "content": text}],
+                                       options=options))
+
+        first, again = ask("gRPC marks hits.", GREEDY), ask("gRPC marks hits.", GREEDY)
+        assert (first[0], again[0]) == ("miss", "hit") and first[1] == again[1]
+        assert [ask("gRPC samples.", sampled)[0] for _ in range(2)] == ["bypass", "bypass"]
+        opted = [ask("gRPC opts in.", sampled | {"cache": True}) for _ in range(2)]
+        assert [o[0] for o in opted] == ["miss", "hit"] and opted[0][1] == opted[1][1]
+        assert ask("gRPC marks hits.", GREEDY | {"cache": False})[0] == "bypass"
+        replies = list(client.generate("tiny", "gRPC generates twice.", options=GREEDY))
+        again = list(client.generate("tiny", "gRPC generates twice.", options=GREEDY))
+        assert (replies[-1].figures.cache, again[-1].figures.cache) == ("miss", "hit")
+
+
 def test_a_hit_streams_like_the_computed_answer_ollama(url):
     body = {**chat("Stream me a hit."), "stream": True}
     first, again = post(url, "/api/chat", body), post(url, "/api/chat", body)

@@ -18,6 +18,8 @@ import pytest
 from coordinator.response_cache import EMBED_TEMPLATE
 from coordinator.turn_terms import TurnTerms
 from common.tokenizer import Tokenizer
+from coordinator.client import TandemClient
+from deploy.process_plan import free_port
 from reliability.model_factory import make_tiny_gguf, make_tiny_hf_model
 from tests.helpers.cluster import running_cluster
 
@@ -66,15 +68,17 @@ def served(tmp_path_factory):
     chat = make_tiny_hf_model(root / "chat", "llama", seed=0)
     embedder = root / "emb.gguf"
     make_tiny_gguf(embedder, "F32", "qwen3", seed=1, metadata=EMBEDDER_METADATA)
+    grpc_port = free_port()
     with running_cluster(chat, root / "logs", model="chat", worker_args=FP32,
                          more_models=(("emb", embedder),),
                          coordinator_args=("--response-cache",
-                                           f"semantic:model=emb,threshold={THRESHOLD}")) as c:
-        yield c.url, Tokenizer.from_path(embedder)
+                                           f"semantic:model=emb,threshold={THRESHOLD}",
+                                           "--grpc-port", str(grpc_port))) as c:
+        yield c.url, Tokenizer.from_path(embedder), grpc_port
 
 
 def test_the_embedding_model_decides_every_semantic_hit(served):
-    url, tokenizer = served
+    url, tokenizer, grpc_port = served
     expected, outcomes, differs = [], [], 0
     for base, again in ASKED.items():
         texts = [base, *again]
@@ -103,9 +107,19 @@ def test_the_embedding_model_decides_every_semantic_hit(served):
     assert metric(url, "tandem_response_cache_embed_failures_total") == 0
     assert metric(url, 'tandem_response_cache_hits_total{kind="semantic"}') == sum(
         o[3] == "hit" for o in outcomes)
+    # gRPC's Chat looks its last user turn up in the same index (the same prompt and options)
+    semantic = metric(url, 'tandem_response_cache_hits_total{kind="semantic"}')
+    with TandemClient(f"127.0.0.1:{grpc_port}") as client:
+        for text, _, _, got in outcomes:
+            replies = list(client.chat("chat", [{"role": "user", "content": text}],
+                                       options={"temperature": 0, "num_predict": 2}))
+            # a miss was stored: asked again, it is an exact hit; a hit is a semantic one again
+            assert replies[-1].figures.cache == "hit", text
+    assert metric(url, 'tandem_response_cache_hits_total{kind="semantic"}') == semantic + sum(
+        o[3] == "hit" for o in outcomes)
 
 
 def test_an_exact_repeat_is_a_hit_without_the_embedder(served):
-    url, _ = served
+    url = served[0]
     assert ask(url, "Name a colour of the sea.") == "miss"
     assert ask(url, "Name a colour of the sea.") == "hit"
