@@ -38,6 +38,13 @@ def _usage(choices: list[Choice], score_only: bool = False) -> dict[str, Any]:
     return oa.usage(prompt, 0 if score_only else completion, cached)
 
 
+def _chunk_marked(body: dict[str, Any], g: Generation) -> dict[str, Any]:
+    """`tandem.cache` of one choice on its stream's finishing chunk, when the cache is on."""
+    if g.cache is not None:
+        body["tandem"] = {"cache": g.cache}
+    return body
+
+
 def _cache_marked(body: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
     """`tandem.cache` (coordinator/response_cache.py) on a whole answer, when the cache is on;
     streams carry it in the X-Tandem-Cache header only."""
@@ -247,8 +254,8 @@ async def _stream_chat(rid: str, name: str, g: Generation, calls: ToolCallParser
         for chunk in chunks(content, found):
             yield chunk
     reason = "tool_calls" if made else g.done_reason
-    yield oa.sse(oa.chat_chunk(rid, name, {}, reason, done=True, logprobs=_chat_logprobs(g),
-                               index=index))
+    yield oa.sse(_chunk_marked(oa.chat_chunk(rid, name, {}, reason, done=True,
+                                             logprobs=_chat_logprobs(g), index=index), g))
 
 
 async def _stream_completion(rid: str, name: str, g: Generation, echo: _Echo | None,
@@ -261,8 +268,9 @@ async def _stream_completion(rid: str, name: str, g: Generation, echo: _Echo | N
 
     def chunk(text: str, reason: str | None = None, done: bool = False,
               logprobs_: dict[str, Any] | None = None) -> bytes:
-        return oa.sse(oa.completion(rid, name, [oa.completion_choice(
-            index, text, reason, done=done, logprobs=logprobs_)], None, chunk=True))
+        body = oa.completion(rid, name, [oa.completion_choice(
+            index, text, reason, done=done, logprobs=logprobs_)], None, chunk=True)
+        return oa.sse(_chunk_marked(body, g) if done else body)
 
     def echoed() -> bytes:
         # The prompt's chunk: its logprobs come with the first token, so it goes out once

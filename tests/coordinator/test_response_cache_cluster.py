@@ -175,9 +175,20 @@ def test_a_hit_streams_like_the_computed_answer_openai(url):
         return [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
                 for c in map(json.loads, data[:-1])]
 
+    def marks(r: httpx.Response) -> list:
+        data = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+        return [c.get("tandem") for c in data]
+
     first, again = post(url, "/v1/chat/completions", body), post(url, "/v1/chat/completions", body)
     assert again.headers["X-Tandem-Cache"] == "hit"
     assert events(again) == events(first)
+    # the finishing chunk says it too (a client that reads no headers: the openai SDK)
+    for r, state in ((first, "miss"), (again, "hit")):
+        assert marks(r)[-1] == {"cache": state} and not any(marks(r)[:-1])
+    completion = {**BODIES["/v1/completions"], "stream": True, "prompt": "Stream a text hit."}
+    for state in ("miss", "hit"):
+        assert marks(post(url, "/v1/completions", completion))[-1] == {"cache": state}
 
 
 @pytest.mark.parametrize("change", [
