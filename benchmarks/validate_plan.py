@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_modes import WORDS, Sample, mode_topology, serving, stream, warm_up
-from common.processes import cpu_seconds
+from common.processes import cpu_seconds, host_steal_seconds
 from planner.cost_profile import CostProfile
 from planner.metrics import RequestTimes, percentile
 from planner.simulator import ClusterConfig, simulate
@@ -155,10 +155,14 @@ def main(argv: list[str] | None = None) -> None:
                                    if c.spec.name == "coordinator")
                 # Background: the coordinator's CPU and this process's (the load generator).
                 cpu_before = cpu_seconds(coordinator) + time.process_time()
+                steal_before = host_steal_seconds()
                 started = time.perf_counter()
                 samples = run_load(url, args.model, rate, count, args.output, seed=len(rows))
                 background = ((cpu_seconds(coordinator) + time.process_time() - cpu_before)
                               / (time.perf_counter() - started))
+                steal_after = host_steal_seconds()
+                steal = (steal_after - steal_before if None not in (steal_before, steal_after)
+                         else math.nan)
                 load_after = os.getloadavg()[0]
             measured = measured_times(samples)
             trace = [Request(t.arrival_s, s.prompt_tokens or 1, t.output_tokens)
@@ -169,21 +173,24 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((spec, len(samples), figures(measured),
                          {name: figures(simulate(trace, profile, config).times)
                           for name, config in (("own", own), ("shared", shared))},
-                         load_before, load_after, background, solo))
+                         load_before, load_after, background, solo,
+                         (steal, max((g for _, s in samples for g in s.itls), default=math.nan))))
     print(f"\nprofile: {profile.source}; host cores: {cores}")
     print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
           "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
           "worker, shared: the host's cores shared with bg; solo = measured / simulated TTFT and TPOT "
           f"of {SOLO_REQUESTS} requests served alone just before the load (above 1: the host runs "
-          "slower than when profiled)")
-    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'sim':>6}  " + "  ".join(
+          "slower than when profiled); steal = CPU ms the hypervisor took from the host's vCPUs "
+          "during the load (/proc/stat), gap = the longest measured token gap, ms")
+    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'steal':>5} "
+          f"{'gap':>5} {'sim':>6}  " + "  ".join(
         f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
-    for spec, n, meas, sims, lb, la, bg, solo in rows:
+    for spec, n, meas, sims, lb, la, bg, solo, (steal, gap) in rows:
         for name, sim in sims.items():
             cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
                               for k in meas)
             print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f} {bg:4.2f} {solo[0]:4.2f}/{solo[1]:<4.2f} "
-                  f"{name:>6}  {cells}")
+                  f"{1e3 * steal:5.0f} {1e3 * gap:5.0f} {name:>6}  {cells}")
 
 
 if __name__ == "__main__":

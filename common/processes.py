@@ -36,6 +36,17 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def host_steal_seconds(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU time the hypervisor took from this (virtual) host's CPUs so far, all of them
+    together (/proc/stat's "steal"), or None where the kernel does not count it. A vCPU taken
+    away freezes whatever ran on it, a stall no scheduler inside the guest can see."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def started_at(pid: int) -> float | None:
     """The process's start as a Unix time (seconds), or None once it has exited."""
     ticks = start_time(pid)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from common.processes import cpu_seconds, start_time
+from common.processes import cpu_seconds, host_steal_seconds, start_time
 
 
 def test_cpu_time_is_the_process_s_own_and_none_once_it_is_gone():
@@ -31,3 +31,13 @@ def test_a_zombie_has_no_start_time():
     assert start_time(child.pid) is None, "the child never exited"
     assert cpu_seconds(child.pid) is not None  # the zombie's stat is still there to read
     child.wait()
+
+
+def test_host_steal_is_the_eighth_cpu_field(tmp_path):
+    stat = tmp_path / "stat"
+    tick = os.sysconf("SC_CLK_TCK")
+    stat.write_text(f"cpu  10 0 5 900 1 0 2 {3 * tick} 0 0\ncpu0 1 2 3\n")
+    assert host_steal_seconds(stat) == 3.0
+    stat.write_text("cpu  10 0 5 900 1 0 2\n")  # a kernel before 2.6.11 counts no steal
+    assert host_steal_seconds(stat) is None
+    assert host_steal_seconds(tmp_path / "absent") is None
