@@ -146,7 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             coordinator_args=("--grpc-port", str(args.grpc_port),
                                               *_chat_template_args(args.chat_template, models),
                                               *_templates_for_args(args, models),
-                                              *_response_cache(args.response_cache),
+                                              *_response_cache(args.response_cache, models,
+                                                               args.load_on_request),
                                               *_on_request_args(args)),
                             load_on_request=args.load_on_request,
                             api_tls=_api_tls(args), cluster_secret=secret,
@@ -240,13 +241,21 @@ def _templates_for_args(args: argparse.Namespace, models: list[str]) -> tuple[st
                  for a in ("--chat-template-for", f"{model}={templates[name_key(model)]}"))
 
 
-def _response_cache(spec: str | None) -> tuple[str, ...]:
-    """The coordinator's --response-cache, checked here first (a ValueError naming it)."""
+def _response_cache(spec: str | None, models: list[str] = (),
+                    load_on_request: bool = False) -> tuple[str, ...]:
+    """The coordinator's --response-cache, checked here first (a ValueError naming it): its
+    embedding model must be one of the --model ones (the coordinator answers to the same
+    spellings, common/model_name.name_key) unless models load on request."""
     if spec is None:
         return ()
+    from common.model_name import name_key
     from coordinator.response_cache_config import ResponseCacheConfig  # torch-free
 
-    ResponseCacheConfig.parse(spec)
+    embedder = ResponseCacheConfig.parse(spec).embed_model
+    if (embedder is not None and not load_on_request
+            and name_key(embedder) not in {name_key(m) for m in models}):
+        raise ValueError(f"--response-cache: the embedding model {embedder!r} is not served; "
+                         f"add --model {embedder} (or load models on request)")
     return ("--response-cache", spec)
 
 

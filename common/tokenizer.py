@@ -82,17 +82,21 @@ class Tokenizer:
         extra_stop_ids: frozenset[int] = frozenset(),
         add_bos: bool,
         chat_template: str | None,
-        add_eos: bool = False,
+        end_token_id: int | None = None,
     ) -> None:
         self._tok = tok
         self._vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos
-        # EOS after the text when special tokens are added, as llama.cpp and Ollama tokenize
-        # a vocabulary that asks for it: embedding models pooled at the last token (Qwen3-
-        # Embedding) were trained with their vector read at that EOS.
-        self.add_eos = add_eos
+        # The token an embedding input ends with (encode(..., embedding=True)), None: none.
+        # Embedding models pooled at the last token (Qwen3-Embedding) read their vector at an
+        # end-of-text token their tokenizer appends: a GGUF says so with add_eos_token (EOS;
+        # the converter makes that token the file's EOS), a Hugging Face tokenizer.json with
+        # a post-processor that ends every text with a special token (<|endoftext|>, not the
+        # config's eos_token <|im_end|>). Chat and completion prompts never get it: the
+        # transformers chat path adds no special tokens at all.
+        self.end_token_id = end_token_id
         self.chat_template = chat_template
         special_texts = {
             added.content
@@ -163,14 +167,15 @@ class Tokenizer:
 
         end_of_turn = (token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
-        add_eos = meta.get("tokenizer.ggml.add_eos_token")
+        eos_id = token_id("tokenizer.ggml.eos_token_id")
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token"))
         return cls(
             tok,
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-            eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+            eos_token_id=eos_id,
             extra_stop_ids=frozenset(i for i in end_of_turn if i is not None),
             add_bos=default_add_bos if add_bos is None else bool(add_bos),
-            add_eos=bool(add_eos),
+            end_token_id=eos_id if add_eos else None,
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
@@ -208,21 +213,20 @@ class Tokenizer:
         if add_bos is None:
             # No explicit flag: follow the post-processor, which is what transformers does.
             add_bos = bos_id is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos_id]
-        add_eos = config.get("add_eos_token")
-        if add_eos is None:
-            # ... the same for EOS: a token more at the end, and that token EOS (not a BOS
-            # that shares its id, which would come first).
-            plain = tok.encode("a", add_special_tokens=False).ids
-            special = tok.encode("a", add_special_tokens=True).ids
-            add_eos = (eos_id is not None and len(special) > len(plain)
-                       and special[-1:] == [eos_id] and plain[-1:] != [eos_id])
+        # The post-processor's token after the text, if it adds one (what transformers' encode
+        # appends; the config's add_eos_token is not read: transformers' fast tokenizers
+        # follow the post-processor).
+        plain = tok.encode("a", add_special_tokens=False).ids
+        special = tok.encode("a", add_special_tokens=True)
+        end_id = (special.ids[-1] if len(special.ids) > len(plain) and special.special_tokens_mask[-1]
+                  else None)
         return cls(
             tok,
             bos_token_id=bos_id,
             eos_token_id=eos_id,
             extra_stop_ids=frozenset(gen_eos_ids),
             add_bos=bool(add_bos),
-            add_eos=bool(add_eos),
+            end_token_id=end_id,
             chat_template=_hf_chat_template(path, config),
         )
 
@@ -247,9 +251,10 @@ class Tokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Special-token text (`<|im_start|>`) becomes its token; BOS (and EOS, where the
-        vocabulary asks for it) is added at most once."""
+    def encode(self, text: str, add_special_tokens: bool = True, embedding: bool = False) -> list[int]:
+        """Special-token text (`<|im_start|>`) becomes its token; BOS is added at most once.
+        embedding: an embedding input, which also ends with end_token_id where the vocabulary
+        has one (with add_special_tokens only)."""
         if not isinstance(text, str):
             raise InvalidOptionError(f"text to encode must be a str, got {type(text).__name__}")
         surrogate = _SURROGATE.search(text)
@@ -263,9 +268,8 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)
-        if add_special_tokens and self.add_eos and self.eos_token_id is not None:
-            if ids[-1:] != [self.eos_token_id]:
-                ids.append(self.eos_token_id)
+        if add_special_tokens and embedding and self.end_token_id is not None:
+            ids.append(self.end_token_id)  # always, as transformers and llama.cpp append it
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

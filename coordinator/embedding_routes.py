@@ -8,7 +8,9 @@ Ollama). `dimensions` shortens each vector and normalizes it again.
 Differences from Ollama kept on purpose: an empty input (`""`, `[]`, or an empty string in the
 list) is a 400 here, where Ollama answers an empty list (its way to load a model; tandem's
 workers hold theirs already). Inputs are tokenized as given, without the chat template, with
-the tokenizer's special tokens (BOS where the model has one), as Ollama does.
+the tokenizer's special tokens (BOS where the model has one, and the end-of-text token an
+embedding model's vocabulary asks for: GGUF add_eos_token, a tokenizer.json post-processor's
+last token), as Ollama and llama.cpp do.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _token_ids(model: ServedModel, items: list[str | list[int]], context: int,
     for item in items:
         if isinstance(item, str):
             ids = encode(model.tokenizer, item, add_special_tokens=True,
-                         context=None if truncate else context)
+                         context=None if truncate else context, embedding=True)
         else:
             bad = next((t for t in item if not 0 <= t < vocab), None)
             if bad is not None:

@@ -61,8 +61,12 @@ def check_text_size(tokenizer: Any, text: str, context: int | None) -> None:
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True,
-           context: int | None = None) -> list[int]:
+           context: int | None = None, embedding: bool = False) -> list[int]:
+    """embedding: an embedding input (common/tokenizer.py: it ends with the vocabulary's
+    end-of-text token where it has one)."""
     check_text_size(tokenizer, text, context)
+    if embedding:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens, embedding=True)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

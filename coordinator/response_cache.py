@@ -241,14 +241,18 @@ class ResponseCache:
     async def _turn_vector(self, request: FlowRequest, model: ServedModel, turn: str,
                            embed: Embed) -> tuple[bytes | None, np.ndarray | None]:
         """The semantic partition of the request and its turn's unit vector (None, None when
-        the turn is not in the prompt as written, or the embedding failed)."""
+        the turn is not in the prompt as written, is longer than the embedding model's
+        context, or the embedding failed)."""
         tokenizer = model.tokenizer
         text = await off_loop(tokenizer.decode, request.prompt_ids)
         rest = without_turn(text, turn)
         if rest is None:
             return None, None
         try:
-            embedder, ids, pooling = await self._embed_input(model, turn)
+            found = await self._embed_input(model, turn)
+            if found is None:
+                return None, None
+            embedder, ids, pooling = found
             vectors = await embed([ids], True, RequestTimings(), embedder, pooling)
         except asyncio.CancelledError:
             raise
@@ -262,19 +266,23 @@ class ResponseCache:
                 np.asarray(vectors[0], dtype=np.float32))
 
     async def _embed_input(self, model: ServedModel,
-                           turn: str) -> tuple[ServedModel, list[int], Pooling]:
-        """The model that embeds the turn, its token ids and the pooling. The chat model
-        itself: the turn in EMBED_TEMPLATE, the last position, the template's end kept when
-        cut to the context. An embedding model (config.embed_model): the turn as written,
-        that model's own pooling, cut at its context, as /api/embed of that model computes
-        it (coordinator/embedding_routes.py), so its cosines there are the cache's."""
+                           turn: str) -> tuple[ServedModel, list[int], Pooling] | None:
+        """The model that embeds the turn, its token ids and the pooling; None when the turn
+        does not fit that model's context (a vector of part of it would stand for every turn
+        that shares that part: no semantic lookup then). The chat model itself: the turn in
+        EMBED_TEMPLATE, the last position. An embedding model (config.embed_model): the turn
+        as written, that model's own pooling, as /api/embed of that model computes it
+        (coordinator/embedding_routes.py), so its cosines there are the cache's."""
         if self.config.embed_model is None:
-            ids = await off_loop(encode, model.tokenizer, EMBED_TEMPLATE.format(turn))
-            return model, ids[-model.context_len:], Pooling.LAST
-        assert self.find_model is not None  # __init__
-        embedder = await self.find_model(self.config.embed_model)
-        ids = await off_loop(encode, embedder.tokenizer, turn)
-        return embedder, ids[:embedder.context_len], embedder.config.pooling
+            embedder, text, pooling = model, EMBED_TEMPLATE.format(turn), Pooling.LAST
+        else:
+            assert self.find_model is not None  # __init__
+            embedder = await self.find_model(self.config.embed_model)
+            text, pooling = turn, embedder.config.pooling
+        ids = await off_loop(encode, embedder.tokenizer, text, True, None, True)
+        if len(ids) > embedder.context_len:
+            return None
+        return embedder, ids, pooling
 
     def _replay(self, request: FlowRequest, timings: RequestTimings, model: ServedModel,
                 metrics: ModelMetrics, answer: CachedAnswer) -> Generation:

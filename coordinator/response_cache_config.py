@@ -8,10 +8,11 @@
                                        served beside the chat models) instead of the chat
                                        model itself; T is required: DEFAULT_THRESHOLD was
                                        measured for the chat model's own embedding
-    semantic:...,match=literals        a hit needs the same numbers, names and symbols only,
+    semantic:model=...,match=literals  a hit needs the same numbers, names and symbols only,
                                        not the same words too (match=words, the default;
                                        coordinator/turn_terms.py): for an embedding model
                                        that separates paraphrases from near-misses itself
+                                       (refused without model=)
     exact:entries=256,bytes=16000000   the bounds (both modes; the LRU drops beyond either)
 
 Off unless the flag is given. Its own module (not response_cache.py) so that
@@ -62,6 +63,12 @@ class ResponseCacheConfig:
         if self.embed_model is not None and (not isinstance(self.embed_model, str)
                                              or not self.embed_model.strip()):
             raise ValueError(f"response cache model must be a model name, got {self.embed_model!r}")
+        if self.match == "literals" and self.embed_model is None:
+            # The chat model's own embedding puts "an egg" and "an egg white" at 0.996: the
+            # words rule is what keeps those apart (coordinator/turn_terms.py).
+            raise ValueError("response cache match=literals needs an embedding model (model=NAME): "
+                             "the chat model's own embedding does not tell questions that "
+                             "differ in a word apart")
         for name in ("max_entries", "max_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -122,16 +122,19 @@ def test_bos_added_once_and_only_when_asked():
     assert no_bos.encode("abc") == [abc]
 
 
-def test_eos_added_when_the_vocabulary_asks_as_llama_cpp_does():
+def test_an_embedding_input_ends_with_eos_when_the_gguf_asks():
     """`tokenizer.ggml.add_eos_token` (Qwen3-Embedding's GGUF sets it: its vector is read at
-    that EOS): llama.cpp's and Ollama's tokenizers append EOS whenever they add specials."""
+    that EOS): an embedding input ends with EOS, as llama.cpp and Ollama embed; a chat or
+    completion prompt never does (it would end the answer before it starts)."""
     tok = Tokenizer.from_gguf_metadata(_tiny_bpe_meta(**{"tokenizer.ggml.add_eos_token": True}))
     abc = tok.token_to_id("abc")
-    assert tok.add_eos is True
-    assert tok.encode("abc") == [0, abc, 1]
-    assert tok.encode("abc</s>") == [0, abc, 1]  # already ends with EOS: not doubled
-    assert tok.encode("abc", add_special_tokens=False) == [abc]
-    assert Tokenizer.from_gguf_metadata(_tiny_bpe_meta()).encode("abc") == [0, abc]  # absent: none
+    assert tok.end_token_id == 1
+    assert tok.encode("abc", embedding=True) == [0, abc, 1]
+    assert tok.encode("abc</s>", embedding=True) == [0, abc, 1, 1]  # appended whatever the text, as llama.cpp
+    assert tok.encode("abc") == [0, abc]  # a prompt
+    assert tok.encode("abc", add_special_tokens=False, embedding=True) == [abc]
+    plain = Tokenizer.from_gguf_metadata(_tiny_bpe_meta())
+    assert plain.end_token_id is None and plain.encode("abc", embedding=True) == [0, abc]
 
 
 def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_warning(caplog):
@@ -333,30 +336,38 @@ def test_hf_dir_add_bos_flag(tmp_path):
     assert tok.encode("<|im_start|>hi").count(1) == 1
 
 
-def test_hf_dir_add_eos_from_the_flag_or_the_post_processor(tmp_path):
+def test_hf_dir_end_token_is_the_post_processors(tmp_path):
+    """Qwen3-Embedding's tokenizer.json ends every text with <|endoftext|>, while its config's
+    eos_token is <|im_end|>: the token transformers appends is the one an embedding input ends
+    with. The config's add_eos_token is not read (transformers' fast tokenizers do not)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
 
-    assert Tokenizer.from_hf_dir(build_hf_dir(tmp_path / "plain")).add_eos is False
+    assert Tokenizer.from_hf_dir(build_hf_dir(tmp_path / "plain")).end_token_id is None
     flagged = build_hf_dir(tmp_path / "flag")
     config = json.loads((flagged / "tokenizer_config.json").read_text())
     (flagged / "tokenizer_config.json").write_text(json.dumps(config | {"add_eos_token": True}))
     tok = Tokenizer.from_hf_dir(flagged)
-    assert tok.encode("hi")[-1] == tok.eos_token_id == 2 and tok.encode("hi<|im_end|>").count(2) == 1
-    # No flag, but a post-processor that ends every text with EOS (Qwen3-Embedding's
-    # tokenizer.json does): followed, as the BOS rule follows one that starts it.
-    processed = build_hf_dir(tmp_path / "post")
-    inner = HFTokenizer.from_file(str(processed / "tokenizer.json"))
-    inner.post_processor = TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", 2)])
-    inner.save(str(processed / "tokenizer.json"))
-    tok = Tokenizer.from_hf_dir(processed)
-    assert tok.add_eos is True and tok.encode("hi") == tok.encode("hi", add_special_tokens=False) + [2]
-    # ... and one that starts every text with a BOS sharing EOS's id is no EOS rule
-    shared = build_hf_dir(tmp_path / "shared")
-    inner = HFTokenizer.from_file(str(shared / "tokenizer.json"))
-    inner.post_processor = TemplateProcessing(single="<|im_end|> $A", special_tokens=[("<|im_end|>", 2)])
-    inner.save(str(shared / "tokenizer.json"))
-    assert Tokenizer.from_hf_dir(shared).add_eos is False
+    assert tok.end_token_id is None
+    assert tok.encode("hi", embedding=True) == AutoTokenizer.from_pretrained(str(flagged))("hi")["input_ids"]
+
+    def processed(name: str, single: str, token: str, token_id: int) -> Path:
+        path = build_hf_dir(tmp_path / name)
+        inner = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        inner.post_processor = TemplateProcessing(single=single, special_tokens=[(token, token_id)])
+        inner.save(str(path / "tokenizer.json"))
+        return path
+
+    qwen3_embedding = processed("post", "$A <|endoftext|>", "<|endoftext|>", 0)
+    tok = Tokenizer.from_hf_dir(qwen3_embedding)
+    assert tok.eos_token_id == 2 and tok.end_token_id == 0  # not the config's EOS
+    theirs = AutoTokenizer.from_pretrained(str(qwen3_embedding))
+    for text in ("hi", "two words<|endoftext|>"):
+        assert tok.encode(text, embedding=True) == theirs(text)["input_ids"]
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # a prompt: none
+    # a post-processor that starts every text with a special token adds no end token
+    assert Tokenizer.from_hf_dir(processed("bos", "<|im_end|> $A", "<|im_end|>", 2)).end_token_id is None
 
 
 def test_hf_dir_chat_template_file_wins(tmp_path):

@@ -121,6 +121,7 @@ def test_config_parses_the_flag(spec, expected):
     ("exact:model=e", "model applies to the semantic mode only"),
     ("exact:match=literals", "match applies to the semantic mode only"),
     ("semantic:match=any", "match must be one of words, literals"),
+    ("semantic:match=literals", "match=literals needs an embedding model"),
     ("semantic:model=,threshold=0.8", "model must be a model name"),
 ])
 def test_config_refuses_bad_flags_by_name(spec, message):
@@ -551,3 +552,34 @@ def test_an_embedding_model_that_is_not_served_leaves_the_request_to_the_workers
 def test_a_cache_with_an_embedding_model_needs_a_way_to_find_it():
     with pytest.raises(ValueError, match="needs find_model"):
         ResponseCache(ResponseCacheConfig("semantic", 0.9, embed_model="e"))
+
+
+@pytest.mark.parametrize("match", ["words", "literals"])
+def test_a_turn_longer_than_the_embedders_context_gets_no_semantic_lookup(model, tmp_path, match):
+    """Cut to the embedder's context, two turns that share their opening would share a vector
+    (cosine 1): one that does not fit is matched exactly only."""
+    short = load_model(make_tiny_model_dir(tmp_path / "short", max_position=12))
+    opening = "Here is a long shared opening of many words that fills the context, "
+    turns = {opening + "summarize it.": [1.0, 0.0, 0.0], opening + "translate it.": [1.0, 0.0, 0.0]}
+    cache = ResponseCache(ResponseCacheConfig("semantic", -1.0, embed_model="e", match=match),
+                          _finder({"e": short}))
+    workers = EmbedderWorkers(model, short, turns)
+
+    async def scenario():
+        a, b = turns
+        await ask(cache, workers, request(model, prompt=_chat(a)), a)
+        g, _ = await ask(cache, workers, request(model, prompt=_chat(b)), b)
+        return g
+
+    assert len(short.tokenizer.encode(opening)) > short.context_len
+    assert run(scenario()).cache == "miss" and workers.embedded == []
+    assert cache.stats.embed_failures == 0  # not a failure: the turn is matched exactly only
+
+
+def test_a_turn_longer_than_the_chat_models_context_gets_no_semantic_lookup(tmp_path):
+    small = load_model(make_tiny_model_dir(tmp_path / "small", max_position=16))
+    cache = ResponseCache(ResponseCacheConfig("semantic", threshold=-1.0))
+    turn = "What is 2 + 2? " * 20
+    workers = Workers(small, vectors={turn: [1.0, 0.0, 0.0]})
+    g, _ = run(ask(cache, workers, request(small, prompt=_chat(turn), max_tokens=4), turn))
+    assert g.cache == "miss" and workers.embedded == []

@@ -58,7 +58,7 @@ def metric(url: str, series: str) -> float:
     """One series' value on /metrics, e.g. 'name{kind="semantic"}'."""
     text = httpx.get(url + "/metrics", timeout=10).text
     found = re.search(rf"^{re.escape(series)} ([0-9.e+-]+)$", text, re.M)
-    assert found, name
+    assert found, series
     return float(found.group(1))
 
 

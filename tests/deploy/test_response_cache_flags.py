@@ -65,3 +65,14 @@ def test_the_coordinator_refuses_an_embedding_model_it_does_not_serve(tmp_path, 
                              "--response-cache", "semantic:model=emb,threshold=0.8"]) == 0
     config, models = served[0]
     assert config.response_cache.embed_model == "emb" and models.find("emb") is not None
+
+
+def test_tandem_serve_refuses_an_embedding_model_it_does_not_serve(tmp_path, monkeypatch, capsys):
+    code, topology = _served(tmp_path, monkeypatch, "--response-cache",
+                             "semantic:model=qwen3-embedding,threshold=0.8")
+    assert code != 0 and topology is None  # before any model is resolved or pulled
+    assert "the embedding model 'qwen3-embedding' is not served" in capsys.readouterr().err
+    embedder = make_tiny_model_dir(tmp_path / "emb")
+    code, topology = _served(tmp_path, monkeypatch, "--model", str(embedder),
+                             "--response-cache", f"semantic:model={embedder},threshold=0.8")
+    assert code == 0 and topology.more_models[0][1] == embedder
