@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -58,6 +59,18 @@ from deploy.ports import claim_ports
 from deploy.process_plan import ProcessSpec, Readiness, plan, registry_port_of
 from deploy.local_topology import Topology
 from worker.runtime import worker_env
+
+# Each child in a process group of its own (the terminal's Ctrl-C reaches the launcher alone,
+# which stops the children in order) but in the launcher's session. A session of its own
+# (setsid, what this did before) is also a scheduling group of its own where the kernel's
+# autogroup is on (CONFIG_SCHED_AUTOGROUP, /proc/sys/kernel/sched_autogroup_enabled: the
+# default of most distributions' kernels): the CPU is then shared between sessions before
+# threads, and with the workers outnumbering the cores a decode worker's engine thread that
+# woke waited 44-93 ms on the run queue while the prefill worker and the other decode worker
+# held both cores (`perf sched timehist`; README, stop 46). One session keeps the sharing
+# between the workers' threads. (Python 3.10 has no process_group: a session there.)
+OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+                     else {"start_new_session": True})
 
 
 class LaunchError(TandemError):
@@ -161,7 +174,7 @@ class LocalCluster:
                    and threading.current_thread() is threading.main_thread() else None)
         process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
-                                   start_new_session=True,
+                                   **OWN_PROCESS_GROUP,
                                    env={**self.env, **self.lifeline.child_env(), **dict(spec.env)},
                                    pass_fds=(*self.lifeline.pass_fds, *spec.pass_fds),
                                    preexec_fn=preexec)
