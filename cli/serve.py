@@ -252,8 +252,11 @@ def _response_cache(spec: str | None, models: list[str] = (),
     from coordinator.response_cache_config import ResponseCacheConfig  # torch-free
 
     embedder = ResponseCacheConfig.parse(spec).embed_model
-    if (embedder is not None and not load_on_request
-            and name_key(embedder) not in {name_key(m) for m in models}):
+    # Every spelling the coordinator's served model answers to that the flag alone shows (a
+    # store alias it may also have is left to the coordinator's own check at start).
+    spellings = {name_key(n) for m in models
+                 for n in (m, str(Path(m).expanduser()), Path(m).name, Path(m).stem)}
+    if embedder is not None and not load_on_request and name_key(embedder) not in spellings:
         raise ValueError(f"--response-cache: the embedding model {embedder!r} is not served; "
                          f"add --model {embedder} (or load models on request)")
     return ("--response-cache", spec)

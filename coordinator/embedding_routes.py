@@ -101,7 +101,10 @@ def _token_ids(model: ServedModel, items: list[str | list[int]], context: int,
             if not truncate:
                 raise ContextLengthError(f"the input is {len(ids)} tokens, more than the model's "
                                          f"{context}-token context length")
-            ids = ids[:context]
+            end = getattr(model.tokenizer, "end_token_id", None)
+            # A last-pooled embedder reads its vector at the end token: the text is cut, not it.
+            ids = (ids[:context - 1] + [end] if isinstance(item, str) and end is not None
+                   else ids[:context])
         out.append(ids)
     return out
 

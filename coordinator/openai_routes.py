@@ -47,7 +47,7 @@ def _chunk_marked(body: dict[str, Any], g: Generation) -> dict[str, Any]:
 
 def _cache_marked(body: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
     """`tandem.cache` (coordinator/response_cache.py) on a whole answer, when the cache is on;
-    streams carry it in the X-Tandem-Cache header only."""
+    streams carry it in the X-Tandem-Cache header and each choice's finishing chunk."""
     state = cache_state([c.generation for c in choices])
     if state is not None:
         body["tandem"] = {"cache": state}

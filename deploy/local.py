@@ -16,8 +16,9 @@ does when the coordinator exits. Only Ctrl-C, SIGTERM or SIGHUP (the terminal cl
 healthy cluster; a second one kills every process at once. Stopping sends SIGTERM to the
 workers, then the coordinator, within one `grace_s` for all, then SIGKILLs what is left, logs
 how each ended and removes the shared-memory KV segments of its workers, whatever killed them.
-Children run in their own sessions, so the terminal's signals reach only this launcher, which
-forwards them in that order.
+Children run in process groups of their own, so the terminal's signals reach only this
+launcher, which forwards them in that order (local tandem processes stay in its session, a
+wrapper such as ssh or sudo gets a session of its own: OWN_PROCESS_GROUP below).
 
 Children die with the launcher: each watches a lifeline pipe (common/lifeline.py) and stops
 itself when the launcher is gone, SIGKILL and OOM kills included; a child that is not a tandem
@@ -71,6 +72,15 @@ from worker.runtime import worker_env
 # between the workers' threads. (Python 3.10 has no process_group: a session there.)
 OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
                      else {"start_new_session": True})
+
+
+def session_of(spec: ProcessSpec) -> dict[str, object]:
+    """Popen's grouping for a child: a local tandem process (this Python) joins the launcher's
+    session in a group of its own; a wrapper (ssh, `sudo ip netns exec`: another host, in
+    effect) gets a session of its own and so no terminal, where a prompt fails at once
+    instead of stopping it in the background (SIGTTIN) until the start-up timeout."""
+    local = bool(spec.argv) and spec.argv[0] == sys.executable
+    return OWN_PROCESS_GROUP if local else {"start_new_session": True}
 
 
 class LaunchError(TandemError):
@@ -174,7 +184,7 @@ class LocalCluster:
                    and threading.current_thread() is threading.main_thread() else None)
         process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.PIPE if spec.stdin else subprocess.DEVNULL,
-                                   **OWN_PROCESS_GROUP,
+                                   **session_of(spec),
                                    env={**self.env, **self.lifeline.child_env(), **dict(spec.env)},
                                    pass_fds=(*self.lifeline.pass_fds, *spec.pass_fds),
                                    preexec_fn=preexec)

@@ -94,9 +94,11 @@ def test_serve_leaves_no_process_and_no_segment(tiny, tmp_path, sig, layout):
         assert len(processes) == (2 if "--colocated" in layout else 3)
         assert _segments(processes), "an shm decode worker makes its KV pool in /dev/shm"
         # Each in a process group of its own, all in the launcher's session: one scheduling
-        # group where the kernel's autogroup is on (deploy/local.py OWN_PROCESS_GROUP).
-        assert all(os.getpgid(p) == p and os.getsid(p) == os.getsid(launcher.pid)
-                   for p in processes)
+        # group where the kernel's autogroup is on (deploy/local.py OWN_PROCESS_GROUP; Python
+        # 3.10 has no process_group and keeps a session each).
+        assert all(os.getpgid(p) == p for p in processes)
+        if sys.version_info >= (3, 11):
+            assert all(os.getsid(p) == os.getsid(launcher.pid) for p in processes)
         if sig == signal.SIGTERM:
             # A second cluster on the port the first holds fails at start and names it.
             second = subprocess.run(

@@ -479,3 +479,23 @@ def test_the_probe_finds_a_model_in_ollamas_store_as_the_roles_do(tmp_path, monk
     found = check_model("qwen3:0.6b")
     assert Path(found["path"]).parent == store / "blobs" and found["fingerprint"]
     assert "error" in check_model("qwen3:8b")
+
+
+def test_local_tandem_processes_join_the_launchers_session_and_wrappers_do_not(tmp_path):
+    """deploy/local.py session_of: this Python's processes get a process group in the
+    launcher's session (one scheduling group under the kernel's autogroup); a wrapper that may
+    prompt on a terminal (ssh, sudo) gets a session of its own, so no terminal."""
+    import sys
+
+    from deploy.local import OWN_PROCESS_GROUP, session_of
+    from deploy.process_plan import ProcessSpec
+
+    def spec(*argv: str) -> ProcessSpec:
+        return ProcessSpec("decode-0", list(argv), tmp_path / "log")
+
+    assert session_of(spec(sys.executable, "-m", "decode_node")) == OWN_PROCESS_GROUP
+    if sys.version_info >= (3, 11):
+        assert OWN_PROCESS_GROUP == {"process_group": 0}
+    for wrapper in (("ssh", "-o", "BatchMode=yes", "h1", "python3"),
+                    ("sudo", "ip", "netns", "exec", "n1", sys.executable)):
+        assert session_of(spec(*wrapper)) == {"start_new_session": True}

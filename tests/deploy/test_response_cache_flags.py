@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.__main__ import build_parser
 from coordinator.__main__ import main as coordinator_main
 from coordinator.response_cache_config import ResponseCacheConfig
@@ -76,3 +78,17 @@ def test_tandem_serve_refuses_an_embedding_model_it_does_not_serve(tmp_path, mon
     code, topology = _served(tmp_path, monkeypatch, "--model", str(embedder),
                              "--response-cache", f"semantic:model={embedder},threshold=0.8")
     assert code == 0 and topology.more_models[0][1] == embedder
+
+
+def test_tandem_serve_knows_an_embedder_by_its_files_name():
+    """The coordinator's model answers to its path, file name and stem: so does the check."""
+    from cli.serve import _response_cache
+
+    served = ["smollm2", "/models/Qwen3-Embedding-0.6B-Q8_0.gguf"]
+    for name in ("Qwen3-Embedding-0.6B-Q8_0", "Qwen3-Embedding-0.6B-Q8_0.gguf",
+                 "/models/Qwen3-Embedding-0.6B-Q8_0.gguf", "smollm2:latest"):
+        spec = f"semantic:model={name},threshold=0.9"
+        assert _response_cache(spec, served) == ("--response-cache", spec)
+    with pytest.raises(ValueError, match="'other' is not served"):
+        _response_cache("semantic:model=other,threshold=0.9", served)
+    assert _response_cache("semantic:model=other,threshold=0.9", served, load_on_request=True)
