@@ -248,14 +248,13 @@ def _response_cache(spec: str | None, models: list[str] = (),
     spellings, common/model_name.name_key) unless models load on request."""
     if spec is None:
         return ()
-    from common.model_name import name_key
+    from common.model_name import name_key, path_spellings
     from coordinator.response_cache_config import ResponseCacheConfig  # torch-free
 
     embedder = ResponseCacheConfig.parse(spec).embed_model
     # Every spelling the coordinator's served model answers to that the flag alone shows (a
     # store alias it may also have is left to the coordinator's own check at start).
-    spellings = {name_key(n) for m in models
-                 for n in (m, str(Path(m).expanduser()), Path(m).name, Path(m).stem)}
+    spellings = {name_key(n) for m in models for n in (m, *path_spellings(m))}
     if embedder is not None and not load_on_request and name_key(embedder) not in spellings:
         raise ValueError(f"--response-cache: the embedding model {embedder!r} is not served; "
                          f"add --model {embedder} (or load models on request)")

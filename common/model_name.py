@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -67,6 +68,14 @@ def name_key(text: str) -> str:
     """`text`'s ModelName.key, or `text` itself where it is no name (a path)."""
     parsed = ModelName.parse(text)
     return parsed.key if parsed else text.strip()
+
+
+def path_spellings(text: str) -> tuple[str, ...]:
+    """The names a model given as `text` (a name or a path) also answers to besides `text`:
+    its expanded path, its file's name and stem. The coordinator's served model and
+    `tandem serve`'s early checks both read this, so the two accept the same spellings."""
+    path = Path(text).expanduser()
+    return (str(path), path.name, path.stem)
 
 
 def display_name(text: str) -> str:

@@ -20,7 +20,7 @@ from common.model_defaults import ModelDefaults
 from common.model_config import ModelConfig
 from common.model_files import load_config
 from common.model_identity import model_fingerprint
-from common.model_name import display_name, name_key
+from common.model_name import display_name, name_key, path_spellings
 from common.model_store import ModelStore
 from common.tokenizer import Tokenizer
 
@@ -102,7 +102,7 @@ def load_served_model(path: str | Path, name: str, aliases: Iterable[str] = (),
     if choice.source != "model":
         log.info("model %s renders the chat template of %s", name, choice.source)
         tokenizer = tokenizer.with_chat_template(choice.template)
-    names = {name, *aliases, str(path), path.name, path.stem}
+    names = {name, *aliases, *path_spellings(str(path))}
     return ServedModel(name=name, names=frozenset(n for n in names if n), path=path,
                        config=config, tokenizer=tokenizer,
                        fingerprint=model_fingerprint(path, config), defaults=defaults)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from common.errors import ModelNotFoundError, TandemError
 from common.model_store import ModelStore
-from common.model_name import name_key
+from common.model_name import name_key, path_spellings
 from coordinator.model import ServedModel, shown
 
 
@@ -116,8 +116,7 @@ class ModelCatalog:
         """`name` was deleted from the store. The names a model was served under (its name,
         its path, the path's file name and stem) stay."""
         for fingerprint, model in self._models.items():
-            path = model.path
-            if name in model.names and name not in (model.name, str(path), path.name, path.stem):
+            if name in model.names and name not in (model.name, *path_spellings(str(model.path))):
                 self._models[fingerprint] = dataclasses.replace(model, names=model.names - {name})
 
 
@@ -134,8 +133,7 @@ def not_served_hint(store: ModelStore, name: str) -> str:
 
 
 def _path_names(model: ServedModel) -> set[str]:
-    path = model.path
-    return {str(path), path.name, path.stem} - {model.name}
+    return set(path_spellings(str(model.path))) - {model.name}
 
 
 def _without_shared_path_names(models: list[ServedModel]) -> list[ServedModel]:

@@ -120,8 +120,9 @@ def exact_key(fingerprint: str, request: FlowRequest) -> bytes:
 
 
 def partition_key(fingerprint: str, request: FlowRequest, prompt_without_turn: str,
-                  embedder_fingerprint: str = "") -> bytes:
-    """embedder_fingerprint: the embedding model's ("" for the chat model's own embedding)."""
+                  embedder_fingerprint: str) -> bytes:
+    """embedder_fingerprint: the model whose vectors the partition holds (the chat model's own
+    where it embeds its turns), so a changed embedder starts an empty index."""
     return _digest("semantic", fingerprint, request.cache_salt, prompt_without_turn,
                    _answer_params(request.params), sorted(request.stop_token_ids),
                    embedder_fingerprint)
@@ -261,8 +262,7 @@ class ResponseCache:
             log.warning("request %s: no semantic cache lookup, the embedding failed: %s",
                         request.request_id, exc)
             return None, None
-        embedder_fingerprint = "" if self.config.embed_model is None else embedder.fingerprint
-        return (partition_key(model.fingerprint, request, rest, embedder_fingerprint),
+        return (partition_key(model.fingerprint, request, rest, embedder.fingerprint),
                 np.asarray(vectors[0], dtype=np.float32))
 
     async def _embed_input(self, model: ServedModel,
@@ -279,7 +279,7 @@ class ResponseCache:
             assert self.find_model is not None  # __init__
             embedder = await self.find_model(self.config.embed_model)
             text, pooling = turn, embedder.config.pooling
-        ids = await off_loop(encode, embedder.tokenizer, text, True, None, True)
+        ids = await off_loop(encode, embedder.tokenizer, text, embedding=True)
         if len(ids) > embedder.context_len:
             return None
         return embedder, ids, pooling

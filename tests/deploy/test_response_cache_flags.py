@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from coordinator.__main__ import build_parser
@@ -92,3 +94,9 @@ def test_tandem_serve_knows_an_embedder_by_its_files_name():
     with pytest.raises(ValueError, match="'other' is not served"):
         _response_cache("semantic:model=other,threshold=0.9", served)
     assert _response_cache("semantic:model=other,threshold=0.9", served, load_on_request=True)
+    # One helper lists those spellings for both, `~` expanded as the coordinator loads it.
+    from common.model_name import path_spellings
+
+    assert path_spellings("~/m/E.gguf") == (str(Path.home() / "m" / "E.gguf"), "E.gguf", "E")
+    home_served = ["~/m/E.gguf"]
+    assert _response_cache(f"semantic:model={Path.home()}/m/E.gguf,threshold=0.9", home_served)
