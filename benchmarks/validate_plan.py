@@ -20,15 +20,21 @@ batches; nothing is scaled by it.
 
 A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. The profile was measured with a core to
 itself, while here the workers, the coordinator and the load generator share the host's
-cores, so each run is simulated twice: "own" (a core per worker, as a planned cluster
-would have) and "shared" (the simulator's shared host: the cores this process may use,
-with the coordinator's and the load generator's CPU time over the load, measured from
-/proc, as background work; planner/simulator.py).
+cores, so each run is simulated three times: "own" (a core per worker, as a planned cluster
+would have), "shared" (the simulator's shared host: the cores this process may use, with
+the coordinator's and the load generator's CPU time over the load, measured from /proc, as
+background work, each core shared by the workers on its run queue; planner/simulator.py)
+and "even" (the same host by processor sharing, every computing worker slowed alike).
+
+--save FILE writes the measured runs (each request's arrival, prompt and output tokens, the
+measured figures and the background); --replay FILE simulates them again without a cluster,
+with any profile, so two simulators or profiles are compared on the same measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -36,6 +42,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.bench_modes import WORDS, Sample, mode_topology, serving, stream, warm_up
@@ -112,15 +119,119 @@ def run_load(url: str, model: str, rate: float, count: int, output: int, seed: i
     return [(at, s) for at, s in results if s is not None and s.tokens >= 1]
 
 
-def measured_times(samples) -> list[RequestTimes]:
-    return [RequestTimes(at, at + s.ttft, at + s.ttft + sum(s.itls), s.tokens) for at, s in samples]
-
-
 def figures(times: list[RequestTimes]) -> dict[str, float]:
     tpot = [v for t in times if (v := t.tpot_s) is not None]
     ttft = [t.ttft_s for t in times]
     return {"TTFT p50": percentile(ttft, 50), "TTFT p99": percentile(ttft, 99),
             "TPOT p50": percentile(tpot, 50), "TPOT p99": percentile(tpot, 99)}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run, all the simulator needs to replay it (--save, --replay)."""
+    spec: str                      # P:D:RATE:REQUESTS
+    cores: int                     # the cores this process could use
+    background: float              # coordinator + load generator CPU, cores, over the load
+    # Per answered request: arrival s, prompt tokens, output tokens, TTFT s, its token gaps s.
+    requests: list[tuple[float, int, int, float, list[float]]]
+    load: tuple[float, float]      # 1-min load average before and after the load
+    solo: tuple[float, float]      # measured / simulated TTFT and TPOT served alone
+    steal_s: float
+
+    @property
+    def trace(self) -> list[Request]:
+        return [Request(at, prompt, output) for at, prompt, output, _, _ in self.requests]
+
+    @property
+    def measured(self) -> dict[str, float]:
+        return figures([RequestTimes(at, at + ttft, at + ttft + sum(itls), output)
+                        for at, _, output, ttft, itls in self.requests])
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max((g for *_, itls in self.requests for g in itls), default=math.nan)
+
+
+SIMULATIONS = ("own", "shared", "even")
+
+
+def simulated(run: Run, profile: CostProfile) -> dict[str, dict[str, float]]:
+    """The run's figures as the simulator predicts them: "own" a core per worker; "shared"
+    the host's cores shared per core, as Linux's run queues share them; "even" shared by
+    processor sharing (planner/simulator.py, ClusterConfig.sharing)."""
+    prefill, decode = (int(x) for x in run.spec.split(":")[:2])
+    trace = run.trace
+    configs = {"own": ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)}
+    for name, sharing in (("shared", "per_core"), ("even", "even")):
+        configs[name] = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH, host_cores=run.cores,
+                                      background_cores=run.background, sharing=sharing)
+    return {name: figures(simulate(trace, profile, config).times) for name, config in configs.items()}
+
+
+def measure(spec: str, model: str, model_path: Path, log_dir: Path, profile: CostProfile,
+            output: int, index: int) -> Run:
+    prefill, decode, rate, count = spec.split(":")
+    prefill, decode, rate, count = int(prefill), int(decode), float(rate), int(count)
+    topology = served_topology(spec.replace(":", "_"), model, model_path, log_dir, prefill, decode)
+    print(f"run {spec}: starting {prefill} prefill + {decode} decode workers ...", flush=True)
+    cluster, url = serving(topology, model)
+    with cluster:
+        cluster.start()
+        warm_up(url, model)
+        load_before = os.getloadavg()[0]
+        solo = solo_ratios(solo_requests(url, model, profile, SOLO_REQUESTS, random.Random(100 + index)))
+        coordinator = next(c.process.pid for c in cluster.children if c.spec.name == "coordinator")
+        # Background: the coordinator's CPU and this process's (the load generator).
+        cpu_before = cpu_seconds(coordinator) + time.process_time()
+        steal_before = host_steal_seconds()
+        started = time.perf_counter()
+        samples = run_load(url, model, rate, count, output, seed=index)
+        background = ((cpu_seconds(coordinator) + time.process_time() - cpu_before)
+                      / (time.perf_counter() - started))
+        steal_after = host_steal_seconds()
+        steal = steal_after - steal_before if None not in (steal_before, steal_after) else math.nan
+        load_after = os.getloadavg()[0]
+    return Run(spec, len(os.sched_getaffinity(0)), background,
+               [(at, s.prompt_tokens or 1, s.tokens, s.ttft, list(s.itls)) for at, s in samples],
+               (load_before, load_after), solo, steal)
+
+
+def print_table(runs: list[Run], profile: CostProfile) -> None:
+    print(f"\nprofile: {profile.source}; host cores: {', '.join(sorted({str(r.cores) for r in runs}))}")
+    print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
+          "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
+          "worker, shared: the host's cores shared with bg, a run queue per core, even: the same "
+          "cores by processor sharing; solo = measured / simulated TTFT and TPOT "
+          f"of {SOLO_REQUESTS} requests served alone just before the load (above 1: the host runs "
+          "slower than when profiled); steal = CPU ms the hypervisor took from the host's vCPUs "
+          "during the load (/proc/stat), gap = the longest measured token gap, ms")
+    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'steal':>5} "
+          f"{'gap':>5} {'sim':>6}  " + "  ".join(
+        f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
+    for run in runs:
+        meas = run.measured
+        for name, sim in simulated(run, profile).items():
+            cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
+                              for k in meas)
+            print(f"{run.spec:18} {len(run.trace):4d} {run.load[0]:4.1f}/{run.load[1]:<4.1f} "
+                  f"{run.background:4.2f} {run.solo[0]:4.2f}/{run.solo[1]:<4.2f} "
+                  f"{1e3 * run.steal_s:5.0f} {1e3 * run.longest_gap_s:5.0f} {name:>6}  {cells}")
+
+
+RUNS_SCHEMA = "tandem-validate-runs/1"
+
+
+def save_runs(path: Path, runs: list[Run], profile: CostProfile) -> None:
+    path.write_text(json.dumps({"schema": RUNS_SCHEMA, "profile": profile.source,
+                                "runs": [asdict(r) for r in runs]}))
+
+
+def load_runs(path: Path) -> list[Run]:
+    data = json.loads(path.read_text())
+    if data.get("schema") != RUNS_SCHEMA:
+        raise SystemExit(f"{path}: not a --save file of validate_plan (schema {data.get('schema')!r})")
+    return [Run(**{**r, "load": tuple(r["load"]), "solo": tuple(r["solo"]),
+                   "requests": [tuple(x) for x in r["requests"]]}) for r in data["runs"]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,65 +243,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", nargs="+", default=["1:1:0.3:24", "1:1:0.8:36", "1:2:0.8:36"],
                    help="P:D:RATE:REQUESTS per run")
     p.add_argument("--output", type=int, default=32, help="num_predict of every request")
+    p.add_argument("--save", type=Path, help="write the measured runs here (JSON), to --replay them")
+    p.add_argument("--replay", type=Path,
+                   help="simulate the runs a --save wrote (no cluster; --runs is ignored)")
     args = p.parse_args(argv)
     profile = CostProfile.load(args.profile)
-    model_path = default_store().resolve(args.model)
-    cores = len(os.sched_getaffinity(0))
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
-        for spec in args.runs:
-            prefill, decode, rate, count = spec.split(":")
-            prefill, decode, rate, count = int(prefill), int(decode), float(rate), int(count)
-            topology = served_topology(spec.replace(":", "_"), args.model, model_path, Path(tmp),
-                                       prefill, decode)
-            print(f"run {spec}: starting {prefill} prefill + {decode} decode workers ...", flush=True)
-            cluster, url = serving(topology, args.model)
-            with cluster:
-                cluster.start()
-                warm_up(url, args.model)
-                load_before = os.getloadavg()[0]
-                solo = solo_ratios(solo_requests(url, args.model, profile, SOLO_REQUESTS,
-                                                 random.Random(100 + len(rows))))
-                coordinator = next(c.process.pid for c in cluster.children
-                                   if c.spec.name == "coordinator")
-                # Background: the coordinator's CPU and this process's (the load generator).
-                cpu_before = cpu_seconds(coordinator) + time.process_time()
-                steal_before = host_steal_seconds()
-                started = time.perf_counter()
-                samples = run_load(url, args.model, rate, count, args.output, seed=len(rows))
-                background = ((cpu_seconds(coordinator) + time.process_time() - cpu_before)
-                              / (time.perf_counter() - started))
-                steal_after = host_steal_seconds()
-                steal = (steal_after - steal_before if None not in (steal_before, steal_after)
-                         else math.nan)
-                load_after = os.getloadavg()[0]
-            measured = measured_times(samples)
-            trace = [Request(t.arrival_s, s.prompt_tokens or 1, t.output_tokens)
-                     for t, (_, s) in zip(measured, samples)]
-            own = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)
-            shared = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH, host_cores=cores,
-                                   background_cores=background)
-            rows.append((spec, len(samples), figures(measured),
-                         {name: figures(simulate(trace, profile, config).times)
-                          for name, config in (("own", own), ("shared", shared))},
-                         load_before, load_after, background, solo,
-                         (steal, max((g for _, s in samples for g in s.itls), default=math.nan))))
-    print(f"\nprofile: {profile.source}; host cores: {cores}")
-    print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
-          "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
-          "worker, shared: the host's cores shared with bg; solo = measured / simulated TTFT and TPOT "
-          f"of {SOLO_REQUESTS} requests served alone just before the load (above 1: the host runs "
-          "slower than when profiled); steal = CPU ms the hypervisor took from the host's vCPUs "
-          "during the load (/proc/stat), gap = the longest measured token gap, ms")
-    print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'steal':>5} "
-          f"{'gap':>5} {'sim':>6}  " + "  ".join(
-        f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
-    for spec, n, meas, sims, lb, la, bg, solo, (steal, gap) in rows:
-        for name, sim in sims.items():
-            cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
-                              for k in meas)
-            print(f"{spec:18} {n:4d} {lb:4.1f}/{la:<4.1f} {bg:4.2f} {solo[0]:4.2f}/{solo[1]:<4.2f} "
-                  f"{1e3 * steal:5.0f} {1e3 * gap:5.0f} {name:>6}  {cells}")
+    if args.replay:
+        runs = load_runs(args.replay)
+    else:
+        model_path = default_store().resolve(args.model)
+        with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
+            runs = [measure(spec, args.model, model_path, Path(tmp), profile, args.output, i)
+                    for i, spec in enumerate(args.runs)]
+        if args.save:
+            save_runs(args.save, runs, profile)
+    print_table(runs, profile)
 
 
 if __name__ == "__main__":

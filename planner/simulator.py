@@ -26,12 +26,23 @@ so all gaps together add up exactly to the finished requests' first-token-to-fin
 (and, with failures, the lost ones' first to last token).
 
 A shared host (ClusterConfig.host_cores > 0): every worker runs on the same `host_cores`
-cores, beside `background_cores` of other work (the coordinator, a load generator), and the
-cores are shared equally among whatever computes (processor sharing): while n workers
-compute, each runs at min(1, host_cores / (n + background_cores)) of its profile's speed
-(the profile was measured with a core to itself). A prefill pass's remaining work is
-rescheduled exactly whenever n changes; a decode segment is cut at its next step boundary
-and resumes at the new speed. host_cores 0 (the default): each worker has its own cores.
+cores, beside `background_cores` of other work (the coordinator, a load generator), each
+worker at 1 / (its share of a core) of its profile's speed (the profile was measured with a
+core to itself). How the cores are shared (ClusterConfig.sharing):
+  "per_core" (the default): as Linux's scheduler shares them, a run queue per core. A worker
+  that starts computing joins the core with the fewest computing workers (the lowest index
+  among those), and the workers on one core share it evenly; when one stops, a core that
+  went idle takes a worker from the most crowded one (the idle balance), so the counts per
+  core never differ by more than one. So where workers outnumber cores some run at full
+  speed and some at half, not all at n / cores: measured with `perf sched` on a 1:2 cluster
+  on 2 cores (stop 47), the three workers' shares while all three computed were 0.5, 0.5
+  and 1.0 over stretches of 20-200 ms.
+  "even": processor sharing, every computing worker at min(1, host_cores / (n +
+  background_cores)), n the workers computing.
+Background work takes the cores no worker computes on first; what does not fit there is
+spread evenly over all cores. A prefill pass's remaining work is rescheduled exactly
+whenever its speed changes; a decode segment is cut at its next step boundary and resumes at
+the new speed. host_cores 0 (the default): each worker has its own cores.
 
 Worker failures and migration (ClusterConfig.failures): a worker dies at a given time, and
 comes back empty after `restart_after_s` if one is given. What it held moves as
@@ -73,9 +84,9 @@ must not overlap in time (ClusterConfig refuses them).
 Not modeled: preemption (blocks for the whole output are reserved at admission, which is
 conservative), prefix caching, conditional disaggregation (prefill on the decode worker),
 colocated workers, contention between transfers on a link, network latency to the client,
-heterogeneous workers, a worker borrowing an idle one's core (the core lease), and the OS
-leaving one worker off the cores for a time slice where workers outnumber cores (processor
-sharing slows all of them evenly instead; README, Planning a cluster).
+heterogeneous workers, a worker borrowing an idle one's core (the core lease), and the load
+balancer's periodic moves of a worker between two busy cores (per_core sharing keeps a
+worker on its core until a core goes idle; README, Planning a cluster).
 """
 
 from __future__ import annotations
@@ -150,6 +161,9 @@ class WorkerFailure:
                              f"e.g. decode:0@30 or prefill:1@12.5+20): {exc}") from None
 
 
+SHARINGS = ("per_core", "even")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     prefill_workers: int
@@ -159,6 +173,7 @@ class ClusterConfig:
     kv_blocks_per_decode: int = 0    # KV pool of a decode worker in blocks; 0 = unbounded
     host_cores: float = 0.0          # > 0: every worker shares these cores (module docstring)
     background_cores: float = 0.0    # ... with this much other work running on them
+    sharing: str = "per_core"        # how: "per_core" (a run queue per core) or "even" (module docstring)
     failures: tuple[WorkerFailure, ...] = ()  # module docstring: worker failures and migration
     max_migrations: int = 2          # moves per request before it fails (coordinator's default)
 
@@ -184,6 +199,11 @@ class ClusterConfig:
         for name in ("host_cores", "background_cores"):
             if not getattr(self, name) >= 0:  # also refuses nan
                 raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.sharing not in SHARINGS:
+            raise ValueError(f"ClusterConfig.sharing must be one of {', '.join(SHARINGS)}, got {self.sharing!r}")
+        if self.sharing == "per_core" and self.host_cores != int(self.host_cores):
+            raise ValueError(f"ClusterConfig.host_cores must be a whole number of cores with per_core sharing, "
+                             f"got {self.host_cores} (use sharing='even' for a fraction)")
 
 
 @dataclass(frozen=True)
@@ -247,6 +267,8 @@ class _Prefill:
     work_left: float = 0.0
     since: float = 0.0
     pass_start: float = 0.0
+    slowdown: float = 1.0            # shared host: its pass's time over the profile's, now
+    core: int = -1                   # per_core sharing: the core it computes on (-1: not computing)
     version: int = 0
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, computing and sending nothing
@@ -268,6 +290,7 @@ class _Decode:
     n: int = 0                       # steps in the current segment
     d0: float = 0.0                  # its first step's duration
     slowdown: float = 1.0            # shared host: its steps' time over the profile's
+    core: int = -1                   # per_core sharing: the core it computes on (-1: not computing)
     version: int = 0                 # bumped when a segment is cut or the worker dies: stale end events drop
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, stepping and receiving nothing
@@ -297,7 +320,10 @@ class Simulator:
         self.decode_tokens = 0
         self.decode_steps = 0
         self.computing = 0               # workers computing now (busy prefill, active decode)
-        self.slowdown = 1.0              # shared host: time over the profile's, for all of them
+        # per_core sharing: the workers computing on each core, in the order they came (the
+        # idle balance moves the latest). Invariant: their counts differ by at most one.
+        self.cores: list[list] = ([[] for _ in range(int(config.host_cores))]
+                                  if config.host_cores > 0 and config.sharing == "per_core" else [])
         self.migrations = 0
         # (request, its attempt, transfer time left): KV whose landing waits for its frozen
         # decode or prefill worker to thaw (_hold); a death makes an entry stale.
@@ -434,13 +460,13 @@ class Simulator:
         w.work_left, w.since, w.pass_start = cost, t, t
         if not w.busy:
             w.busy = True
-            self._computing(t, +1)
+            self._computing(t, w, +1)
         self._schedule_pass_end(p)
 
     def _schedule_pass_end(self, p: int) -> None:
         w = self.prefills[p]
         w.version += 1
-        self.push(w.since + w.work_left * self.slowdown, _PASS_END, p, w.version)
+        self.push(w.since + w.work_left * w.slowdown, _PASS_END, p, w.version)
 
     def pass_end(self, t: float, p: int) -> None:
         w = self.prefills[p]
@@ -466,32 +492,61 @@ class Simulator:
             self.start_pass(t, p)  # still computing: the count of workers computing holds
         else:
             w.busy = False
-            self._computing(t, -1)
+            self._computing(t, w, -1)
 
     # -- a shared host --------------------------------------------------------------------------
 
-    def _computing(self, t: float, change: int) -> None:
-        """A worker started (+1) or stopped (-1) computing at t. On a shared host every other
-        computing worker's speed changes with it: prefill passes are rescheduled from the work
-        they have left, decode segments end at their next step boundary (and go on at the new
+    def _computing(self, t: float, w: _Prefill | _Decode, change: int) -> None:
+        """Worker w started (+1) or stopped (-1) computing at t. On a shared host that changes
+        other computing workers' speeds: prefill passes are rescheduled from the work they
+        have left, decode segments end at their next step boundary (and go on at the new
         speed from there)."""
         self.computing += change
         if self.c.host_cores <= 0:
             return
-        slowdown = max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
-        if slowdown == self.slowdown:
-            return
-        old, self.slowdown = self.slowdown, slowdown
-        for p, w in enumerate(self.prefills):
-            if w.busy and w.since < t:
-                w.work_left = max(0.0, w.work_left - (t - w.since) / old)
-                w.since = t
-                self._schedule_pass_end(p)
-            elif w.busy:  # started at t: its end was scheduled at the old speed
-                self._schedule_pass_end(p)
-        for d, w in enumerate(self.decodes):
-            if w.active and w.slowdown != slowdown:
+        if self.cores:
+            by_load = range(len(self.cores))
+            if change > 0:
+                w.core = min(by_load, key=lambda c: len(self.cores[c]))
+                self.cores[w.core].append(w)
+            else:
+                on = self.cores[w.core]
+                del on[next(i for i, x in enumerate(on) if x is w)]  # by identity: workers compare by value
+                w.core = -1
+                # The idle balance: a core short by two takes the latest comer of the most
+                # crowded one (with a queue per core, nothing else moves a running worker).
+                while True:
+                    most = max(by_load, key=lambda c: len(self.cores[c]))
+                    least = min(by_load, key=lambda c: len(self.cores[c]))
+                    if len(self.cores[most]) - len(self.cores[least]) < 2:
+                        break
+                    moved = self.cores[most].pop()
+                    self.cores[least].append(moved)
+                    moved.core = least
+        for p, x in enumerate(self.prefills):
+            if not x.busy:
+                continue
+            slowdown = self._slowdown(x)
+            if x.since < t and slowdown != x.slowdown:
+                x.work_left = max(0.0, x.work_left - (t - x.since) / x.slowdown)
+                x.since = t
+            elif x.since < t:
+                continue
+            x.slowdown = slowdown  # a pass started at t: its end was scheduled at the old speed
+            self._schedule_pass_end(p)
+        for d, x in enumerate(self.decodes):
+            if x.active and x.slowdown != self._slowdown(x):
                 self.cut(d, t)
+
+    def _slowdown(self, w: _Prefill | _Decode) -> float:
+        """A computing worker's time over its profile's, now (module docstring)."""
+        if self.c.host_cores <= 0:
+            return 1.0
+        if not self.cores:  # even
+            return max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
+        idle = sum(1 for c in self.cores if not c)
+        spill = max(0.0, self.c.background_cores - idle) / len(self.cores)
+        return max(1.0, len(self.cores[w.core]) + spill)
 
     # -- decode workers -----------------------------------------------------------------------
 
@@ -575,7 +630,7 @@ class Simulator:
         w.active = False
         self.boundary(t, d, resumed=True)
         if not w.active:  # nothing left to run: this worker stopped computing
-            self._computing(t, -1)
+            self._computing(t, w, -1)
 
     def boundary(self, t: float, d: int, resumed: bool = False) -> None:
         """A step boundary: waiting requests join up to max_batch, then the next segment runs
@@ -595,9 +650,9 @@ class Simulator:
         if not w.running:
             return
         if not resumed:  # counted before it is active: the rescale finds no segment of its own to cut
-            self._computing(t, +1)
+            self._computing(t, w, +1)
         w.active, w.t0 = True, t
-        w.slowdown = self.slowdown
+        w.slowdown = self._slowdown(w)
         w.n = w.finishes[0][0] - w.step
         w.d0 = self.p.decode_step_s(w.running, w.context_sum) * w.slowdown
         w.version += 1
@@ -691,7 +746,7 @@ class Simulator:
                 r.last_token_s = w.t0 + self._steps_s(w, k)
         w.active = False
         w.version += 1  # its end event is stale
-        self._computing(t, -1)
+        self._computing(t, w, -1)
 
     def _halt_prefill(self, w: _Prefill, t: float) -> None:
         """w's pass in progress stops at t, unfinished (its end event is stale)."""
@@ -699,7 +754,7 @@ class Simulator:
         if w.busy:
             w.busy = False
             self.busy_s += t - w.pass_start
-            self._computing(t, -1)
+            self._computing(t, w, -1)
 
     def _hold(self, r: _Req, since: float) -> None:
         """r's KV, its pass done, stops landing at `since` (a freeze of either end): it stays
@@ -731,7 +786,7 @@ class Simulator:
             w = self.prefills[i]
             if w.alive:
                 if w.busy:
-                    w.work_left = max(0.0, w.work_left - (t - w.since) / self.slowdown)
+                    w.work_left = max(0.0, w.work_left - (t - w.since) / w.slowdown)
                     w.paused_pass = True
                 self._halt_prefill(w, t)
                 w.frozen, w.frozen_at = True, t
@@ -772,7 +827,7 @@ class Simulator:
                 w.paused_pass = False
                 w.since = w.pass_start = t
                 w.busy = True
-                self._computing(t, +1)
+                self._computing(t, w, +1)
                 self._schedule_pass_end(i)
             elif w.queue:
                 self.start_pass(t, i)
