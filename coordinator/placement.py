@@ -30,7 +30,10 @@ compare):
 The terms, per worker (block size `bs` its own):
     uncached     the prompt's blocks minus the overlap: computed, and moved to a decode worker
     new blocks   fresh blocks the request takes there: blocks(prompt + 1 token) - overlap
-    used         num_blocks - num_free_blocks, the KV its running requests hold
+    used         num_blocks - num_free_blocks, the KV its running requests hold, less the
+                 blocks of this coordinator's requests that ended there since that status
+                 (released_blocks: a status is up to a heartbeat old, longer than a short
+                 request lives, and a worker whose request just ended must not look busy)
     unseen       requests this coordinator sent it that its last heartbeat did not count yet
                  (assigned - reported running and waiting), each guessed as large as this
                  one: heartbeats are up to an interval old, and a burst sharing one hot prefix
@@ -142,6 +145,7 @@ def decode_cost(w: WorkerSnapshot, prompt_tokens: int, overlap: int,
     uncached = blocks_needed(prompt_tokens, bs) - overlap
     new = blocks_needed(prompt_tokens + 1, bs) - overlap
     used = w.load.num_blocks - w.load.num_free_blocks if w.load.num_blocks > 0 else 0
+    used = max(0, used - w.released_blocks)  # ended since the status that counts them
     unseen = max(0, w.assigned_requests - (w.load.num_running + w.load.num_waiting))
     return bs * (overlap_weight * (_queued_blocks(w) + uncached) + used + (unseen + 1) * new)
 

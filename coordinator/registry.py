@@ -77,6 +77,8 @@ class WorkerSnapshot:
     load: WorkerLoad
     assigned_requests: int = 0  # requests this coordinator has running there now
     assigned_prefill_tokens: int = 0  # prompt tokens this coordinator has sent it to prefill
+    released_blocks: int = 0  # KV blocks of this coordinator's requests that ended there
+                              # since its last status (which still counts them as used)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class WorkerRecord:
     dead_reason: str = ""
     assigned_requests: int = 0
     assigned_prefill_tokens: int = 0
+    released_blocks: int = 0  # see WorkerSnapshot; back to 0 at each status
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
     spec: SpecDecodeCounters | None = None  # its speculative decoding counters, as last reported
@@ -110,7 +113,7 @@ class WorkerRecord:
     def snapshot(self) -> WorkerSnapshot:
         return WorkerSnapshot(self.worker_id, self.role, self.kv_backend,
                               self.kv_layout_fingerprint, self.load, self.assigned_requests,
-                              self.assigned_prefill_tokens)
+                              self.assigned_prefill_tokens, self.released_blocks)
 
     def describe(self) -> dict:
         """JSON-ready view for /internal/workers."""
@@ -127,7 +130,8 @@ class WorkerRecord:
             "prefill_token_seconds": load.prefill_token_seconds,
             "cached_blocks": len(load.cached_hashes),
             "assigned_requests": self.assigned_requests,
-            "assigned_prefill_tokens": self.assigned_prefill_tokens, "resident": self.resident,
+            "assigned_prefill_tokens": self.assigned_prefill_tokens,
+            "released_blocks": self.released_blocks, "resident": self.resident,
             "kv": asdict(self.kv) if self.kv is not None else None,
             "spec_decode": asdict(self.spec) if self.spec is not None else None,
         }
@@ -242,6 +246,7 @@ class WorkerRegistry:
         record.last_heartbeat = self.responsive_now()
         if request.HasField("status"):
             record.load = load_from_status(request.status)
+            record.released_blocks = 0  # the status counts what ended before it
             record.kv = kv_from_status(request.status)
             record.spec = spec_from_status(request.status)
             record.refused = refused_from_status(request.status)
@@ -349,6 +354,7 @@ class WorkerRegistry:
         if self._workers.get(record.worker_id) is record and record.alive:
             record.last_heartbeat = self.responsive_now()
             record.load = load_from_status(status)
+            record.released_blocks = 0
             record.kv = kv_from_status(status)
             record.spec = spec_from_status(status)
             record.refused = refused_from_status(status)
@@ -373,13 +379,18 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0,
+               released_blocks: int = 0) -> None:
         """Add to (or, negative, take from) what this coordinator has sent a worker. A record
-        replaced by a re-registration starts from zero, so counts are clamped there."""
+        replaced by a re-registration starts from zero, so counts are clamped there.
+        released_blocks: the KV blocks a request that ended there held; its next status frees
+        them, so until then placement reads its used blocks less these (heartbeats are a
+        second apart, longer than a short request lives)."""
         record = self._workers.get(worker_id)
         if record is not None:
             record.assigned_requests = max(0, record.assigned_requests + requests)
             record.assigned_prefill_tokens = max(0, record.assigned_prefill_tokens + prefill_tokens)
+            record.released_blocks += released_blocks
 
     def live(self, roles: tuple[str, ...] = ROLES, model: str | None = None) -> list[WorkerRecord]:
         """Live workers of `roles`; of the model with fingerprint `model` only, when given."""
@@ -460,9 +471,10 @@ class RegistryView:
         record = self.registry.get(worker_id)
         return record if record is not None and record.model_fingerprint == self.model_fingerprint else None
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0,
+               released_blocks: int = 0) -> None:
         if self.get(worker_id) is not None:
-            self.registry.assign(worker_id, requests, prefill_tokens)
+            self.registry.assign(worker_id, requests, prefill_tokens, released_blocks)
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         if self.get(worker_id) is not None:

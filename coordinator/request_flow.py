@@ -40,7 +40,7 @@ import grpc
 from coordinator import convert
 from coordinator.call_cancelled import cancelled_from_outside
 from coordinator.config import CoordinatorConfig
-from coordinator.placement import Placement, place
+from coordinator.placement import Placement, blocks_needed, place
 from coordinator.registry import WorkerRecord, WorkerRegistry
 from common import request_id, tracing
 from common.errors import KV_TRANSFER_FAILED, TandemError
@@ -204,6 +204,7 @@ class RequestFlow:
                                      num_prior_output_tokens=prior, cache_salt=req.cache_salt),
             timeout=self.config.request_timeout_s, metadata=metadata)
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
+        decoded = 0  # tokens the decode worker produced: then it held the request's KV
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
@@ -220,6 +221,7 @@ class RequestFlow:
                 if local_tokens:  # the local prefill is done once tokens flow
                     self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
                     local_tokens = 0
+                decoded += len(token_ids)
                 yield token_ids
         except BaseException as exc:
             span.record_exception(exc)
@@ -229,7 +231,12 @@ class RequestFlow:
             span.end()
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
-            self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
+            # Its blocks are free there now (the worker frees them as the stream ends), but the
+            # worker's last status still counts them until its next one.
+            held = (blocks_needed(len(prompt_ids) + (1 if remote else 0) + decoded,
+                                  decode.load.block_size) if decoded else 0)
+            self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens,
+                                 released_blocks=held)
 
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
                               transfer_id: str, prompt_ids: list[int], prior: int,

@@ -162,6 +162,55 @@ def test_heartbeat_updates_load_and_unknown_worker_is_told_to_register():
     asyncio.run(scenario())
 
 
+def test_blocks_released_since_a_status_count_until_the_next_one():
+    """What this coordinator's ended requests held there lowers the used blocks placement
+    reads, until a status (which counts them freed already) replaces the load."""
+    registry = WorkerRegistry(CoordinatorConfig(), "fp")
+
+    async def scenario():
+        assert registry.register(pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:1",
+                                               model_fingerprint="fp")).accepted
+        registry.heartbeat(pb.HeartbeatRequest(
+            worker_id="w", status=pb.WorkerStatus(num_blocks=100, num_free_blocks=70, block_size=16)))
+        registry.assign("w", requests=1)
+        registry.assign("w", requests=-1, released_blocks=14)
+        registry.view("fp").assign("w", requests=1)
+        registry.view("fp").assign("w", requests=-1, released_blocks=6)
+        (snap,) = registry.snapshots()
+        assert (snap.released_blocks, snap.assigned_requests) == (20, 0)
+        assert registry.get("w").describe()["released_blocks"] == 20
+        registry.heartbeat(pb.HeartbeatRequest(worker_id="w"))  # no status: nothing new counted
+        assert registry.snapshots()[0].released_blocks == 20
+        registry.heartbeat(pb.HeartbeatRequest(
+            worker_id="w", status=pb.WorkerStatus(num_blocks=100, num_free_blocks=90, block_size=16)))
+        assert registry.snapshots()[0].released_blocks == 0
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_request_releases_its_blocks_until_the_worker_s_next_status(model, tokens):
+    """Through the real coordinator: a chat that ended on d1 counts its KV blocks (prompt and
+    generated tokens, in d1's block size) as released there until d1 reports again."""
+    from coordinator.placement import blocks_needed
+
+    async def scenario():
+        async with coordinator_harness(model) as h:
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
+            registry = h.coordinator.registry
+            d1.heartbeating = False  # no status after the chat (the probe waits 1.5 s)
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                r = await client.post(f"{h.url}/api/chat", json={
+                    "model": "tiny", "messages": MESSAGES, "stream": False})
+            released = registry.get("d1").released_blocks
+            d1.heartbeating = True
+            await wait_until(lambda: registry.get("d1").released_blocks == 0, "d1's next status")
+            return r.json(), released
+
+    body, released = run(scenario())
+    assert released == blocks_needed(body["prompt_eval_count"] + body["eval_count"], 16) > 0
+
+
 def test_a_live_worker_s_id_from_another_address_is_refused_while_it_answers(model, tokens):
     """A second process started as d1 while d1 lives: refused (logged, counted, on /metrics)
     while d1 answers its Status probe; accepted once d1 stops answering."""

@@ -23,11 +23,11 @@ def cached(prompt, blocks, block_size=BS):
 
 def worker(wid, role="decode", blocks=1000, used=0, running=0, queued=0, hashes=frozenset(),
            layout="L", backend="zmq", assigned=0, assigned_tokens=0, block_size=BS, budget=512,
-           token_s=0.0):
+           token_s=0.0, released=0):
     load = WorkerLoad(num_blocks=blocks, num_free_blocks=blocks - used, num_running=running,
                       queued_prefill_tokens=queued, max_num_batched_tokens=budget,
                       block_size=block_size, prefill_token_seconds=token_s, cached_hashes=hashes)
-    return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens)
+    return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens, released)
 
 
 def decode_id(ws, prompt=PROMPT):
@@ -121,6 +121,17 @@ def test_a_burst_on_one_hot_prefix_spills_over_before_heartbeats_show_it():
         chosen.append(wid)
     assert chosen[:4] == ["d1"] * 4
     assert "d2" in chosen and chosen.count("d1") > chosen.count("d2")
+
+
+def test_a_worker_whose_request_just_ended_is_not_busy_by_its_last_status():
+    """Its status (up to a heartbeat old) still counts the ended request's blocks: without
+    released_blocks the next request would join the other worker's running one."""
+    ended = worker("d1", used=40, running=1, released=40)
+    busy = worker("d2", used=20, running=1, assigned=1)
+    assert decode_id([ended, busy]) == "d1"
+    assert decode_id([worker("d1", used=40, running=1), busy]) == "d2"
+    # Never below empty (a status taken after some of them ended already).
+    assert decode_cost(worker("d1", used=10, released=40), 64, 0) == decode_cost(worker("d1"), 64, 0)
 
 
 def test_a_worker_without_room_loses_to_one_with_room_whatever_it_caches():
