@@ -222,15 +222,31 @@ RUNS_SCHEMA = "tandem-validate-runs/1"
 
 
 def save_runs(path: Path, runs: list[Run], profile: CostProfile) -> None:
+    """Strict JSON: a figure that could not be measured (NaN: no /proc/stat, nothing served
+    alone) is written as null."""
+    def strict(v):
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        return v
+
     path.write_text(json.dumps({"schema": RUNS_SCHEMA, "profile": profile.source,
-                                "runs": [asdict(r) for r in runs]}))
+                                "runs": [strict(asdict(r)) for r in runs]}, allow_nan=False))
 
 
 def load_runs(path: Path) -> list[Run]:
     data = json.loads(path.read_text())
     if data.get("schema") != RUNS_SCHEMA:
         raise SystemExit(f"{path}: not a --save file of validate_plan (schema {data.get('schema')!r})")
-    return [Run(**{**r, "load": tuple(r["load"]), "solo": tuple(r["solo"]),
+
+    def num(v):
+        return math.nan if v is None else v
+
+    return [Run(**{**r, "load": tuple(map(num, r["load"])), "solo": tuple(map(num, r["solo"])),
+                   "steal_s": num(r["steal_s"]),
                    "requests": [tuple(x) for x in r["requests"]]}) for r in data["runs"]]
 
 
@@ -252,11 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         runs = load_runs(args.replay)
     else:
         model_path = default_store().resolve(args.model)
+        runs = []
         with tempfile.TemporaryDirectory(prefix="tandem-validate-") as tmp:
-            runs = [measure(spec, args.model, model_path, Path(tmp), profile, args.output, i)
-                    for i, spec in enumerate(args.runs)]
-        if args.save:
-            save_runs(args.save, runs, profile)
+            for i, spec in enumerate(args.runs):
+                runs.append(measure(spec, args.model, model_path, Path(tmp), profile, args.output, i))
+                if args.save:  # after each run: a later one failing loses none of them
+                    save_runs(args.save, runs, profile)
     print_table(runs, profile)
 
 

@@ -31,9 +31,10 @@ worker at 1 / (its share of a core) of its profile's speed (the profile was meas
 core to itself). How the cores are shared (ClusterConfig.sharing):
   "per_core" (the default): as Linux's scheduler shares them, a run queue per core. A worker
   that starts computing joins the core with the fewest computing workers (the lowest index
-  among those), and the workers on one core share it evenly; when one stops, a core that
-  went idle takes a worker from the most crowded one (the idle balance), so the counts per
-  core never differ by more than one. So where workers outnumber cores some run at full
+  among those), and the workers on one core share it evenly; when one stops and leaves its
+  core two short of the most crowded one (with two cores: idle beside two), that core gives
+  its latest comer over (the idle balance), so the counts per core never differ by more
+  than one. So where workers outnumber cores some run at full
   speed and some at half, not all at n / cores: measured with `perf sched` on a 1:2 cluster
   on 2 cores (stop 47), the three workers' shares while all three computed were 0.5, 0.5
   and 1.0 over stretches of 20-200 ms.
@@ -201,7 +202,8 @@ class ClusterConfig:
                 raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.sharing not in SHARINGS:
             raise ValueError(f"ClusterConfig.sharing must be one of {', '.join(SHARINGS)}, got {self.sharing!r}")
-        if self.sharing == "per_core" and self.host_cores != int(self.host_cores):
+        if self.sharing == "per_core" and not (math.isfinite(self.host_cores)
+                                               and self.host_cores == int(self.host_cores)):
             raise ValueError(f"ClusterConfig.host_cores must be a whole number of cores with per_core sharing, "
                              f"got {self.host_cores} (use sharing='even' for a fraction)")
 
@@ -324,6 +326,8 @@ class Simulator:
         # idle balance moves the latest). Invariant: their counts differ by at most one.
         self.cores: list[list] = ([[] for _ in range(int(config.host_cores))]
                                   if config.host_cores > 0 and config.sharing == "per_core" else [])
+        self.spill = 0.0          # per_core: background work each core carries (none idle for it)
+        self.even_slowdown = 1.0  # even: every computing worker's time over its profile's
         self.migrations = 0
         # (request, its attempt, transfer time left): KV whose landing waits for its frozen
         # decode or prefill worker to thaw (_hold); a death makes an entry stale.
@@ -504,7 +508,14 @@ class Simulator:
         self.computing += change
         if self.c.host_cores <= 0:
             return
-        if self.cores:
+        if not self.cores:  # even: one speed for all; unchanged, nothing to reschedule
+            slowdown = max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
+            if slowdown == self.even_slowdown:
+                if change > 0:
+                    w.slowdown = slowdown  # a pass about to be scheduled; a decode sets its own
+                return
+            self.even_slowdown = slowdown
+        else:
             by_load = range(len(self.cores))
             if change > 0:
                 w.core = min(by_load, key=lambda c: len(self.cores[c]))
@@ -523,6 +534,8 @@ class Simulator:
                     moved = self.cores[most].pop()
                     self.cores[least].append(moved)
                     moved.core = least
+            idle = sum(1 for c in self.cores if not c)
+            self.spill = max(0.0, self.c.background_cores - idle) / len(self.cores)
         for p, x in enumerate(self.prefills):
             if not x.busy:
                 continue
@@ -542,11 +555,9 @@ class Simulator:
         """A computing worker's time over its profile's, now (module docstring)."""
         if self.c.host_cores <= 0:
             return 1.0
-        if not self.cores:  # even
-            return max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
-        idle = sum(1 for c in self.cores if not c)
-        spill = max(0.0, self.c.background_cores - idle) / len(self.cores)
-        return max(1.0, len(self.cores[w.core]) + spill)
+        if not self.cores:
+            return self.even_slowdown
+        return max(1.0, len(self.cores[w.core]) + self.spill)
 
     # -- decode workers -----------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -38,6 +39,19 @@ def test_a_saved_run_replays_to_the_same_table(tmp_path, capsys):
         assert ratio == pytest.approx(sim / meas, abs=0.01)
     # Three workers on two cores are slower than three with a core each, either way shared.
     assert sims["own"]["TTFT p99"] <= min(sims["shared"]["TTFT p99"], sims["even"]["TTFT p99"])
+
+
+def test_unmeasured_figures_are_saved_as_null(tmp_path):
+    """No /proc/stat (steal NaN), no solo request answered: strict JSON, NaN again on load."""
+    run = _run()
+    unmeasured = Run(run.spec, run.cores, run.background, run.requests, run.load,
+                     (math.nan, math.nan), math.nan)
+    save_runs(tmp_path / "runs.json", [unmeasured], make_profile())
+    saved = json.loads((tmp_path / "runs.json").read_text())["runs"][0]
+    assert saved["steal_s"] is None and saved["solo"] == [None, None]
+    (back,) = load_runs(tmp_path / "runs.json")
+    assert math.isnan(back.steal_s) and all(map(math.isnan, back.solo))
+    assert back.requests == run.requests
 
 
 def test_replay_refuses_another_file(tmp_path):

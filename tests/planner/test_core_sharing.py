@@ -82,9 +82,24 @@ def test_background_work_takes_the_idle_cores_first(profile):
     assert spill[1].ttft_s == pytest.approx(p.coordinator_overhead_s + 1.75 * pass_s)
 
 
+def test_background_beside_a_crowded_core_adds_to_every_core(profile):
+    """Three workers on two cores with a core's worth of background: no core is idle, so
+    each carries half of it: C's pass, beside A's decode, at 1 / (2 + 0.5) of its speed
+    (even sharing: 1 / ((3 + 1) / 2))."""
+    p = profile
+    pass_s = p.prefill_pass_s(C_PROMPT, CostProfile.chunk_pairs(C_PROMPT, 0))
+    c = Request(1.0, C_PROMPT, 2)
+    overhead = p.coordinator_overhead_s
+    per_core = simulate([A, B, c], p, _cluster("per_core", background_cores=1.0)).times
+    even = simulate([A, B, c], p, _cluster("even", background_cores=1.0)).times
+    assert per_core[2].ttft_s == pytest.approx(overhead + 2.5 * pass_s)
+    assert even[2].ttft_s == pytest.approx(overhead + 2.0 * pass_s)
+
+
 def test_sharing_is_checked():
     with pytest.raises(ValueError, match="sharing must be one of per_core, even"):
         ClusterConfig(1, 1, host_cores=2, sharing="fair")
-    with pytest.raises(ValueError, match="whole number of cores"):
-        ClusterConfig(1, 1, host_cores=1.5)
+    for cores in (1.5, float("inf")):
+        with pytest.raises(ValueError, match="whole number of cores"):
+            ClusterConfig(1, 1, host_cores=cores)
     assert ClusterConfig(1, 1, host_cores=1.5, sharing="even").host_cores == 1.5
