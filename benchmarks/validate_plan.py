@@ -223,9 +223,10 @@ RUNS_SCHEMA = "tandem-validate-runs/1"
 
 def save_runs(path: Path, runs: list[Run], profile: CostProfile) -> None:
     """Strict JSON: a figure that could not be measured (NaN: no /proc/stat, nothing served
-    alone) is written as null."""
+    alone; inf: a solo request the profile simulates as free) is written as null, and read
+    back as NaN."""
     def strict(v):
-        if isinstance(v, float) and math.isnan(v):
+        if isinstance(v, float) and not math.isfinite(v):
             return None
         if isinstance(v, (list, tuple)):
             return [strict(x) for x in v]

@@ -32,10 +32,12 @@ The terms, per worker (block size `bs` its own):
     new blocks   fresh blocks the request takes there: blocks(prompt + 1 token) - overlap
     used         num_blocks - num_free_blocks, the KV its running requests hold, less the
                  blocks of this coordinator's requests that ended there since that status
-                 (released_blocks: a status is up to a heartbeat old, longer than a short
-                 request lives, and a worker whose request just ended must not look busy)
+                 and were counted by it (released_blocks: a status is up to a heartbeat old,
+                 longer than a short request lives, and a worker whose request just ended
+                 must not look busy)
     unseen       requests this coordinator sent it that its last heartbeat did not count yet
-                 (assigned - reported running and waiting), each guessed as large as this
+                 (assigned - reported running and waiting, less the released ones that
+                 status still counts), each guessed as large as this
                  one: heartbeats are up to an interval old, and a burst sharing one hot prefix
                  must not all land on the worker that holds it before its load shows
     queued       prompt tokens it has accepted and not prefilled yet (its report plus ours) / bs
@@ -145,8 +147,10 @@ def decode_cost(w: WorkerSnapshot, prompt_tokens: int, overlap: int,
     uncached = blocks_needed(prompt_tokens, bs) - overlap
     new = blocks_needed(prompt_tokens + 1, bs) - overlap
     used = w.load.num_blocks - w.load.num_free_blocks if w.load.num_blocks > 0 else 0
-    used = max(0, used - w.released_blocks)  # ended since the status that counts them
-    unseen = max(0, w.assigned_requests - (w.load.num_running + w.load.num_waiting))
+    # Ended since the status that counts them (it still counts them as running too).
+    used = max(0, used - w.released_blocks)
+    reported = max(0, w.load.num_running + w.load.num_waiting - w.released_requests)
+    unseen = max(0, w.assigned_requests - reported)
     return bs * (overlap_weight * (_queued_blocks(w) + uncached) + used + (unseen + 1) * new)
 
 

@@ -79,6 +79,7 @@ class WorkerSnapshot:
     assigned_prefill_tokens: int = 0  # prompt tokens this coordinator has sent it to prefill
     released_blocks: int = 0  # KV blocks of this coordinator's requests that ended there
                               # since its last status (which still counts them as used)
+    released_requests: int = 0  # ... and those requests (it still counts them running)
 
 
 @dataclass
@@ -98,6 +99,8 @@ class WorkerRecord:
     assigned_requests: int = 0
     assigned_prefill_tokens: int = 0
     released_blocks: int = 0  # see WorkerSnapshot; back to 0 at each status
+    released_requests: int = 0
+    statuses: int = 0  # statuses received: a request placed after the last one is in none
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
     spec: SpecDecodeCounters | None = None  # its speculative decoding counters, as last reported
@@ -110,10 +113,16 @@ class WorkerRecord:
     prefill_stub: pb_grpc.PrefillWorkerStub | None = field(default=None, repr=False)
     decode_stub: pb_grpc.DecodeWorkerStub | None = field(default=None, repr=False)
 
+    def new_status(self) -> None:
+        """A status replaced the load: it counts what ended before it."""
+        self.statuses += 1
+        self.released_blocks = self.released_requests = 0
+
     def snapshot(self) -> WorkerSnapshot:
         return WorkerSnapshot(self.worker_id, self.role, self.kv_backend,
                               self.kv_layout_fingerprint, self.load, self.assigned_requests,
-                              self.assigned_prefill_tokens, self.released_blocks)
+                              self.assigned_prefill_tokens, self.released_blocks,
+                              self.released_requests)
 
     def describe(self) -> dict:
         """JSON-ready view for /internal/workers."""
@@ -131,7 +140,8 @@ class WorkerRecord:
             "cached_blocks": len(load.cached_hashes),
             "assigned_requests": self.assigned_requests,
             "assigned_prefill_tokens": self.assigned_prefill_tokens,
-            "released_blocks": self.released_blocks, "resident": self.resident,
+            "released_blocks": self.released_blocks,
+            "released_requests": self.released_requests, "resident": self.resident,
             "kv": asdict(self.kv) if self.kv is not None else None,
             "spec_decode": asdict(self.spec) if self.spec is not None else None,
         }
@@ -246,7 +256,7 @@ class WorkerRegistry:
         record.last_heartbeat = self.responsive_now()
         if request.HasField("status"):
             record.load = load_from_status(request.status)
-            record.released_blocks = 0  # the status counts what ended before it
+            record.new_status()
             record.kv = kv_from_status(request.status)
             record.spec = spec_from_status(request.status)
             record.refused = refused_from_status(request.status)
@@ -354,7 +364,7 @@ class WorkerRegistry:
         if self._workers.get(record.worker_id) is record and record.alive:
             record.last_heartbeat = self.responsive_now()
             record.load = load_from_status(status)
-            record.released_blocks = 0
+            record.new_status()
             record.kv = kv_from_status(status)
             record.spec = spec_from_status(status)
             record.refused = refused_from_status(status)
@@ -379,18 +389,23 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0,
-               released_blocks: int = 0) -> None:
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
         """Add to (or, negative, take from) what this coordinator has sent a worker. A record
-        replaced by a re-registration starts from zero, so counts are clamped there.
-        released_blocks: the KV blocks a request that ended there held; its next status frees
-        them, so until then placement reads its used blocks less these (heartbeats are a
-        second apart, longer than a short request lives)."""
+        replaced by a re-registration starts from zero, so counts are clamped there."""
         record = self._workers.get(worker_id)
         if record is not None:
             record.assigned_requests = max(0, record.assigned_requests + requests)
             record.assigned_prefill_tokens = max(0, record.assigned_prefill_tokens + prefill_tokens)
-            record.released_blocks += released_blocks
+
+    def release(self, record: WorkerRecord, blocks: int) -> None:
+        """A request of this coordinator that a status of `record` counted ended there holding
+        `blocks` KV blocks: the worker frees them now, its last status still counts them (and
+        the request running) until its next one, and placement reads them as freed
+        (heartbeats are a second apart, longer than a short request lives). Nothing for a
+        record replaced meanwhile (a re-registration: its status never counted them)."""
+        if self._workers.get(record.worker_id) is record:
+            record.released_blocks += blocks
+            record.released_requests += 1
 
     def live(self, roles: tuple[str, ...] = ROLES, model: str | None = None) -> list[WorkerRecord]:
         """Live workers of `roles`; of the model with fingerprint `model` only, when given."""
@@ -471,10 +486,13 @@ class RegistryView:
         record = self.registry.get(worker_id)
         return record if record is not None and record.model_fingerprint == self.model_fingerprint else None
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0,
-               released_blocks: int = 0) -> None:
+    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
         if self.get(worker_id) is not None:
-            self.registry.assign(worker_id, requests, prefill_tokens, released_blocks)
+            self.registry.assign(worker_id, requests, prefill_tokens)
+
+    def release(self, record: WorkerRecord, blocks: int) -> None:
+        if self.get(record.worker_id) is not None:
+            self.registry.release(record, blocks)
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         if self.get(worker_id) is not None:

@@ -196,6 +196,7 @@ class RequestFlow:
             "tandem.transfer_id": transfer_id})
         metadata = request_id.metadata(req.log_id) + tracing.metadata(span)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
+        statuses = decode.statuses  # a status after this one may count the request
         call = decode.decode_stub.Generate(
             convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
                                      max_tokens, remote,
@@ -231,12 +232,14 @@ class RequestFlow:
             span.end()
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
+            self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
             # Its blocks are free there now (the worker frees them as the stream ends), but the
-            # worker's last status still counts them until its next one.
-            held = (blocks_needed(len(prompt_ids) + (1 if remote else 0) + decoded,
-                                  decode.load.block_size) if decoded else 0)
-            self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens,
-                                 released_blocks=held)
+            # worker's last status, if it came after the request did, still counts them.
+            # Not the prompt's blocks the worker had cached: others may hold them still.
+            if decoded and decode.statuses > statuses:
+                self.registry.release(decode, max(0, blocks_needed(
+                    len(prompt_ids) + (1 if remote else 0) + decoded, decode.load.block_size)
+                    - placement.overlap_blocks))
 
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
                               transfer_id: str, prompt_ids: list[int], prior: int,

@@ -42,10 +42,11 @@ def test_a_saved_run_replays_to_the_same_table(tmp_path, capsys):
 
 
 def test_unmeasured_figures_are_saved_as_null(tmp_path):
-    """No /proc/stat (steal NaN), no solo request answered: strict JSON, NaN again on load."""
+    """No /proc/stat (steal NaN), no solo request answered (NaN) or one simulated as free
+    (inf): strict JSON, NaN on load."""
     run = _run()
     unmeasured = Run(run.spec, run.cores, run.background, run.requests, run.load,
-                     (math.nan, math.nan), math.nan)
+                     (math.inf, math.nan), math.nan)
     save_runs(tmp_path / "runs.json", [unmeasured], make_profile())
     saved = json.loads((tmp_path / "runs.json").read_text())["runs"][0]
     assert saved["steal_s"] is None and saved["solo"] == [None, None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -172,17 +173,21 @@ def test_blocks_released_since_a_status_count_until_the_next_one():
                                                model_fingerprint="fp")).accepted
         registry.heartbeat(pb.HeartbeatRequest(
             worker_id="w", status=pb.WorkerStatus(num_blocks=100, num_free_blocks=70, block_size=16)))
-        registry.assign("w", requests=1)
-        registry.assign("w", requests=-1, released_blocks=14)
-        registry.view("fp").assign("w", requests=1)
-        registry.view("fp").assign("w", requests=-1, released_blocks=6)
+        record = registry.get("w")
+        registry.release(record, 14)
+        registry.view("fp").release(record, 6)
         (snap,) = registry.snapshots()
-        assert (snap.released_blocks, snap.assigned_requests) == (20, 0)
-        assert registry.get("w").describe()["released_blocks"] == 20
+        assert (snap.released_blocks, snap.released_requests) == (20, 2)
+        assert record.describe()["released_blocks"] == 20
         registry.heartbeat(pb.HeartbeatRequest(worker_id="w"))  # no status: nothing new counted
         assert registry.snapshots()[0].released_blocks == 20
         registry.heartbeat(pb.HeartbeatRequest(
             worker_id="w", status=pb.WorkerStatus(num_blocks=100, num_free_blocks=90, block_size=16)))
+        assert registry.snapshots()[0].released_blocks == 0
+        # A record replaced by a re-registration: its status never counted the old one's.
+        assert registry.register(pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:1",
+                                               model_fingerprint="fp")).accepted
+        registry.release(record, 9)
         assert registry.snapshots()[0].released_blocks == 0
         await registry.close()
 
@@ -190,25 +195,45 @@ def test_blocks_released_since_a_status_count_until_the_next_one():
 
 
 def test_a_finished_request_releases_its_blocks_until_the_worker_s_next_status(model, tokens):
-    """Through the real coordinator: a chat that ended on d1 counts its KV blocks (prompt and
-    generated tokens, in d1's block size) as released there until d1 reports again."""
+    """Through the real coordinator: a chat that ended on d1 after a status of d1 (which
+    counted it) releases its KV blocks (prompt and generated tokens, in d1's block size)
+    there until d1 reports again; one that came and went between two statuses releases
+    nothing (no status counted it)."""
     from coordinator.placement import blocks_needed
 
-    async def scenario():
-        async with coordinator_harness(model) as h:
-            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens))
-            registry = h.coordinator.registry
-            d1.heartbeating = False  # no status after the chat (the probe waits 1.5 s)
-            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-                r = await client.post(f"{h.url}/api/chat", json={
-                    "model": "tiny", "messages": MESSAGES, "stream": False})
-            released = registry.get("d1").released_blocks
-            d1.heartbeating = True
-            await wait_until(lambda: registry.get("d1").released_blocks == 0, "d1's next status")
-            return r.json(), released
+    async def chat(client, url, stream):
+        async with client.stream("POST", f"{url}/api/chat", json={
+                "model": "tiny", "messages": MESSAGES, "stream": True}) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                if line.strip():
+                    lines.append(json.loads(line))
+                    stream(len(lines))
+            return lines[-1]
 
-    body, released = run(scenario())
+    async def scenario():
+        async with coordinator_harness(model, heartbeat_misses=100) as h:  # no probe for 5 s
+            d1 = await h.add_worker("d1", "decode", Script(tokens=tokens, token_delay_s=0.3))
+            registry = h.coordinator.registry
+            async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+                # Statuses come every 0.1 s while the first token is on its way; then none.
+                def silence(n):
+                    if n == 1:
+                        d1.heartbeating = False
+                counted = await chat(client, h.url, silence)
+                released = registry.get("d1").released_blocks
+                d1.heartbeating = True
+                await wait_until(lambda: registry.get("d1").released_blocks == 0, "d1's next status")
+                d1.heartbeating = False  # no status from placement to the end
+                await asyncio.sleep(0.3)  # a heartbeat already on its way lands
+                d1.script.token_delay_s = 0.0
+                await chat(client, h.url, lambda n: None)
+                unseen = registry.get("d1").released_blocks
+            return counted, released, unseen
+
+    body, released, unseen = run(scenario())
     assert released == blocks_needed(body["prompt_eval_count"] + body["eval_count"], 16) > 0
+    assert unseen == 0
 
 
 def test_a_live_worker_s_id_from_another_address_is_refused_while_it_answers(model, tokens):

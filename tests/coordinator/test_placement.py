@@ -23,11 +23,12 @@ def cached(prompt, blocks, block_size=BS):
 
 def worker(wid, role="decode", blocks=1000, used=0, running=0, queued=0, hashes=frozenset(),
            layout="L", backend="zmq", assigned=0, assigned_tokens=0, block_size=BS, budget=512,
-           token_s=0.0, released=0):
+           token_s=0.0, released=0, released_requests=0):
     load = WorkerLoad(num_blocks=blocks, num_free_blocks=blocks - used, num_running=running,
                       queued_prefill_tokens=queued, max_num_batched_tokens=budget,
                       block_size=block_size, prefill_token_seconds=token_s, cached_hashes=hashes)
-    return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens, released)
+    return WorkerSnapshot(wid, role, backend, layout, load, assigned, assigned_tokens, released,
+                          released_requests)
 
 
 def decode_id(ws, prompt=PROMPT):
@@ -126,10 +127,14 @@ def test_a_burst_on_one_hot_prefix_spills_over_before_heartbeats_show_it():
 def test_a_worker_whose_request_just_ended_is_not_busy_by_its_last_status():
     """Its status (up to a heartbeat old) still counts the ended request's blocks: without
     released_blocks the next request would join the other worker's running one."""
-    ended = worker("d1", used=40, running=1, released=40)
+    ended = worker("d1", used=40, running=1, released=40, released_requests=1)
     busy = worker("d2", used=20, running=1, assigned=1)
     assert decode_id([ended, busy]) == "d1"
     assert decode_id([worker("d1", used=40, running=1), busy]) == "d2"
+    # A request placed there since counts as unseen: the status's running one is the ended
+    # one, not it (else a second request would find the worker as empty as the first did).
+    again = worker("d1", used=40, running=1, released=40, released_requests=1, assigned=1)
+    assert decode_cost(again, 64, 0) > decode_cost(worker("d1"), 64, 0)
     # Never below empty (a status taken after some of them ended already).
     assert decode_cost(worker("d1", used=10, released=40), 64, 0) == decode_cost(worker("d1"), 64, 0)
 
