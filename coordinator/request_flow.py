@@ -196,7 +196,6 @@ class RequestFlow:
             "tandem.transfer_id": transfer_id})
         metadata = request_id.metadata(req.log_id) + tracing.metadata(span)
         self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
-        statuses = decode.statuses  # a status after this one may count the request
         call = decode.decode_stub.Generate(
             convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
                                      max_tokens, remote,
@@ -205,7 +204,12 @@ class RequestFlow:
                                      num_prior_output_tokens=prior, cache_salt=req.cache_salt),
             timeout=self.config.request_timeout_s, metadata=metadata)
         read = asyncio.ensure_future(self._read(call, decode, self.config.token_timeout_s))
-        decoded = 0  # tokens the decode worker produced: then it held the request's KV
+        decoded = 0  # tokens the decode worker produced
+        # What the decode worker's statuses saw of this request, for placement (which reads
+        # its used blocks less what ended since a status: registry.release): statuses are
+        # counted from its first event (it holds the request's KV by then); `counted` is the
+        # tokens it had decoded when the latest of those came, `seen` that status's number.
+        seen, counted = None, 0
         try:
             if remote:
                 first = await self._remote_prefill(read, decode, placement.prefill.worker_id,
@@ -222,6 +226,10 @@ class RequestFlow:
                 if local_tokens:  # the local prefill is done once tokens flow
                     self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
                     local_tokens = 0
+                if seen is None:
+                    seen = decode.statuses
+                elif decode.statuses != seen:
+                    seen, counted = decode.statuses, decoded
                 decoded += len(token_ids)
                 yield token_ids
         except BaseException as exc:
@@ -233,12 +241,13 @@ class RequestFlow:
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
             self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
-            # Its blocks are free there now (the worker frees them as the stream ends), but the
-            # worker's last status, if it came after the request did, still counts them.
-            # Not the prompt's blocks the worker had cached: others may hold them still.
-            if decoded and decode.statuses > statuses:
+            # Its blocks are free there now (the worker frees them as the stream ends), but a
+            # status that counted it, with none since its last token, says otherwise until the
+            # worker's next one. Not the prompt's blocks the worker had cached: others may
+            # hold them still.
+            if counted and decode.statuses == seen:
                 self.registry.release(decode, max(0, blocks_needed(
-                    len(prompt_ids) + (1 if remote else 0) + decoded, decode.load.block_size)
+                    len(prompt_ids) + (1 if remote else 0) + counted, decode.load.block_size)
                     - placement.overlap_blocks))
 
     async def _remote_prefill(self, read: asyncio.Future, decode: WorkerRecord, prefill_id: str,
