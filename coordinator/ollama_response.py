@@ -57,6 +57,10 @@ def serving_figures(g: Generation) -> dict[str, Any]:
         "truncated_messages": t.truncated_messages, "truncated_tokens": t.truncated_tokens,
         "decode_worker": g.outcome.decode_worker or None,
         "prefill_worker": g.outcome.prefill_worker or None,
+        # The prefill worker's own time for the request, as it reported (its queue and
+        # passes, the KV hand-off overlapped): what benchmarks.profile_host sets against the
+        # engine's pass. None for a local prefill.
+        "prefill_worker_s": g.outcome.prefill_seconds if g.outcome.prefill_worker else None,
         "kv_bytes": g.outcome.kv_bytes, "migrations": g.outcome.migrations,
         # coordinator/response_cache.py: "hit" (replayed, no worker), "miss", "bypass"; None
         # with the cache off

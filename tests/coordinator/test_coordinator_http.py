@@ -74,6 +74,7 @@ def test_disaggregated_flow_two_concurrent_calls_streams_ndjson(model, tokens):
     check_final(final, model, len(tokens))
     assert final["message"]["content"] == ""
     assert final["tandem"]["prefill_worker"] == "p1" and final["tandem"]["decode_worker"] == "d1"
+    assert final["tandem"]["prefill_worker_s"] == 0.01  # as the (fake) prefill worker reported
     assert len(final["tandem"]["itl_s"]) == len(tokens) - 1
 
     (gen,) = decode.requests
@@ -108,7 +109,7 @@ def test_short_prompt_prefills_on_the_decode_worker(model, tokens):
     body = r.json()
     assert body["message"] == {"role": "assistant", "content": TEXT}
     check_final(body, model, len(tokens))
-    assert body["tandem"]["prefill_worker"] is None
+    assert body["tandem"]["prefill_worker"] is None and body["tandem"]["prefill_worker_s"] is None
     assert prefill.requests == []
     (gen,) = decode.requests
     assert gen.remote_prefill is False
