@@ -100,7 +100,9 @@ class WorkerRecord:
     assigned_prefill_tokens: int = 0
     released_blocks: int = 0  # see WorkerSnapshot; back to 0 at each status
     released_requests: int = 0
-    statuses: int = 0  # statuses received: a request placed after the last one is in none
+    # Statuses received: a request's flow compares the count from its first decoded token on,
+    # to tell whether a status saw its KV (request_flow.py; released_blocks).
+    statuses: int = 0
     registrations: int = 1
     kv: KVCounters | None = None  # its KV transfer counters, as last reported
     spec: SpecDecodeCounters | None = None  # its speculative decoding counters, as last reported

@@ -59,7 +59,8 @@ work. A request moved more than `max_migrations` times (tandem's default 2), or 
 worker of a role left and none to come back, fails; so does one moved while no decode worker
 is alive (the coordinator has nowhere to place it and ends it with an error). Lost requests
 are counted in Summary.failed, never in the TTFT, TPOT and E2E percentiles (the gaps of the
-tokens they did stream stay in the ITL record: the client saw them). The coordinator notices a death at once (a stream cut or UNAVAILABLE).
+tokens they did stream stay in the ITL record: the client saw them). The coordinator notices
+a death at once (a stream cut or UNAVAILABLE).
 A frozen worker (WorkerFailure.noticed_after_s > 0: a stopped or hung process) dies the same
 way, but only that long after it froze, as the coordinator declares a silent worker dead at
 its heartbeat deadline and then ends its calls (coordinator/registry.py): meanwhile it
