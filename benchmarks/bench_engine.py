@@ -9,7 +9,9 @@ Prints the CPU (model name; avx2, avx512f, avx512_vnni, avx512_bf16 from /proc/c
 torch version and thread count, this host's copy bandwidth (dst.copy_(src) of 256 MB fp32, best
 of 5, read+write bytes), then per dispatch level and format:
 
-- prefill tokens/s for one prompt of --prompt-len tokens in a single pass;
+- prefill tokens/s for one prompt of --prompt-len tokens in a single pass (and, with
+  --prefill-lens, the seconds of one pass at each of those lengths, in the JSON rows'
+  prefill_points: what benchmarks.profile_host fits the planner's prefill cost from);
 - decode tokens/s at each batch size (every sequence one token per step, each sequence's KV
   already holding --context tokens; median step of --decode-steps), with the bytes one step
   reads (every projection and the lm_head: weight, scales and zeros; plus the batch's KV at
@@ -142,15 +144,24 @@ def bench_format(loaded, fmt: str, args) -> dict:
     finally:
         torch.set_num_threads(torch_threads)
     batches = [int(b) for b in args.batches.split(",")]
-    per_seq = (max(args.prompt_len, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    prefill_lens = parse_lens(getattr(args, "prefill_lens", None))
+    longest = max([args.prompt_len, *prefill_lens])
+    per_seq = (max(longest, args.context + args.decode_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE
     kv_dtype = KV_TORCH_DTYPES[args.kv_dtype]
     runner = ModelRunner(model, CacheConfig(block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq), kv_dtype,
                          cuda_graphs=not getattr(args, "no_cuda_graphs", False))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(batches))]
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
-    prefill_s = time_it(lambda: runner.execute([SequenceChunk(prompt, 0, tables[0], True)]), args.repeats,
-                        runner.device)
+    tokens = torch.randint(100, config.vocab_size, (longest,), generator=gen).tolist()
+
+    def prefill_time(n: int) -> float:
+        return time_it(lambda: runner.execute([SequenceChunk(tokens[:n], 0, tables[0], True)]), args.repeats,
+                       runner.device)
+
+    prefill_s = prefill_time(args.prompt_len)
+    # More single-pass prompt lengths, for the planner's prefill fit (three coefficients: a
+    # point per --prompt-len alone leaves the fit no residual to average the noise out).
+    prefill_points = [[n, prefill_time(n)] for n in prefill_lens]
     fill_context(runner, tables, config.vocab_size, args.context, args.prompt_len)
     kv_per_seq = kv_cache_bytes_per_block(config, args.context, runner.kv_cache.dtype)
     # Decode steps as a decode worker runs them: its --threads go to the native kernels' pool
@@ -164,9 +175,25 @@ def bench_format(loaded, fmt: str, args) -> dict:
         torch.set_num_threads(torch_threads)
     # prompt_len and context make a row self-describing: planner/cost_profile.py fits its
     # cost models from rows measured at several of them.
-    return {"format": fmt, "prompt_len": args.prompt_len, "context": args.context,
-            "prefill_tok_s": args.prompt_len / prefill_s, "weight_bytes": weight_bytes(model),
-            "decode": decode}
+    row = {"format": fmt, "prompt_len": args.prompt_len, "context": args.context,
+           "prefill_tok_s": args.prompt_len / prefill_s, "weight_bytes": weight_bytes(model),
+           "decode": decode}
+    if prefill_points:
+        row["prefill_points"] = prefill_points  # [prompt tokens, seconds of its one pass]
+    return row
+
+
+def parse_lens(spec: str | None) -> list[int]:
+    """--prefill-lens: comma-separated prompt lengths (none when unset)."""
+    if not spec:
+        return []
+    try:
+        lens = [int(n) for n in spec.split(",")]
+    except ValueError:
+        lens = []
+    if not lens or any(n < 1 for n in lens):
+        raise ValueError(f"--prefill-lens: comma-separated lengths >= 1, got {spec!r}")
+    return lens
 
 
 def run_level(args) -> dict:
@@ -194,6 +221,8 @@ def run_child(args, level: str) -> dict:
            "--batches", args.batches, "--decode-steps", str(args.decode_steps),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--kv-dtype", args.kv_dtype,
            "--device", args.device]
+    if getattr(args, "prefill_lens", None):
+        cmd += ["--prefill-lens", args.prefill_lens]
     env = native.level_env(level, worker_env(args.threads))
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])[0]
@@ -266,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence when decoding")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--prefill-lens", default=None, metavar="N,N,...",
+                        help="more prompt lengths to time one prefill pass of (JSON rows' prefill_points)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32", help="KV cache element type")
@@ -280,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.device != "cpu":
         args.one_level = True  # aten's CPU dispatch levels do not apply on a GPU
+    try:
+        parse_lens(args.prefill_lens)
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_process(args.threads)
     if args.kernels:
         for module in ("benchmarks.bench_linear", "benchmarks.bench_attention"):

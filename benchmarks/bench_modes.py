@@ -60,6 +60,7 @@ class Sample:
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
     prompt_tokens: int = 0  # prompt_eval_count of the final chunk (what the model was fed)
+    prefill_worker_s: float | None = None  # the final chunk's tandem.prefill_worker_s (remote prefills)
 
 
 def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> Sample | None:
@@ -67,7 +68,7 @@ def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> S
                        "options": {"temperature": 0, "num_predict": num_predict}}).encode()
     req = urllib.request.Request(url + "/api/chat", data=body, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    times, prompt_tokens = [], 0
+    times, prompt_tokens, prefill_s = [], 0, None
     with urllib.request.urlopen(req, timeout=300) as resp:
         for line in resp:
             chunk = json.loads(line)
@@ -77,9 +78,11 @@ def stream(url: str, model: str, content: str, num_predict: int, kind: str) -> S
                 times.append(time.perf_counter())
             if chunk.get("done"):
                 prompt_tokens = chunk.get("prompt_eval_count", 0)
+                prefill_s = (chunk.get("tandem") or {}).get("prefill_worker_s")
     if not times:
         return None
-    return Sample(kind, times[0] - start, [b - a for a, b in zip(times, times[1:])], len(times), prompt_tokens)
+    return Sample(kind, times[0] - start, [b - a for a, b in zip(times, times[1:])], len(times), prompt_tokens,
+                  prefill_s)
 
 
 def pct(values: list[float], q: float) -> float:

@@ -14,8 +14,10 @@ Then, unless --quick or --no-served, what serving adds to the engine: a local cl
 prefill and one decode worker (benchmarks.validate_plan's topology) answers SERVED_REQUESTS
 chats one at a time (no queue, no batch), and each one's measured TTFT and TPOT is set
 against the fitted profile's simulation of it alone. The medians of the differences become
-coordinator_overhead_s (tokenization, placement, the gRPC legs, the first token's way back)
-and decode_step_overhead_s (the worker's loop and each token's way to the client).
+prefill_pass_overhead_s (the prefill worker's own time for each request, which it reports,
+beyond the engine's pass), coordinator_overhead_s (tokenization, placement, the gRPC legs, the
+first token's way back) and decode_step_overhead_s (the worker's loop and each token's way to
+the client).
 """
 
 from __future__ import annotations
@@ -31,15 +33,21 @@ from benchmarks.bench_engine import cpu_summary, run_level
 from planner.cost_profile import fit_profile
 from worker.runtime import configure_process
 
-# (prompt_len, context, batches): prefill at prompt_len, decode at context for each batch.
-POINTS = ((64, 128, "1,4,16"), (256, 512, "1,4,16"), (512, 1024, "1,8"))
-QUICK_POINTS = ((32, 64, "1,4"), (128, 256, "1,4"))
+# (prompt_len, context, batches, more prefill lengths): prefill at prompt_len and the others,
+# decode at context for each batch. The prefill cost has three coefficients (base, per token,
+# per attention pair): three lengths alone fit it exactly, noise and all (its base moved
+# 32-54 ms between profiles measured minutes apart here); a dozen spread over the token
+# budget average it out.
+POINTS = ((64, 128, "1,4,16", "16,32,96,128"), (256, 512, "1,4,16", "160,192,224,320"),
+          (512, 1024, "1,8", "384,448"))
+QUICK_POINTS = ((32, 64, "1,4", ""), (128, 256, "1,4", ""))
 
 
 def measure_engine(model: str, formats: list[str], threads: int, quick: bool) -> list[list[dict]]:
     runs = []
-    for prompt_len, context, batches in (QUICK_POINTS if quick else POINTS):
+    for prompt_len, context, batches, prefill_lens in (QUICK_POINTS if quick else POINTS):
         args = SimpleNamespace(model=model, formats=",".join(dict.fromkeys(formats)), prompt_len=prompt_len,
+                               prefill_lens=prefill_lens,
                                context=context, batches=batches, decode_steps=4 if quick else 16,
                                repeats=1 if quick else 3, threads=threads, kv_dtype="fp32", device="cpu",
                                no_cuda_graphs=True)
@@ -59,17 +67,16 @@ SERVED_REQUESTS = 8  # one at a time; prompts of 40..300 words, 32 tokens out
 
 
 def measure_serving(model: str, profile, prefill_format: str, decode_format: str,
-                    threads: int = 1) -> tuple[float, float, int]:
-    """(coordinator overhead s, decode step overhead s, requests measured): the medians of
-    measured minus simulated TTFT and TPOT over requests served one at a time, by workers of
-    `threads` threads each (the profile's)."""
+                    threads: int = 1):
+    """Serving's overheads (benchmarks.validate_plan.ServingOverheads) on top of `profile`'s
+    engine costs, from SERVED_REQUESTS chats served one at a time by a 1:1 cluster of workers
+    of `threads` threads each (the profile's)."""
     import random
-    import statistics
     import tempfile
     from pathlib import Path
 
     from benchmarks.bench_modes import serving, warm_up
-    from benchmarks.validate_plan import served_topology, solo_requests
+    from benchmarks.validate_plan import served_topology, serving_overheads, solo_requests
     from common.model_store import default_store
 
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:
@@ -82,9 +89,7 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
             pairs = solo_requests(url, model, profile, SERVED_REQUESTS, random.Random(7))
     if not pairs:
         raise RuntimeError("no served request answered: cannot measure the serving overheads")
-    ttft = [s.ttft - alone.ttft_s for s, alone in pairs]
-    tpot = [sum(s.itls) / len(s.itls) - alone.tpot_s for s, alone in pairs]
-    return max(0.0, statistics.median(ttft)), max(0.0, statistics.median(tpot)), len(pairs)
+    return serving_overheads(profile, [s for s, _ in pairs])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,12 +114,10 @@ def main(argv: list[str] | None = None) -> None:
                           source=f"{cpu_summary()}; {model}; prefill {args.prefill_format}, decode "
                                  f"{args.decode_format}, {args.threads} thread(s), {args.backend}")
     if not (args.quick or args.no_served):
-        coordinator_s, step_s, n = measure_serving(args.model, profile, args.prefill_format,
-                                                   args.decode_format, args.threads)
-        profile = replace(profile, coordinator_overhead_s=coordinator_s,
-                          decode_step_overhead_s=step_s,
-                          source=f"{profile.source}; serving overheads from {n} requests served "
-                                 "one at a time")
+        served = measure_serving(args.model, profile, args.prefill_format, args.decode_format, args.threads)
+        profile = replace(served.applied_to(profile),
+                          source=f"{profile.source}; serving overheads from {served.requests} requests "
+                                 "served one at a time")
     profile.save(args.out)
     print(json.dumps(profile.to_json(), indent=2))
 

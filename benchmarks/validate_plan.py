@@ -16,7 +16,11 @@ profile's simulation of each alone (measured / simulated, medians: the "solo" co
 fast the host runs now against when the profile was measured. The host's speed drifts (up to
 ~1.5x within minutes on the shared VMs of this project), and a run whose solo ratio is well
 above 1 is one the profile under-predicts whatever the simulator does with queues and
-batches; nothing is scaled by it.
+batches. The "calibrated" rows take that out of the verdict the way profile_host measures a
+profile's serving overheads: from these solo requests, on the run's own cluster minutes (not
+tens of minutes) before its load, the prefill pass's, the coordinator's and the decode step's
+overheads are measured again over the profile's engine costs (serving_overheads); what is left
+between those rows and the measurement is the simulator's (queues, batches, shared cores).
 
 A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. The profile was measured with a core to
 itself, while here the workers, the coordinator and the load generator share the host's
@@ -24,11 +28,13 @@ cores, so each run is simulated three times: "own" (a core per worker, as a plan
 would have), "shared" (the simulator's shared host: the cores this process may use, with
 the coordinator's and the load generator's CPU time over the load, measured from /proc, as
 background work, each core shared by the workers on its run queue; planner/simulator.py)
-and "even" (the same host by processor sharing, every computing worker slowed alike).
+and "even" (the same host by processor sharing, every computing worker slowed alike), and
+a fourth, "calibrated" (shared, with the overheads measured again, above).
 
 --save FILE writes the measured runs (each request's arrival, prompt and output tokens, the
-measured figures and the background); --replay FILE simulates them again without a cluster,
-with any profile, so two simulators or profiles are compared on the same measurements.
+measured figures, the background and the solo requests); --replay FILE simulates them again
+without a cluster, with any profile, so two simulators or profiles are compared on the same
+measurements.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.bench_modes import WORDS, Sample, mode_topology, serving, stream, warm_up
@@ -53,7 +59,7 @@ from planner.simulator import ClusterConfig, simulate
 from planner.trace import Request
 
 BUDGET, MAX_BATCH = 512, 64  # the cluster's --chunk-size and --max-num-seqs, simulated alike
-SOLO_REQUESTS = 3  # per run, before its load: the host's speed against the profile's
+SOLO_REQUESTS = 6  # per run, before its load: the host's speed against the profile's
 
 
 def served_topology(name: str, model: str, model_path: Path, log_dir: Path, prefill: int, decode: int,
@@ -78,10 +84,48 @@ def solo_requests(url: str, model: str, profile: CostProfile, count: int,
         s = stream(url, model, words, 32, "short")
         if s is None or s.tokens < 2:
             continue
-        alone = simulate([Request(0.0, s.prompt_tokens or 1, s.tokens)], profile,
-                         ClusterConfig(1, 1, BUDGET, MAX_BATCH)).times[0]
-        pairs.append((s, alone))
+        pairs.append((s, alone(s, profile)))
     return pairs
+
+
+def alone(sample: Sample, profile: CostProfile) -> RequestTimes:
+    """The profile's simulation of a measured request served alone on a 1:1 cluster."""
+    return simulate([Request(0.0, sample.prompt_tokens or 1, sample.tokens)], profile,
+                    ClusterConfig(1, 1, BUDGET, MAX_BATCH)).times[0]
+
+
+@dataclass(frozen=True)
+class ServingOverheads:
+    """What serving adds to the engine's costs (CostProfile's serving fields), in seconds."""
+    coordinator_s: float   # arrival -> the request at the workers, and its first token's way back
+    prefill_pass_s: float  # a served prefill pass beyond the engine's
+    decode_step_s: float   # a served decode step beyond the engine's
+    requests: int          # the requests they were measured on
+
+    def applied_to(self, profile: CostProfile) -> CostProfile:
+        return replace(profile, coordinator_overhead_s=self.coordinator_s,
+                       prefill_pass_overhead_s=self.prefill_pass_s, decode_step_overhead_s=self.decode_step_s)
+
+
+def serving_overheads(engine: CostProfile, samples: list[Sample]) -> ServingOverheads:
+    """Serving's overheads on top of `engine`'s costs (its own serving fields are ignored),
+    from requests served one at a time, as medians over them: first the prefill pass's, the
+    prefill worker's own time for the request (it reports it: tandem.prefill_worker_s) minus
+    the engine's passes of its prompt; then the coordinator's and the decode step's, measured
+    TTFT and TPOT minus the simulation of the request alone with that pass overhead. Each is
+    clamped at 0 (a profile that already costs more than serving took leaves nothing).
+    ValueError when no request reported its prefill worker's time."""
+    engine = ServingOverheads(0.0, 0.0, 0.0, 0).applied_to(engine)
+    passes = [s.prefill_worker_s - engine.prefill_alone_s(s.prompt_tokens or 1, BUDGET)
+              for s in samples if s.prefill_worker_s is not None]
+    if not passes:
+        raise ValueError("no served request reported its prefill worker's time (tandem.prefill_worker_s)")
+    pass_s = max(0.0, statistics.median(passes))
+    served = replace(engine, prefill_pass_overhead_s=pass_s)
+    ttft = [s.ttft - alone(s, served).ttft_s for s in samples]
+    tpot = [sum(s.itls) / len(s.itls) - alone(s, served).tpot_s for s in samples]
+    return ServingOverheads(max(0.0, statistics.median(ttft)), pass_s, max(0.0, statistics.median(tpot)),
+                            len(samples))
 
 
 def solo_ratios(pairs: list[tuple[Sample, RequestTimes]]) -> tuple[float, float]:
@@ -137,6 +181,9 @@ class Run:
     load: tuple[float, float]      # 1-min load average before and after the load
     solo: tuple[float, float]      # measured / simulated TTFT and TPOT served alone
     steal_s: float
+    # The requests served alone just before the load (measured), for the `calibrated`
+    # simulation; empty in files saved before they were kept.
+    solos: list[Sample] = field(default_factory=list)
 
     @property
     def trace(self) -> list[Request]:
@@ -152,20 +199,34 @@ class Run:
         return max((g for *_, itls in self.requests for g in itls), default=math.nan)
 
 
-SIMULATIONS = ("own", "shared", "even")
+def calibrated(run: Run, profile: CostProfile) -> CostProfile | None:
+    """The profile with its serving overheads measured again from the run's requests served
+    alone just before its load, on its own cluster (serving_overheads): what the host's drift
+    since the profile was measured moved, as the overheads can carry it (the engine's costs
+    stay the profile's). None when the run kept no such requests, or none that reported
+    its prefill worker's time."""
+    try:
+        return serving_overheads(profile, run.solos).applied_to(profile) if run.solos else None
+    except ValueError:
+        return None
 
 
 def simulated(run: Run, profile: CostProfile) -> dict[str, dict[str, float]]:
     """The run's figures as the simulator predicts them: "own" a core per worker; "shared"
     the host's cores shared per core, as Linux's run queues share them; "even" shared by
-    processor sharing (planner/simulator.py, ClusterConfig.sharing)."""
+    processor sharing (planner/simulator.py, ClusterConfig.sharing); "calibrated" shared per
+    core, with the serving overheads measured on the run's cluster (calibrated(); absent
+    when it has none)."""
     prefill, decode = (int(x) for x in run.spec.split(":")[:2])
     trace = run.trace
-    configs = {"own": ClusterConfig(prefill, decode, BUDGET, MAX_BATCH)}
-    for name, sharing in (("shared", "per_core"), ("even", "even")):
-        configs[name] = ClusterConfig(prefill, decode, BUDGET, MAX_BATCH, host_cores=run.cores,
-                                      background_cores=run.background, sharing=sharing)
-    return {name: figures(simulate(trace, profile, config).times) for name, config in configs.items()}
+    runs = {"own": (profile, ClusterConfig(prefill, decode, BUDGET, MAX_BATCH))}
+    shared = {sharing: ClusterConfig(prefill, decode, BUDGET, MAX_BATCH, host_cores=run.cores,
+                                     background_cores=run.background, sharing=sharing)
+              for sharing in ("per_core", "even")}
+    runs["shared"], runs["even"] = (profile, shared["per_core"]), (profile, shared["even"])
+    if (recalibrated := calibrated(run, profile)) is not None:
+        runs["calibrated"] = (recalibrated, shared["per_core"])
+    return {name: figures(simulate(trace, p, config).times) for name, (p, config) in runs.items()}
 
 
 def measure(spec: str, model: str, model_path: Path, log_dir: Path, profile: CostProfile,
@@ -179,7 +240,7 @@ def measure(spec: str, model: str, model_path: Path, log_dir: Path, profile: Cos
         cluster.start()
         warm_up(url, model)
         load_before = os.getloadavg()[0]
-        solo = solo_ratios(solo_requests(url, model, profile, SOLO_REQUESTS, random.Random(100 + index)))
+        solos = solo_requests(url, model, profile, SOLO_REQUESTS, random.Random(100 + index))
         coordinator = next(c.process.pid for c in cluster.children if c.spec.name == "coordinator")
         # Background: the coordinator's CPU and this process's (the load generator).
         cpu_before = cpu_seconds(coordinator) + time.process_time()
@@ -193,7 +254,7 @@ def measure(spec: str, model: str, model_path: Path, log_dir: Path, profile: Cos
         load_after = os.getloadavg()[0]
     return Run(spec, len(os.sched_getaffinity(0)), background,
                [(at, s.prompt_tokens or 1, s.tokens, s.ttft, list(s.itls)) for at, s in samples],
-               (load_before, load_after), solo, steal)
+               (load_before, load_after), solo_ratios(solos), steal, [s for s, _ in solos])
 
 
 def print_table(runs: list[Run], profile: CostProfile) -> None:
@@ -201,7 +262,8 @@ def print_table(runs: list[Run], profile: CostProfile) -> None:
     print("times in ms; ratio = simulated / measured; load = 1-min load average before/after the "
           "load; bg = coordinator + load generator CPU (cores) over the load; sim own: a core per "
           "worker, shared: the host's cores shared with bg, a run queue per core, even: the same "
-          "cores by processor sharing; solo = measured / simulated TTFT and TPOT "
+          "cores by processor sharing, calibrated: shared with the serving overheads measured again "
+          "from the solo requests; solo = measured / simulated TTFT and TPOT "
           f"of {SOLO_REQUESTS} requests served alone just before the load (above 1: the host runs "
           "slower than when profiled); steal = CPU ms the hypervisor took from the host's vCPUs "
           "during the load (/proc/stat), gap = the longest measured token gap, ms")
@@ -210,11 +272,13 @@ def print_table(runs: list[Run], profile: CostProfile) -> None:
         f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
     for run in runs:
         meas = run.measured
+        # Against this profile (a replayed run may have been measured with another).
+        solo = solo_ratios([(s, alone(s, profile)) for s in run.solos]) if run.solos else run.solo
         for name, sim in simulated(run, profile).items():
             cells = "  ".join(f"{1e3 * meas[k]:14.1f} {1e3 * sim[k]:7.1f} {sim[k] / meas[k]:5.2f}"
                               for k in meas)
             print(f"{run.spec:18} {len(run.trace):4d} {run.load[0]:4.1f}/{run.load[1]:<4.1f} "
-                  f"{run.background:4.2f} {run.solo[0]:4.2f}/{run.solo[1]:<4.2f} "
+                  f"{run.background:4.2f} {solo[0]:4.2f}/{solo[1]:<4.2f} "
                   f"{1e3 * run.steal_s:5.0f} {1e3 * run.longest_gap_s:5.0f} {name:>6}  {cells}")
 
 
@@ -239,7 +303,12 @@ def save_runs(path: Path, runs: list[Run], profile: CostProfile) -> None:
 
 
 def load_runs(path: Path) -> list[Run]:
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise SystemExit(f"--replay {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--replay {path}: not JSON ({exc})") from None
     if data.get("schema") != RUNS_SCHEMA:
         raise SystemExit(f"{path}: not a --save file of validate_plan (schema {data.get('schema')!r})")
 
@@ -248,7 +317,8 @@ def load_runs(path: Path) -> list[Run]:
 
     return [Run(**{**r, "load": tuple(map(num, r["load"])), "solo": tuple(map(num, r["solo"])),
                    "steal_s": num(r["steal_s"]),
-                   "requests": [tuple(x) for x in r["requests"]]}) for r in data["runs"]]
+                   "requests": [tuple(x) for x in r["requests"]],
+                   "solos": [Sample(**x) for x in r.get("solos", [])]}) for r in data["runs"]]
 
 
 def main(argv: list[str] | None = None) -> None:

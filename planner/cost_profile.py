@@ -10,10 +10,18 @@
     KV transfer    s = latency + bytes / bytes_per_s, bytes = tokens * kv_bytes_per_token
     coordinator    a fixed delay between arrival and the request reaching the workers.
     serving        decode_step_overhead_s: what a served decode step adds to the engine's
-                   (the worker's loop, each token streamed to the coordinator and the client).
-                   It and the coordinator's delay are what a served request costs beyond the
-                   engine: benchmarks.profile_host measures both on a running cluster, one
-                   request at a time (0 where not measured).
+                   (the worker's loop, each token streamed to the coordinator and the client);
+                   prefill_pass_overhead_s: what a served prefill pass costs beyond the
+                   fitted engine pass (the worker's loop and sampling, the KV connector's
+                   per-layer hand-offs, its sender thread beside the compute, and the engine
+                   fit's own error at served lengths), as a fixed cost per pass (traced
+                   passes under load here ran a near-constant 35-45 ms over the fit from 30
+                   to 500 tokens). They and the coordinator's delay are what a served request
+                   costs beyond the engine: benchmarks.profile_host measures all three on a
+                   running cluster, one request at a time (0 where not measured). A pass's
+                   overhead is kept apart from the coordinator's delay because it holds the
+                   prefill worker: a request queued behind a pass waits for it too, while a
+                   delay in the coordinator delays only its own request.
 
 Fitted by least squares (planner/least_squares.py) from the JSON that
 `benchmarks.bench_engine --json` and `benchmarks.bench_kvtransfer --json` print; saved and
@@ -46,6 +54,7 @@ class CostProfile:
     transfer_latency_s: float      # fixed cost of one request's transfer (grant, finish ack)
     coordinator_overhead_s: float = 0.0  # arrival -> request at the workers
     decode_step_overhead_s: float = 0.0  # a served decode step beyond the engine's
+    prefill_pass_overhead_s: float = 0.0  # a served prefill pass beyond the engine's
     block_size: int = 16           # tokens per KV block
     source: str = ""               # what it was measured on (host CPU, model, format)
 
@@ -65,7 +74,18 @@ class CostProfile:
     def prefill_pass_s(self, tokens: int, pairs: float) -> float:
         """One prefill pass of `tokens` tokens whose chunks sum to `pairs` attention pairs
         (see chunk_pairs)."""
-        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_pair_s * pairs
+        return (self.prefill_base_s + self.prefill_pass_overhead_s + self.prefill_per_token_s * tokens
+                + self.prefill_per_pair_s * pairs)
+
+    def prefill_alone_s(self, tokens: int, budget: int) -> float:
+        """A prompt of `tokens` prefilled alone on a worker: its chunks of at most `budget`
+        tokens one pass after another."""
+        seconds, done = 0.0, 0
+        while done < tokens:
+            n = min(budget, tokens - done)
+            seconds += self.prefill_pass_s(n, self.chunk_pairs(n, done))
+            done += n
+        return seconds
 
     @staticmethod
     def chunk_pairs(n: int, ctx: int) -> float:
@@ -114,8 +134,9 @@ class CostProfile:
 def engine_points(bench_engine_runs: list[list[dict]], fmt: str | None = None):
     """(prefill points, decode points, kv bytes per token) from one or more outputs of
     `bench_engine --json --one-level` (each a list of levels, each with rows per format that
-    carry prompt_len and context). Prefill points are (tokens, pairs, seconds) of one prompt
-    in one pass; decode points are (batch, context sum, seconds)."""
+    carry prompt_len and context, and may carry prefill_points: more prompt lengths' single
+    passes). Prefill points are (tokens, pairs, seconds) of one prompt in one pass; decode
+    points are (batch, context sum, seconds)."""
     prefill, decode, kv_per_token = [], [], []
     for levels in bench_engine_runs:
         for level in levels:
@@ -127,6 +148,7 @@ def engine_points(bench_engine_runs: list[list[dict]], fmt: str | None = None):
                                      "bench_engine that writes them")
                 n, ctx = row["prompt_len"], row["context"]
                 prefill.append((n, CostProfile.chunk_pairs(n, 0), n / row["prefill_tok_s"]))
+                prefill.extend((m, CostProfile.chunk_pairs(m, 0), s) for m, s in row.get("prefill_points", ()))
                 for d in row["decode"]:
                     decode.append((d["batch"], d["batch"] * ctx, d["step_s"]))
                     kv_per_token.append(d["kv_bytes"] / (d["batch"] * ctx))

@@ -81,7 +81,8 @@ def work_lower_bounds(trace: list[Request], profile: CostProfile, budget: int, b
     full batches, over the trace's arrival span."""
     span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
     p = profile
-    prefill_s = sum(r.prompt_tokens * (p.prefill_per_token_s + p.prefill_base_s / budget)
+    pass_s = p.prefill_base_s + p.prefill_pass_overhead_s  # a pass's fixed cost, spread over its budget
+    prefill_s = sum(r.prompt_tokens * (p.prefill_per_token_s + pass_s / budget)
                     + p.prefill_per_pair_s * r.prompt_tokens ** 2 / 2 for r in trace)
     decode_s = sum((r.output_tokens - 1) * (p.decode_base_s / batch + p.decode_per_seq_s
                                             + p.decode_per_ctx_token_s * (r.prompt_tokens + r.output_tokens / 2))
@@ -93,15 +94,8 @@ def ttft_floor(trace: list[Request], profile: CostProfile, budget: int) -> float
     """TTFT p99 if every request had a prefill worker to itself: no topology does better, so
     an SLO below it is out of reach at this budget whatever the worker count (a long prompt's
     chunks run one after another on one worker)."""
-    solo = []
-    for r in trace:
-        t, done = profile.coordinator_overhead_s, 0
-        while done < r.prompt_tokens:
-            n = min(budget, r.prompt_tokens - done)
-            t += profile.prefill_pass_s(n, CostProfile.chunk_pairs(n, done))
-            done += n
-        solo.append(t)
-    return percentile(solo, 99)
+    return percentile([profile.coordinator_overhead_s + profile.prefill_alone_s(r.prompt_tokens, budget)
+                       for r in trace], 99)
 
 
 class _Search:

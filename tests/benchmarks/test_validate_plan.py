@@ -59,3 +59,77 @@ def test_replay_refuses_another_file(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"schema": "tandem-cost-profile/1"}))
     with pytest.raises(SystemExit, match="not a --save file"):
         load_runs(tmp_path / "x.json")
+    with pytest.raises(SystemExit, match="No such file"):
+        load_runs(tmp_path / "missing.json")
+    (tmp_path / "torn.json").write_text('{"schema": ')
+    with pytest.raises(SystemExit, match="not JSON"):
+        load_runs(tmp_path / "torn.json")
+
+
+def _overheads(p) -> tuple:
+    return p.coordinator_overhead_s, p.prefill_pass_overhead_s, p.decode_step_overhead_s
+
+
+def _solos(served, prompts=(60, 150, 240, 330, 420)) -> list:
+    """Requests served alone as a cluster whose costs are exactly `served` would serve them."""
+    from benchmarks.bench_modes import Sample
+    from benchmarks.validate_plan import BUDGET, alone
+
+    out = []
+    for prompt in prompts:
+        s = Sample("short", 0.0, [], 32, prompt, served.prefill_alone_s(prompt, BUDGET))
+        t = alone(s, served)
+        out.append(Sample("short", t.ttft_s, [t.tpot_s] * 31, 32, prompt, s.prefill_worker_s))
+    return out
+
+
+def test_serving_overheads_are_recovered_over_the_engine_s_costs():
+    from dataclasses import replace
+
+    from benchmarks.validate_plan import serving_overheads
+
+    engine = make_profile(coordinator_overhead_s=0.0)
+    served = replace(engine, coordinator_overhead_s=0.006, prefill_pass_overhead_s=0.02,
+                     decode_step_overhead_s=0.001)
+    solos = _solos(served)
+    got = serving_overheads(engine, solos)
+    assert (got.coordinator_s, got.prefill_pass_s, got.decode_step_s) == pytest.approx((0.006, 0.02, 0.001))
+    assert got.requests == len(solos)
+    # Measured over the engine's costs: a profile's own overheads do not count twice.
+    stale = replace(engine, coordinator_overhead_s=0.05, prefill_pass_overhead_s=0.03, decode_step_overhead_s=0.004)
+    assert serving_overheads(stale, solos) == got
+    assert _overheads(got.applied_to(stale)) == pytest.approx(_overheads(served))
+    assert replace(got.applied_to(stale), **dict(zip(("coordinator_overhead_s", "prefill_pass_overhead_s",
+                                                      "decode_step_overhead_s"), _overheads(stale)))) == stale
+    # A pass overhead needs the prefill worker's own times.
+    with pytest.raises(ValueError, match="prefill_worker_s"):
+        serving_overheads(engine, [replace(s, prefill_worker_s=None) for s in solos])
+
+
+def test_the_calibrated_rows_use_the_overheads_of_the_run_s_own_solo_requests(tmp_path, capsys):
+    from dataclasses import replace
+
+    from benchmarks.validate_plan import calibrated
+
+    profile = make_profile()  # measured long ago: its overheads are not the run's
+    served = replace(profile, coordinator_overhead_s=0.006, prefill_pass_overhead_s=0.02,
+                     decode_step_overhead_s=0.001)
+    run = replace(_run(), solos=_solos(served))
+    assert _overheads(calibrated(run, profile)) == pytest.approx(_overheads(served))
+    assert calibrated(run, profile).prefill_base_s == profile.prefill_base_s  # the engine's stay
+    assert calibrated(_run(), profile) is None  # kept no solo requests
+    profile_path = tmp_path / "profile.json"
+    profile.save(profile_path)
+    save_runs(tmp_path / "runs.json", [run], profile)
+    assert load_runs(tmp_path / "runs.json") == [run]
+    main(["--profile", str(profile_path), "--replay", str(tmp_path / "runs.json")])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("1:2:5:12")]
+    assert [r[7] for r in rows] == ["own", "shared", "even", "calibrated"]
+    # The solo ratios are recomputed against the replay's profile from the kept requests.
+    assert rows[0][4] != "1.01/0.98"
+    # A file saved before the solo requests were kept still loads (no calibrated row).
+    data = json.loads((tmp_path / "runs.json").read_text())
+    del data["runs"][0]["solos"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_runs(tmp_path / "old.json")[0].solos == []

@@ -40,6 +40,32 @@ def test_fit_recovers_the_costs_it_was_made_from():
         assert getattr(p, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
 
 
+def test_the_prefill_fit_uses_every_length_a_row_timed():
+    # One row per decode point, as profile_host runs them, each with more single-pass prompt
+    # lengths (bench_engine --prefill-lens). Its own prompt_len points alone would pin the
+    # three prefill coefficients with no residual; the extra points, noisy alike, average.
+    noisy = {16: 1.08, 64: 0.95, 128: 1.04, 256: 0.97, 384: 1.03, 512: 0.96}
+
+    def runs(extra: bool) -> list:
+        out = []
+        for n, c, more in ((64, 128, (16, 128)), (256, 512, (384,)), (512, 1024, ())):
+            run = bench_engine_json(TRUE, n, c)
+            for row in run[0]["rows"]:
+                row["prefill_tok_s"] /= noisy[n]
+                if extra:
+                    row["prefill_points"] = [[m, TRUE.prefill_pass_s(m, CostProfile.chunk_pairs(m, 0)) * noisy[m]]
+                                             for m in more]
+            out.append(run)
+        return out
+
+    def error(p: CostProfile) -> float:  # worst relative error over the token budget
+        return max(abs(p.prefill_alone_s(n, 512) / TRUE.prefill_alone_s(n, 512) - 1) for n in range(16, 513, 16))
+
+    exact = fit_profile(runs(False), None, prefill_format="w8a8", decode_format="int4")
+    more = fit_profile(runs(True), None, prefill_format="w8a8", decode_format="int4")
+    assert error(more) < error(exact)
+
+
 def test_fit_never_gives_a_negative_cost():
     # Decode steps that get cheaper with context (noise): the context term is dropped, not < 0.
     runs = [[{"level": "x", "model": "m", "rows": [
@@ -87,3 +113,21 @@ def test_a_served_step_costs_the_engine_s_step_plus_its_overhead(tmp_path):
     old = {k: v for k, v in TRUE.to_json().items() if k != "decode_step_overhead_s"}
     path.write_text(json.dumps(old))
     assert CostProfile.load(path).decode_step_overhead_s == 0.0
+
+
+def test_a_served_pass_costs_the_engine_s_pass_plus_its_overhead(tmp_path):
+    served = replace(TRUE, prefill_pass_overhead_s=0.04)
+    pairs = CostProfile.chunk_pairs(300, 16)
+    assert served.prefill_pass_s(300, pairs) == pytest.approx(TRUE.prefill_pass_s(300, pairs) + 0.04)
+    # Alone, a prompt pays it once per pass: three passes of a 1,200-token prompt at 512.
+    assert served.prefill_alone_s(1200, 512) == pytest.approx(TRUE.prefill_alone_s(1200, 512) + 3 * 0.04)
+    assert TRUE.prefill_alone_s(1200, 512) == pytest.approx(
+        TRUE.prefill_pass_s(512, CostProfile.chunk_pairs(512, 0))
+        + TRUE.prefill_pass_s(512, CostProfile.chunk_pairs(512, 512))
+        + TRUE.prefill_pass_s(176, CostProfile.chunk_pairs(176, 1024)))
+    path = tmp_path / "served.json"
+    served.save(path)
+    assert CostProfile.load(path) == served
+    old = {k: v for k, v in TRUE.to_json().items() if k != "prefill_pass_overhead_s"}
+    path.write_text(json.dumps(old))
+    assert CostProfile.load(path).prefill_pass_overhead_s == 0.0

@@ -55,6 +55,26 @@ def test_short_prompts_are_packed_into_one_pass(profile):
     assert res.times[1].first_token_s == pytest.approx(profile.coordinator_overhead_s + first + packed)
 
 
+def test_a_pass_overhead_holds_the_worker_and_a_coordinator_delay_does_not(profile):
+    # The same 30 ms of serving, once in the coordinator and once in each prefill pass: alone,
+    # a request cannot tell them apart; queued behind another's pass, it waits for that
+    # pass's share too.
+    from dataclasses import replace
+
+    base = replace(profile, coordinator_overhead_s=0.0)
+    in_coordinator = replace(base, coordinator_overhead_s=0.03)
+    in_pass = replace(base, prefill_pass_overhead_s=0.03)
+    config = ClusterConfig(1, 1, token_budget=512)
+    alone = [Request(0.0, 200, 2)]
+    assert simulate(alone, in_pass, config).times[0].ttft_s == pytest.approx(
+        simulate(alone, in_coordinator, config).times[0].ttft_s)
+    pair = [Request(0.0, 200, 2), Request(0.0, 100, 2)]
+    second = simulate(pair, in_coordinator, config).times[1].ttft_s
+    assert second == pytest.approx(0.03 + base.prefill_pass_s(200, CostProfile.chunk_pairs(200, 0))
+                                   + base.prefill_pass_s(100, CostProfile.chunk_pairs(100, 0)))
+    assert simulate(pair, in_pass, config).times[1].ttft_s == pytest.approx(second + 0.03)
+
+
 def test_prefill_queue_matches_md1_at_low_load(profile):
     """prompt == budget: one request per pass, a deterministic service time S, Poisson
     arrivals: an M/D/1 queue, whose mean wait is rho * S / (2 (1 - rho))."""
