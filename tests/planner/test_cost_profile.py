@@ -106,13 +106,18 @@ def test_rows_without_their_lengths_are_refused():
 def test_a_served_step_costs_the_engine_s_step_plus_its_overhead(tmp_path):
     served = replace(TRUE, decode_step_overhead_s=0.002)
     assert served.decode_step_s(4, 400) == pytest.approx(TRUE.decode_step_s(4, 400) + 0.002)
+    _check_saved(tmp_path, served, "decode_step_overhead_s")
+
+
+def _check_saved(tmp_path, served: CostProfile, field: str) -> None:
+    """`served` round-trips its JSON, and a profile written before `field` existed still
+    loads, with no overhead."""
     path = tmp_path / "served.json"
     served.save(path)
     assert CostProfile.load(path) == served
-    # A profile written before the field existed still loads, with no overhead.
-    old = {k: v for k, v in TRUE.to_json().items() if k != "decode_step_overhead_s"}
+    old = {k: v for k, v in TRUE.to_json().items() if k != field}
     path.write_text(json.dumps(old))
-    assert CostProfile.load(path).decode_step_overhead_s == 0.0
+    assert getattr(CostProfile.load(path), field) == 0.0
 
 
 def test_a_served_pass_costs_the_engine_s_pass_plus_its_overhead(tmp_path):
@@ -125,9 +130,4 @@ def test_a_served_pass_costs_the_engine_s_pass_plus_its_overhead(tmp_path):
         TRUE.prefill_pass_s(512, CostProfile.chunk_pairs(512, 0))
         + TRUE.prefill_pass_s(512, CostProfile.chunk_pairs(512, 512))
         + TRUE.prefill_pass_s(176, CostProfile.chunk_pairs(176, 1024)))
-    path = tmp_path / "served.json"
-    served.save(path)
-    assert CostProfile.load(path) == served
-    old = {k: v for k, v in TRUE.to_json().items() if k != "prefill_pass_overhead_s"}
-    path.write_text(json.dumps(old))
-    assert CostProfile.load(path).prefill_pass_overhead_s == 0.0
+    _check_saved(tmp_path, served, "prefill_pass_overhead_s")
