@@ -68,9 +68,12 @@ SERVED_REQUESTS = 8  # one at a time; prompts of 40..300 words, 32 tokens out
 
 def measure_serving(model: str, profile, prefill_format: str, decode_format: str,
                     threads: int = 1):
-    """Serving's overheads (benchmarks.validate_plan.ServingOverheads) on top of `profile`'s
-    engine costs, from SERVED_REQUESTS chats served one at a time by a 1:1 cluster of workers
-    of `threads` threads each (the profile's)."""
+    """(serving's overheads on top of `profile`'s engine costs, benchmarks.validate_plan.
+    ServingOverheads; the CPU seconds a request cost the workers beside their compute
+    threads), from SERVED_REQUESTS chats served one at a time by a 1:1 cluster of workers of
+    `threads` threads each (the profile's). The side CPU is each worker process's CPU time over
+    the chats less its busiest thread's (the engine's), both workers together, per chat (0
+    where /proc cannot tell threads apart)."""
     import random
     import tempfile
     from pathlib import Path
@@ -78,6 +81,7 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
     from benchmarks.bench_modes import serving, warm_up
     from benchmarks.validate_plan import served_topology, serving_overheads, solo_requests
     from common.model_store import default_store
+    from common.processes import thread_cpu_seconds
 
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:
         topology = served_topology("profile", model, default_store().resolve(model), Path(tmp), 1, 1,
@@ -86,10 +90,17 @@ def measure_serving(model: str, profile, prefill_format: str, decode_format: str
         with cluster:
             cluster.start()
             warm_up(url, model)
+            workers = [c.process.pid for c in cluster.children if c.spec.name != "coordinator"]
+            before = [thread_cpu_seconds(pid) for pid in workers]
             pairs = solo_requests(url, model, profile, SERVED_REQUESTS, random.Random(7))
+            after = [thread_cpu_seconds(pid) for pid in workers]
     if not pairs:
         raise RuntimeError("no served request answered: cannot measure the serving overheads")
-    return serving_overheads(profile, [s for s, _ in pairs])
+    side = 0.0
+    for b, a in zip(before, after):
+        used = [a[tid] - b.get(tid, 0.0) for tid in a]
+        side += sum(used) - max(used, default=0.0)
+    return serving_overheads(profile, [s for s, _ in pairs]), side / len(pairs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                           source=f"{cpu_summary()}; {model}; prefill {args.prefill_format}, decode "
                                  f"{args.decode_format}, {args.threads} thread(s), {args.backend}")
     if not (args.quick or args.no_served):
-        served = measure_serving(args.model, profile, args.prefill_format, args.decode_format, args.threads)
-        profile = replace(served.applied_to(profile),
+        served, side_cpu_s = measure_serving(args.model, profile, args.prefill_format, args.decode_format,
+                                             args.threads)
+        profile = replace(served.applied_to(profile), request_side_cpu_s=side_cpu_s,
                           source=f"{profile.source}; serving overheads from {served.requests} requests "
                                  "served one at a time")
     profile.save(args.out)

@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/<pid>/stat from field 3 (the state) on, or None if there is no such process."""
+def _stat_fields(pid: int, path: str = "") -> list[bytes] | None:
+    """/proc/<pid>/stat (or `path`, another stat file) from field 3 (the state) on, or None if
+    there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path or f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
@@ -34,6 +35,21 @@ def cpu_seconds(pid: int) -> float | None:
     if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """The CPU time each thread of a process has used so far, user and system, by thread id
+    ({} if there is no such process; a thread that ends while read is left out)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+        return {}
+    out = {}
+    for tid in tids:
+        fields = _stat_fields(pid, f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None:
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def host_steal_seconds(stat: Path = Path("/proc/stat")) -> float | None:

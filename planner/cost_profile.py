@@ -22,6 +22,12 @@
                    overhead is kept apart from the coordinator's delay because it holds the
                    prefill worker: a request queued behind a pass waits for it too, while a
                    delay in the coordinator delays only its own request.
+                   request_side_cpu_s: the CPU a remotely prefilled request costs the
+                   workers beside their compute threads (the RPCs, the KV transfer's setup
+                   and per-layer work at both ends: ~45 ms a request here, little of it per
+                   byte), spent during its prefill. On a shared host it takes cores from the
+                   workers (planner/simulator.py); measured by profile_host's served run from
+                   the workers' threads' CPU time.
 
 Fitted by least squares (planner/least_squares.py) from the JSON that
 `benchmarks.bench_engine --json` and `benchmarks.bench_kvtransfer --json` print; saved and
@@ -55,6 +61,7 @@ class CostProfile:
     coordinator_overhead_s: float = 0.0  # arrival -> request at the workers
     decode_step_overhead_s: float = 0.0  # a served decode step beyond the engine's
     prefill_pass_overhead_s: float = 0.0  # a served prefill pass beyond the engine's
+    request_side_cpu_s: float = 0.0  # CPU beside the workers' compute threads, per remote prefill
     block_size: int = 16           # tokens per KV block
     source: str = ""               # what it was measured on (host CPU, model, format)
 

@@ -41,7 +41,10 @@ core to itself). How the cores are shared (ClusterConfig.sharing):
   "even": processor sharing, every computing worker at min(1, host_cores / (n +
   background_cores)), n the workers computing.
 Background work takes the cores no worker computes on first; what does not fit there is
-spread evenly over all cores. A prefill pass's remaining work is rescheduled exactly
+spread evenly over all cores. Besides `background_cores` it holds each running pass's side
+work: the CPU its requests cost the workers beside their compute threads (the profile's
+request_side_cpu_s per request, each chunk its share by tokens: the RPCs, the KV transfer at
+both ends), spread over the pass as cores (side CPU / the pass's cost). A prefill pass's remaining work is rescheduled exactly
 whenever its speed changes; a decode segment is cut at its next step boundary and resumes at
 the new speed. host_cores 0 (the default): each worker has its own cores.
 
@@ -272,6 +275,9 @@ class _Prefill:
     pass_start: float = 0.0
     slowdown: float = 1.0            # shared host: its pass's time over the profile's, now
     core: int = -1                   # per_core sharing: the core it computes on (-1: not computing)
+    # Shared host: the CPU its pass's requests cost beside the compute threads (the profile's
+    # request_side_cpu_s, each request's share by its chunk), as cores over the pass's cost.
+    side_cores: float = 0.0
     version: int = 0
     alive: bool = True
     frozen: bool = False             # alive to the coordinator, computing and sending nothing
@@ -463,9 +469,13 @@ class Simulator:
         cost = self.p.prefill_pass_s(w.pass_tokens, pairs)
         self.passes += 1
         w.work_left, w.since, w.pass_start = cost, t, t
+        side = self.p.request_side_cpu_s * sum(n / r.prompt_now for r, n, _ in w.chunks)
+        side_cores, w.side_cores = w.side_cores, (side / cost if cost > 0 else 0.0)
         if not w.busy:
             w.busy = True
             self._computing(t, w, +1)
+        elif w.side_cores != side_cores and self.c.host_cores > 0:
+            self._respeed(t)  # the next pass of a busy worker: only the side work changed
         self._schedule_pass_end(p)
 
     def _schedule_pass_end(self, p: int) -> None:
@@ -509,14 +519,7 @@ class Simulator:
         self.computing += change
         if self.c.host_cores <= 0:
             return
-        if not self.cores:  # even: one speed for all; unchanged, nothing to reschedule
-            slowdown = max(1.0, (self.computing + self.c.background_cores) / self.c.host_cores)
-            if slowdown == self.even_slowdown:
-                if change > 0:
-                    w.slowdown = slowdown  # a pass about to be scheduled; a decode sets its own
-                return
-            self.even_slowdown = slowdown
-        else:
+        if self.cores:
             by_load = range(len(self.cores))
             if change > 0:
                 w.core = min(by_load, key=lambda c: len(self.cores[c]))
@@ -535,8 +538,27 @@ class Simulator:
                     moved = self.cores[most].pop()
                     self.cores[least].append(moved)
                     moved.core = least
+        self._respeed(t, w if change > 0 else None)
+
+    def _background(self) -> float:
+        """Cores of other work on the shared host now: the coordinator's and a load
+        generator's (ClusterConfig.background_cores) and the side work of the passes running."""
+        return self.c.background_cores + sum(x.side_cores for x in self.prefills if x.busy)
+
+    def _respeed(self, t: float, starting: _Prefill | _Decode | None = None) -> None:
+        """The shared host's speeds after a change at t (a worker started or stopped computing,
+        a pass's side work changed): the background spread again, and every computing worker
+        whose speed changed rescheduled. `starting`: a worker that starts computing at t."""
+        if not self.cores:  # even: one speed for all; unchanged, nothing to reschedule
+            slowdown = max(1.0, (self.computing + self._background()) / self.c.host_cores)
+            if slowdown == self.even_slowdown:
+                if starting is not None:
+                    starting.slowdown = slowdown  # a pass about to be scheduled; a decode sets its own
+                return
+            self.even_slowdown = slowdown
+        else:
             idle = sum(1 for c in self.cores if not c)
-            self.spill = max(0.0, self.c.background_cores - idle) / len(self.cores)
+            self.spill = max(0.0, self._background() - idle) / len(self.cores)
         for p, x in enumerate(self.prefills):
             if not x.busy:
                 continue

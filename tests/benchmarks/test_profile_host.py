@@ -25,8 +25,11 @@ def test_the_served_run_measures_what_serving_adds(model_dir):
                         decode_base_s=1e-6, decode_per_seq_s=1e-9, decode_per_ctx_token_s=0.0,
                         transfer_latency_s=0.0, transfer_bytes_per_s=1e15,
                         coordinator_overhead_s=0.0)
-    served = measure_serving(str(model_dir), free, "fp32", "fp32")
+    served, side_cpu_s = measure_serving(str(model_dir), free, "fp32", "fp32")
     assert served.requests == SERVED_REQUESTS
+    # The workers' threads beside their engines (gRPC, the KV transfer) used some CPU per
+    # request: /proc's ticks of 10 ms are coarse, a few per request, never a second.
+    assert 0.0 < side_cpu_s < 1.0
     # The prefill worker's pass (its whole reported time, against free passes) and what the
     # coordinator adds around it are apart; both take time on a real cluster.
     assert 0.0 < served.prefill_pass_s < 30.0 and 0.0 < served.coordinator_s < 30.0
@@ -34,7 +37,7 @@ def test_the_served_run_measures_what_serving_adds(model_dir):
     # Against a profile that already costs more than any served request took, nothing is
     # left to attribute to serving: the overheads are clamped at 0, never negative.
     slow = make_profile(prefill_base_s=60.0, decode_base_s=10.0, coordinator_overhead_s=0.0)
-    none = measure_serving(str(model_dir), slow, "fp32", "fp32")
+    none, _ = measure_serving(str(model_dir), slow, "fp32", "fp32")
     assert (none.prefill_pass_s, none.coordinator_s, none.decode_step_s) == (0.0, 0.0, 0.0)
 
 

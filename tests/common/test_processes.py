@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from common.processes import cpu_seconds, host_steal_seconds, start_time
+from common.processes import cpu_seconds, host_steal_seconds, start_time, thread_cpu_seconds
 
 
 def test_cpu_time_is_the_process_s_own_and_none_once_it_is_gone():
@@ -20,6 +20,27 @@ def test_cpu_time_is_the_process_s_own_and_none_once_it_is_gone():
     assert after >= before
     # Clock ticks (1/100 s) against the kernel's exact count: the same time, coarser.
     assert abs(after - own) < 0.1
+
+
+def test_thread_cpu_time_tells_the_busy_thread_apart():
+    # A child whose second thread spins while its main thread sleeps.
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "def spin():\n    while True: pass\n"
+                              "threading.Thread(target=spin, daemon=True).start(); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        threads = {}
+        while time.monotonic() < deadline and max(threads.values(), default=0.0) < 0.3:
+            threads = thread_cpu_seconds(child.pid)
+            time.sleep(0.05)
+        assert len(threads) == 2, threads
+        busy, idle = sorted(threads.values(), reverse=True)
+        assert busy >= 0.3 and idle < 0.2  # the sleeper used what starting Python took
+        assert sum(threads.values()) <= cpu_seconds(child.pid) + 0.02  # read first: it only grows
+    finally:
+        child.kill()
+        child.wait()
+    assert thread_cpu_seconds(child.pid) == {}
 
 
 def test_a_zombie_has_no_start_time():

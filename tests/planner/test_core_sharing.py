@@ -103,3 +103,33 @@ def test_sharing_is_checked():
         with pytest.raises(ValueError, match="whole number of cores"):
             ClusterConfig(1, 1, host_cores=cores)
     assert ClusterConfig(1, 1, host_cores=1.5, sharing="even").host_cores == 1.5
+
+
+def test_a_pass_s_side_work_takes_an_idle_core_first_then_slows_the_workers(profile):
+    """request_side_cpu_s: a remote prefill's CPU beside the compute threads, spread over its
+    pass as background. On one core it adds itself to the pass; with a core idle beside the
+    pass it runs there and costs nothing; a decode worker computing on that core shares it."""
+    from dataclasses import replace
+
+    p = replace(profile, request_side_cpu_s=0.04)
+    prompt = 400
+    pass_s = p.prefill_pass_s(prompt, CostProfile.chunk_pairs(prompt, 0))
+    alone = [Request(0.0, prompt, 2)]
+    one_core = ClusterConfig(1, 1, token_budget=4096, host_cores=1)
+    two_cores = ClusterConfig(1, 1, token_budget=4096, host_cores=2)
+    for sharing in ("per_core", "even"):
+        ttft = simulate(alone, p, replace(one_core, sharing=sharing)).times[0].ttft_s
+        assert ttft == pytest.approx(p.coordinator_overhead_s + pass_s + 0.04)
+        ttft = simulate(alone, p, replace(two_cores, sharing=sharing)).times[0].ttft_s
+        assert ttft == pytest.approx(p.coordinator_overhead_s + pass_s)
+    # Each worker its own cores (a planned cluster): the side work is not the workers'.
+    assert simulate(alone, p, ClusterConfig(1, 1, token_budget=4096)).times[0].ttft_s == \
+        pytest.approx(p.coordinator_overhead_s + pass_s)
+    # A decodes through C's pass on two cores: nothing idle, so the side work spreads over
+    # both, and C's pass takes pass_s + 0.04 / 2 (the side work, half on its core).
+    c = Request(1.0, C_PROMPT, 2)
+    c_pass = p.prefill_pass_s(C_PROMPT, CostProfile.chunk_pairs(C_PROMPT, 0))
+    times = simulate([A, c], p, ClusterConfig(1, 1, token_budget=4096, host_cores=2)).times
+    assert times[1].ttft_s == pytest.approx(p.coordinator_overhead_s + c_pass + 0.02)
+    base = simulate([A, c], profile, ClusterConfig(1, 1, token_budget=4096, host_cores=2)).times
+    assert base[1].ttft_s == pytest.approx(p.coordinator_overhead_s + c_pass)
