@@ -116,7 +116,9 @@ def serving_overheads(engine: CostProfile, samples: list[Sample]) -> ServingOver
     clamped at 0 (a profile that already costs more than serving took leaves nothing).
     ValueError when no request reported its prefill worker's time."""
     engine = ServingOverheads(0.0, 0.0, 0.0, 0).applied_to(engine)
-    passes = [s.prefill_worker_s - engine.prefill_alone_s(s.prompt_tokens or 1, BUDGET)
+    # Per pass: a prompt over the budget is prefilled in several (the solo chats here fit one).
+    passes = [(s.prefill_worker_s - engine.prefill_alone_s(s.prompt_tokens or 1, BUDGET))
+              / math.ceil((s.prompt_tokens or 1) / BUDGET)
               for s in samples if s.prefill_worker_s is not None]
     if not passes:
         raise ValueError("no served request reported its prefill worker's time (tandem.prefill_worker_s)")
@@ -268,7 +270,7 @@ def print_table(runs: list[Run], profile: CostProfile) -> None:
           "slower than when profiled); steal = CPU ms the hypervisor took from the host's vCPUs "
           "during the load (/proc/stat), gap = the longest measured token gap, ms")
     print(f"{'P:D:rate:requests':18} {'done':>4} {'load':>9} {'bg':>4} {'solo':>9} {'steal':>5} "
-          f"{'gap':>5} {'sim':>6}  " + "  ".join(
+          f"{'gap':>5} {'sim':>10}  " + "  ".join(
         f"{k + ' meas':>14} {'sim':>7} {'ratio':>5}" for k in ("TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")))
     for run in runs:
         meas = run.measured
@@ -279,7 +281,7 @@ def print_table(runs: list[Run], profile: CostProfile) -> None:
                               for k in meas)
             print(f"{run.spec:18} {len(run.trace):4d} {run.load[0]:4.1f}/{run.load[1]:<4.1f} "
                   f"{run.background:4.2f} {solo[0]:4.2f}/{solo[1]:<4.2f} "
-                  f"{1e3 * run.steal_s:5.0f} {1e3 * run.longest_gap_s:5.0f} {name:>6}  {cells}")
+                  f"{1e3 * run.steal_s:5.0f} {1e3 * run.longest_gap_s:5.0f} {name:>10}  {cells}")
 
 
 RUNS_SCHEMA = "tandem-validate-runs/1"
@@ -309,16 +311,20 @@ def load_runs(path: Path) -> list[Run]:
         raise SystemExit(f"--replay {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise SystemExit(f"--replay {path}: not JSON ({exc})") from None
-    if data.get("schema") != RUNS_SCHEMA:
-        raise SystemExit(f"{path}: not a --save file of validate_plan (schema {data.get('schema')!r})")
+    if not isinstance(data, dict) or data.get("schema") != RUNS_SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise SystemExit(f"{path}: not a --save file of validate_plan (schema {schema!r})")
 
     def num(v):
         return math.nan if v is None else v
 
-    return [Run(**{**r, "load": tuple(map(num, r["load"])), "solo": tuple(map(num, r["solo"])),
-                   "steal_s": num(r["steal_s"]),
-                   "requests": [tuple(x) for x in r["requests"]],
-                   "solos": [Sample(**x) for x in r.get("solos", [])]}) for r in data["runs"]]
+    try:
+        return [Run(**{**r, "load": tuple(map(num, r["load"])), "solo": tuple(map(num, r["solo"])),
+                       "steal_s": num(r["steal_s"]),
+                       "requests": [tuple(x) for x in r["requests"]],
+                       "solos": [Sample(**x) for x in r.get("solos", [])]}) for r in data["runs"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(f"--replay {path}: a run of an unknown shape ({exc!r})") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,8 +24,8 @@
                    delay in the coordinator delays only its own request.
                    request_side_cpu_s: the CPU a remotely prefilled request costs the
                    workers beside their compute threads (the RPCs, the KV transfer's setup
-                   and per-layer work at both ends: ~45 ms a request here, little of it per
-                   byte), spent during its prefill. On a shared host it takes cores from the
+                   and per-layer work at both ends: ~40 ms a request here, little of it per
+                   byte or per output token), spent during its prefill. On a shared host it takes cores from the
                    workers (planner/simulator.py); measured by profile_host's served run from
                    the workers' threads' CPU time.
 
@@ -87,6 +87,8 @@ class CostProfile:
     def prefill_alone_s(self, tokens: int, budget: int) -> float:
         """A prompt of `tokens` prefilled alone on a worker: its chunks of at most `budget`
         tokens one pass after another."""
+        if budget < 1:
+            raise ValueError(f"prefill_alone_s: budget must be >= 1 token, got {budget}")
         seconds, done = 0.0, 0
         while done < tokens:
             n = min(budget, tokens - done)

@@ -44,9 +44,11 @@ Background work takes the cores no worker computes on first; what does not fit t
 spread evenly over all cores. Besides `background_cores` it holds each running pass's side
 work: the CPU its requests cost the workers beside their compute threads (the profile's
 request_side_cpu_s per request, each chunk its share by tokens: the RPCs, the KV transfer at
-both ends), spread over the pass as cores (side CPU / the pass's cost). A prefill pass's remaining work is rescheduled exactly
-whenever its speed changes; a decode segment is cut at its next step boundary and resumes at
-the new speed. host_cores 0 (the default): each worker has its own cores.
+both ends), spread over the pass as cores (side CPU / the pass's cost; a pass wasted by a
+death keeps its share, and the moved requests pay theirs again). A prefill pass's remaining
+work is rescheduled exactly whenever its speed changes; a decode segment is cut at its next
+step boundary and resumes at the new speed. host_cores 0 (the default): each worker has its own cores (and the side work
+is not modelled: a planned cluster's workers have spare cores for it).
 
 Worker failures and migration (ClusterConfig.failures): a worker dies at a given time, and
 comes back empty after `restart_after_s` if one is given. What it held moves as
@@ -469,7 +471,9 @@ class Simulator:
         cost = self.p.prefill_pass_s(w.pass_tokens, pairs)
         self.passes += 1
         w.work_left, w.since, w.pass_start = cost, t, t
-        side = self.p.request_side_cpu_s * sum(n / r.prompt_now for r, n, _ in w.chunks)
+        side = 0.0
+        if self.p.request_side_cpu_s > 0 and self.c.host_cores > 0:
+            side = self.p.request_side_cpu_s * sum(n / max(1, r.prompt_now) for r, n, _ in w.chunks)
         side_cores, w.side_cores = w.side_cores, (side / cost if cost > 0 else 0.0)
         if not w.busy:
             w.busy = True

@@ -64,6 +64,12 @@ def test_replay_refuses_another_file(tmp_path):
     (tmp_path / "torn.json").write_text('{"schema": ')
     with pytest.raises(SystemExit, match="not JSON"):
         load_runs(tmp_path / "torn.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(SystemExit, match="not a --save file"):
+        load_runs(tmp_path / "list.json")
+    (tmp_path / "shape.json").write_text(json.dumps({"schema": "tandem-validate-runs/1", "runs": [{"spec": "1:1:1:1"}]}))
+    with pytest.raises(SystemExit, match="unknown shape"):
+        load_runs(tmp_path / "shape.json")
 
 
 def _overheads(p) -> tuple:
@@ -127,7 +133,13 @@ def test_the_calibrated_rows_use_the_overheads_of_the_run_s_own_solo_requests(tm
     rows = [line.split() for line in out.splitlines() if line.startswith("1:2:5:12")]
     assert [r[7] for r in rows] == ["own", "shared", "even", "calibrated"]
     # The solo ratios are recomputed against the replay's profile from the kept requests.
-    assert rows[0][4] != "1.01/0.98"
+    from benchmarks.validate_plan import alone, solo_ratios
+    ttft, tpot = solo_ratios([(s, alone(s, profile)) for s in run.solos])
+    assert rows[0][4] == f"{ttft:4.2f}/{tpot:<4.2f}" != "1.01/0.98"
+    # A solo request that did not report its prefill worker's time round-trips as None.
+    unreported = replace(run, solos=[replace(run.solos[0], prefill_worker_s=None), *run.solos[1:]])
+    save_runs(tmp_path / "none.json", [unreported], profile)
+    assert load_runs(tmp_path / "none.json") == [unreported]
     # A file saved before the solo requests were kept still loads (no calibrated row).
     data = json.loads((tmp_path / "runs.json").read_text())
     del data["runs"][0]["solos"]

@@ -133,3 +133,6 @@ def test_a_pass_s_side_work_takes_an_idle_core_first_then_slows_the_workers(prof
     assert times[1].ttft_s == pytest.approx(p.coordinator_overhead_s + c_pass + 0.02)
     base = simulate([A, c], profile, ClusterConfig(1, 1, token_budget=4096, host_cores=2)).times
     assert base[1].ttft_s == pytest.approx(p.coordinator_overhead_s + c_pass)
+    # An empty prompt (a trace may hold one): a chunk of no tokens, no share, no division by 0.
+    empty = simulate([Request(0.0, 0, 2)], p, one_core).times[0]
+    assert empty.ttft_s == pytest.approx(p.coordinator_overhead_s + p.prefill_pass_s(0, 0.0))

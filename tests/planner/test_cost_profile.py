@@ -131,3 +131,6 @@ def test_a_served_pass_costs_the_engine_s_pass_plus_its_overhead(tmp_path):
         + TRUE.prefill_pass_s(512, CostProfile.chunk_pairs(512, 512))
         + TRUE.prefill_pass_s(176, CostProfile.chunk_pairs(176, 1024)))
     _check_saved(tmp_path, served, "prefill_pass_overhead_s")
+    _check_saved(tmp_path, replace(TRUE, request_side_cpu_s=0.04), "request_side_cpu_s")
+    with pytest.raises(ValueError, match="budget"):
+        TRUE.prefill_alone_s(100, 0)
