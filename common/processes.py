@@ -32,8 +32,11 @@ def cpu_seconds(pid: int) -> float | None:
     """The CPU time a process has used so far, user and system, every thread (fields 14 and
     15), or None if there is no such process."""
     fields = _stat_fields(pid)
-    if fields is None:
-        return None
+    return None if fields is None else _cpu_from_stat(fields)
+
+
+def _cpu_from_stat(fields: list[bytes]) -> float:
+    """utime + stime (fields 14 and 15 of a stat line) in seconds."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -48,7 +51,7 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     for tid in tids:
         fields = _stat_fields(pid, f"/proc/{pid}/task/{tid}/stat")
         if fields is not None:
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out[int(tid)] = _cpu_from_stat(fields)
     return out
 
 

@@ -391,11 +391,12 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
-        """Add to (or, negative, take from) what this coordinator has sent a worker. A record
-        replaced by a re-registration starts from zero, so counts are clamped there."""
-        record = self._workers.get(worker_id)
-        if record is not None:
+    def assign(self, record: WorkerRecord, requests: int = 0, prefill_tokens: int = 0) -> None:
+        """Add to (or, negative, take from) what this coordinator has sent the worker of
+        `record`, the record the request was placed on. Nothing once a re-registration has
+        replaced it: the new record starts from zero and holds only what was sent to it, so a
+        request sent to the old one never takes from the new one's counts."""
+        if self._workers.get(record.worker_id) is record:
             record.assigned_requests = max(0, record.assigned_requests + requests)
             record.assigned_prefill_tokens = max(0, record.assigned_prefill_tokens + prefill_tokens)
 
@@ -488,9 +489,9 @@ class RegistryView:
         record = self.registry.get(worker_id)
         return record if record is not None and record.model_fingerprint == self.model_fingerprint else None
 
-    def assign(self, worker_id: str, requests: int = 0, prefill_tokens: int = 0) -> None:
-        if self.get(worker_id) is not None:
-            self.registry.assign(worker_id, requests, prefill_tokens)
+    def assign(self, record: WorkerRecord, requests: int = 0, prefill_tokens: int = 0) -> None:
+        if self.get(record.worker_id) is not None:
+            self.registry.assign(record, requests, prefill_tokens)
 
     def release(self, record: WorkerRecord, blocks: int) -> None:
         if self.get(record.worker_id) is not None:

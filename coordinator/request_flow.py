@@ -195,7 +195,7 @@ class RequestFlow:
             "tandem.placement": placement.reason, "tandem.prompt_tokens": len(prompt_ids),
             "tandem.transfer_id": transfer_id})
         metadata = request_id.metadata(req.log_id) + tracing.metadata(span)
-        self.registry.assign(decode.worker_id, requests=1, prefill_tokens=local_tokens)
+        self.registry.assign(decode, requests=1, prefill_tokens=local_tokens)
         call = decode.decode_stub.Generate(
             convert.generate_request(transfer_id, prompt_ids, params, req.stop_token_ids,
                                      max_tokens, remote,
@@ -224,7 +224,7 @@ class RequestFlow:
                     return
             async for token_ids in self._tokens(read, call, decode, out, remote):
                 if local_tokens:  # the local prefill is done once tokens flow
-                    self.registry.assign(decode.worker_id, prefill_tokens=-local_tokens)
+                    self.registry.assign(decode, prefill_tokens=-local_tokens)
                     local_tokens = 0
                 if seen is None:
                     seen = decode.statuses
@@ -240,7 +240,7 @@ class RequestFlow:
             span.end()
             read.cancel()
             call.cancel()  # a no-op once the stream has ended
-            self.registry.assign(decode.worker_id, requests=-1, prefill_tokens=-local_tokens)
+            self.registry.assign(decode, requests=-1, prefill_tokens=-local_tokens)
             # Its blocks are free there now (the worker frees them as the stream ends), but a
             # status that counted it, with none since its last token, says otherwise until the
             # worker's next one. Not the prompt's blocks the worker had cached: others may
@@ -260,7 +260,7 @@ class RequestFlow:
         stream: a decode worker that fails or dies meanwhile ends the wait at once."""
         record = self.registry.get(prefill_id)
         n = len(prompt_ids)
-        self.registry.assign(prefill_id, prefill_tokens=n)
+        self.registry.assign(record, prefill_tokens=n)
         call = record.prefill_stub.Prefill(
             convert.prefill_request(transfer_id, prompt_ids, params, decode.kv_endpoint,
                                     decode.kv_backend, self.config.chunk_size, prior, cache_salt,
@@ -290,7 +290,7 @@ class RequestFlow:
         finally:
             prefill.cancel()
             call.cancel()  # reached early only on failure or cancellation: abort the prefill
-            self.registry.assign(prefill_id, prefill_tokens=-n)
+            self.registry.assign(record, prefill_tokens=-n)
         out.prefill_worker = prefill_id
         out.cached_tokens = result.num_cached_tokens
         out.prefill_seconds = result.prefill_seconds

@@ -357,7 +357,7 @@ class Coordinator:
                                     "workers are up")
                 record = workers_of_model.get(chosen.worker_id)
                 tried.append(record.worker_id)
-                self.registry.assign(record.worker_id, requests=1)
+                self.registry.assign(record, requests=1)
                 on_prefill = record.role == "prefill"
                 # The chunk plan of the worker's role: a decode worker takes a long input in
                 # local-prefill chunks, so a concurrent stream waits one short pass at a time.
@@ -388,7 +388,7 @@ class Coordinator:
                     raise WorkerError(f"{record.role} worker {record.worker_id} at {record.address} "
                                       f"failed to embed: {code.name}: {exc.details()}") from None
                 finally:
-                    self.registry.assign(record.worker_id, requests=-1)
+                    self.registry.assign(record, requests=-1)
         finally:
             self.open_requests -= 1
             if admitted:

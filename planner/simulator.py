@@ -47,8 +47,9 @@ request_side_cpu_s per request, each chunk its share by tokens: the RPCs, the KV
 both ends), spread over the pass as cores (side CPU / the pass's cost; a pass wasted by a
 death keeps its share, and the moved requests pay theirs again). A prefill pass's remaining
 work is rescheduled exactly whenever its speed changes; a decode segment is cut at its next
-step boundary and resumes at the new speed. host_cores 0 (the default): each worker has its own cores (and the side work
-is not modelled: a planned cluster's workers have spare cores for it).
+step boundary and resumes at the new speed. host_cores 0 (the default): each worker has its
+own cores (and the side work is not modelled: a planned cluster's workers have spare cores
+for it).
 
 Worker failures and migration (ClusterConfig.failures): a worker dies at a given time, and
 comes back empty after `restart_after_s` if one is given. What it held moves as

@@ -194,6 +194,34 @@ def test_blocks_released_since_a_status_count_until_the_next_one():
     asyncio.run(scenario())
 
 
+def test_a_request_sent_before_a_re_registration_never_takes_from_the_new_record():
+    """assign() counts against the record a request was placed on: once the worker has
+    registered again, the old request's end leaves the new record's counts (what was sent to
+    it since) as they are, while the new record's own requests count as before."""
+    registry = WorkerRegistry(CoordinatorConfig(), "fp")
+
+    async def scenario():
+        info = pb.WorkerInfo(worker_id="w", role="decode", address="127.0.0.1:1",
+                             model_fingerprint="fp")
+        assert registry.register(info).accepted
+        old = registry.get("w")
+        registry.assign(old, requests=1, prefill_tokens=40)
+        assert registry.register(info).accepted
+        new = registry.get("w")
+        assert new is not old and (new.assigned_requests, new.assigned_prefill_tokens) == (0, 0)
+        registry.assign(new, requests=1, prefill_tokens=30)  # sent after the re-registration
+        registry.view("fp").assign(new, requests=1)
+        registry.assign(old, requests=-1, prefill_tokens=-40)  # the old request ends
+        registry.view("fp").assign(old, requests=-1)
+        assert (new.assigned_requests, new.assigned_prefill_tokens) == (2, 30)
+        registry.assign(new, requests=-1, prefill_tokens=-30)
+        assert (registry.snapshots()[0].assigned_requests,
+                registry.snapshots()[0].assigned_prefill_tokens) == (1, 0)
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_finished_request_releases_its_blocks_until_the_worker_s_next_status(model, tokens):
     """Through the real coordinator: a chat that a status of d1 counted (one after its first
     token, none after its last) releases its KV blocks there (prompt and the tokens decoded
