@@ -17,10 +17,11 @@ fast the host runs now against when the profile was measured. The host's speed d
 ~1.5x within minutes on the shared VMs of this project), and a run whose solo ratio is well
 above 1 is one the profile under-predicts whatever the simulator does with queues and
 batches. The "calibrated" rows take that out of the verdict the way profile_host measures a
-profile's serving overheads: from these solo requests, on the run's own cluster minutes (not
-tens of minutes) before its load, the prefill pass's, the coordinator's and the decode step's
-overheads are measured again over the profile's engine costs (serving_overheads); what is left
-between those rows and the measurement is the simulator's (queues, batches, shared cores).
+profile's serving overheads: from these solo requests, on the run's own cluster just before
+its load (not tens of minutes before, as the profile may be), the prefill pass's, the
+coordinator's and the decode step's overheads are measured again over the profile's engine
+costs (serving_overheads); what is left between those rows and the measurement is the
+simulator's (queues, batches, shared cores).
 
 A run is "P:D:RATE:REQUESTS", e.g. 1:1:0.4:24. The profile was measured with a core to
 itself, while here the workers, the coordinator and the load generator share the host's
@@ -124,8 +125,9 @@ def serving_overheads(engine: CostProfile, samples: list[Sample]) -> ServingOver
         raise ValueError("no served request reported its prefill worker's time (tandem.prefill_worker_s)")
     pass_s = max(0.0, statistics.median(passes))
     served = replace(engine, prefill_pass_overhead_s=pass_s)
-    ttft = [s.ttft - alone(s, served).ttft_s for s in samples]
-    tpot = [sum(s.itls) / len(s.itls) - alone(s, served).tpot_s for s in samples]
+    sims = [alone(s, served) for s in samples]
+    ttft = [s.ttft - sim.ttft_s for s, sim in zip(samples, sims)]
+    tpot = [sum(s.itls) / len(s.itls) - sim.tpot_s for s, sim in zip(samples, sims)]
     return ServingOverheads(max(0.0, statistics.median(ttft)), pass_s, max(0.0, statistics.median(tpot)),
                             len(samples))
 
