@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +40,9 @@ _model_weights: contextvars.ContextVar[int] = contextvars.ContextVar("tandem_mod
 _prompt_passes: contextvars.ContextVar[bool] = contextvars.ContextVar("tandem_prompt_passes", default=False)
 _FALLBACK_CACHE_BYTES = 32 << 20  # where sysfs does not say
 ROUNDS = 3  # alternations of the candidates when timing them
+# How candidates are timed; in the key, so choices made by an earlier method are measured
+# again. 2: each timed shape's best round kept apart (_choose).
+TIMING = 2
 # Entered around each timing (set_timing_guard): where the choice is made for more native
 # threads than the process may use right now (a decode worker borrowing an idle prefill
 # worker's core), the process's worker makes the measured conditions hold first.
@@ -126,13 +129,15 @@ def host_key(fmt: str) -> str:
     threads = f"|threads {native_n} torch {torch_n}" if (native_n, torch_n) != (1, 1) else ""
     # The native sources' digest: a changed kernel is measured again rather than losing to a
     # choice made against its predecessor.
-    kernels = f"native {native.source_digest()[:12]}"
+    kernels = f"native {native.source_digest()[:12]} timing {TIMING}"
     return f"{fmt}|{cpu}|{digest}|torch {torch.__version__}|{kernels}|{native.dispatch_level()}{threads}"
 
 
-def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str], float],
+def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str], float | Sequence[float]],
                    variant: str = "") -> str:
-    """variant (e.g. "streamed"): a workload with a choice of its own, the key's last part."""
+    """time_layout(candidate): its seconds, or its seconds per timed shape (time_decode_passes:
+    M = 1 and M = 8), each shape's best round then kept apart (_choose) and the bests summed.
+    variant (e.g. "streamed"): a workload with a choice of its own, the key's last part."""
     key = host_key(fmt) + (f"|{variant}" if variant else "")
     label = f"{fmt} ({variant})" if variant else fmt  # for the log
     if key not in _memo:
@@ -165,14 +170,24 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
         # once each, in sequence, a native kernel at 2 threads lost to aten's at 1 while tests
         # ran beside it on a 2-core host, and the slower kernel was remembered for every later
         # decode worker: a lone stream's TPOT 11 -> 20 ms.)
-        times = dict.fromkeys(candidates, float("inf"))
+        # Per shape, too: a candidate's rounds each time M = 1 and M = 8 one after the other, and
+        # a burst in either shape's pass spoils the whole round's sum. Summed per round, two
+        # kernels equal at M = 1 and 12-17% apart at M = 8 (Q6_K, 2 threads, weights streamed)
+        # differed by ~4% a round, inside the noise, and the slower one was recorded: the 1B
+        # Q4_K_M's batch of 8 then ran ~10% slower at the same batch-1 speed.
+        best: dict[str, list[float]] = {}
         with _timing_guard():
             for _ in range(ROUNDS):
                 for c in candidates:
-                    times[c] = min(times[c], time_layout(c))
+                    t = time_layout(c)
+                    shapes = [float(t)] if isinstance(t, (int, float)) else [float(x) for x in t]
+                    best[c] = [min(a, b) for a, b in zip(best[c], shapes)] if c in best else shapes
+        times = {c: sum(shapes) for c, shapes in best.items()}
         choice = min(times, key=times.get)
         log.info("%s layout on this host: %s (measured %s)", fmt, choice,
-                 ", ".join(f"{c} {t * 1e6:.0f} us" for c, t in times.items()))
+                 ", ".join(f"{c} {t * 1e6:.0f} us" + (f" ({' + '.join(f'{x * 1e6:.0f}' for x in best[c])})"
+                                                       if len(best[c]) > 1 else "")
+                           for c, t in times.items()))
         table[key] = choice
         try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -185,10 +200,11 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
     return choice
 
 
-def time_decode_passes(packed, forward: Callable, copies: int, reps: int, warmups: int = 1) -> float:
-    """Seconds, best of `reps`, for forward(x, layer) at M = 1 and M = 8 over `copies` distinct
-    copies of one packed layer (`copies` large enough to fill twice the last-level cache makes
-    each call read its weights from memory): a candidate's time for the choice above."""
+def time_decode_passes(packed, forward: Callable, copies: int, reps: int, warmups: int = 1) -> tuple[float, float]:
+    """Seconds of forward(x, layer) over `copies` distinct copies of one packed layer at M = 1
+    and at M = 8, each the best of `reps` (`copies` large enough to fill twice the last-level
+    cache makes each call read its weights from memory): a candidate's times for the choice
+    above."""
     import dataclasses
     import time
 
@@ -202,11 +218,11 @@ def time_decode_passes(packed, forward: Callable, copies: int, reps: int, warmup
     for _ in range(warmups):  # aten's first calls pay one-time costs
         for x in xs:
             forward(x, packed)
-    best = float("inf")
+    best = [float("inf")] * len(xs)
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for x in xs:
+        for i, x in enumerate(xs):
+            t0 = time.perf_counter()
             for layer in layers:
                 forward(x, layer)
-        best = min(best, time.perf_counter() - t0)
-    return best
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]

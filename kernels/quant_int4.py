@@ -187,18 +187,19 @@ def default_layout(device: torch.device) -> str:
     return fastest_layout("int4", candidates, _time_layout)
 
 
-def _step_time(layout: str, seconds: float) -> float:
-    """A kernel's measured time as the layout choice weighs it (NATIVE_STEP_GAIN)."""
-    return seconds / NATIVE_STEP_GAIN if layout in Q4_1_LAYOUTS + AMX_LAYOUTS else seconds
+def _step_time(layout: str, seconds: tuple[float, ...]) -> tuple[float, ...]:
+    """A kernel's measured times (per shape) as the layout choice weighs them (NATIVE_STEP_GAIN)."""
+    gain = NATIVE_STEP_GAIN if layout in Q4_1_LAYOUTS + AMX_LAYOUTS else 1.0
+    return tuple(t / gain for t in seconds)
 
 
-def _time_layout(layout: str) -> float:
+def _time_layout(layout: str) -> tuple[float, ...]:
     """Seconds for one decode-shaped pass (a 1536 x 576 projection at M = 1 and M = 8), its
     weights in cache after the first (weighed by _step_time)."""
     return _step_time(layout, _time_passes(layout, 1536, 576, copies=1, reps=3))
 
 
-def _time_streamed(layout: str) -> float:
+def _time_streamed(layout: str) -> tuple[float, ...]:
     """Seconds for decode-shaped passes over 2048 x 2048 projections, as many distinct copies
     as fill twice the last-level cache, so each call reads its weights from memory."""
     from kernels.layout_choice import last_level_cache_bytes
@@ -207,7 +208,7 @@ def _time_streamed(layout: str) -> float:
     return _step_time(layout, _time_passes(layout, 2048, 2048, copies=min(copies, 1024), reps=1))
 
 
-def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> float:
+def _time_passes(layout: str, n: int, k: int, copies: int, reps: int) -> tuple[float, float]:
     from kernels.layout_choice import time_decode_passes
 
     packed = pack(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), None, torch.device("cpu"), layout)

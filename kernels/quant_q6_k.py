@@ -215,8 +215,8 @@ def _random_blocks(n: int, k: int, rng: np.random.Generator) -> QuantizedTensor:
     return QuantizedTensor("Q6_K", data.reshape(n, -1), (n, k))
 
 
-def _time_layout(layout: str, copies: int, reps: int) -> float:
-    """Seconds for decode-shaped passes (M = 1 and M = 8) over `copies` distinct timed matrices."""
+def _time_layout(layout: str, copies: int, reps: int) -> tuple[float, float]:
+    """Seconds for decode-shaped passes (M = 1, M = 8) over `copies` distinct timed matrices."""
     from kernels.layout_choice import time_decode_passes
 
     packed = pack(_random_blocks(_TIMED_N, _TIMED_K, np.random.default_rng(0)), None, layout)

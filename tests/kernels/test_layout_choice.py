@@ -39,6 +39,42 @@ def test_each_candidate_keeps_its_best_round(tmp_path, monkeypatch):
     assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: next(times[n])) == "b"
 
 
+def test_each_timed_shape_keeps_its_best_round(tmp_path, monkeypatch):
+    """A candidate timed per shape (M = 1, M = 8) keeps each shape's best round: b's bursts fall
+    on a different shape each round, so every round's sum loses to a's (9.9, 10.9, 18 > 3),
+    while its best M = 1 and best M = 8 (0.9 + 1.9) beat a's 1 + 2."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setattr(layout_choice, "_memo", {})
+    times = {"a": iter([(1.0, 2.0)] * 3), "b": iter([(0.9, 9.0), (9.0, 1.9), (9.0, 9.0)])}
+    assert layout_choice.fastest_layout("fmt", ["a", "b"], lambda n: next(times[n])) == "b"
+
+
+def test_decode_passes_time_each_shape_apart(monkeypatch):
+    """time_decode_passes returns M = 1's and M = 8's best repetition each: a burst in one
+    shape's pass (a fake clock the passes advance) spoils only that shape's repetition."""
+    import time
+
+    import torch
+
+    from kernels.quant_int4 import pack
+
+    packed = pack(torch.randn(64, 64), None, torch.device("cpu"), "cpu")
+    clock = [0.0]
+    # Cost of one call at M = 1 and at M = 8: the warm-up's, then each repetition's.
+    costs = [(1.0, 8.0), (1.0, 100.0), (50.0, 8.0), (3.0, 9.0)]
+    m1_calls = [0]
+
+    def forward(x, layer):
+        if x.shape[0] == 1:
+            m1_calls[0] += 1
+        rep = m1_calls[0] // 2  # the warm-up's one M = 1 call, then 2 copies a repetition
+        clock[0] += costs[rep][0 if x.shape[0] == 1 else 1]
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    m1, m8 = layout_choice.time_decode_passes(packed, forward, copies=2, reps=3)
+    assert (m1, m8) == (2.0, 16.0)  # best M = 1 (rep 1) and best M = 8 (rep 2), 2 copies each
+
+
 def test_unwritable_cache_still_chooses(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -74,7 +110,11 @@ def test_a_changed_native_kernel_is_measured_again(monkeypatch):
     before = layout_choice.host_key("int4")
     assert f"native {native.source_digest()[:12]}" in before
     monkeypatch.setattr(native, "source_digest", lambda: "0" * 64)
-    assert layout_choice.host_key("int4") != before
+    changed = layout_choice.host_key("int4")
+    assert changed != before
+    # So does the timing method's version: choices an earlier method made are measured again.
+    monkeypatch.setattr(layout_choice, "TIMING", layout_choice.TIMING + 1)
+    assert layout_choice.host_key("int4") != changed
 
 
 def test_a_model_beyond_the_cache_has_a_choice_of_its_own(tmp_path, monkeypatch):
