@@ -26,6 +26,11 @@ child (`--one-level --json` with that variable set) and the parent prints one ta
 --one-level runs only this process's level, in process. --kernels first runs the kernel
 micro-benchmarks (benchmarks.bench_linear, benchmarks.bench_attention).
 
+--prompt-only: each format packed as a prefill worker packs it (the layouts made for prompt
+passes; `auto`, the default --prefill-quant, resolved as that worker resolves it on this host,
+engine/format_choice.py choose_on_this_host) and timed in prompt passes only, no decode: what
+benchmarks.bench_engine_peer sets against llama-bench's prompt processing.
+
 --device cuda (engine/device.py): the model and KV cache on the GPU, Triton kernels, decode
 steps as CUDA graphs unless --no-cuda-graphs; every timing ends with a device synchronize, the
 copy bandwidth is a device-to-device copy, and the one "level" runs in process (aten's CPU
@@ -48,6 +53,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.device import add_device_flags, resolve_device
+from engine.format_choice import AUTO_FORMAT, choose_on_this_host
 from engine.kv_cache_sizing import KV_TORCH_DTYPES
 from engine.loaders import load_model
 from engine.model_runner import ModelRunner, SequenceChunk, kv_cache_bytes_per_block
@@ -134,13 +140,20 @@ def decode_step_s(runner: ModelRunner, tables: list[list[int]], context: int, st
 def bench_format(loaded, fmt: str, args) -> dict:
     config = loaded.config
     device = getattr(args, "device", "cpu")
+    prompt_only = getattr(args, "prompt_only", False)
+    head = None
+    if fmt == AUTO_FORMAT:  # --prompt-only: what a prefill worker resolves `auto` to here
+        choice = choose_on_this_host(config, loaded.weights, torch.device(device).type)
+        fmt, head = choice.format, choice.prompt_head
     # Packed as a decode worker packs it, torch at one thread (worker/runtime.py): the int4
     # layout is chosen by timing aten's kernel on torch's threads against the native pool, and
-    # the decode steps below run with torch at one thread too.
+    # the decode steps below run with torch at one thread too. A prefill worker's copy
+    # (--prompt-only) is packed on all its threads, in the layouts made for prompt passes.
     torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads if prompt_only else 1)
     try:
-        model = model_class(config.architecture)(config, loaded.weights, fmt, device=device)
+        model = model_class(config.architecture)(config, loaded.weights, fmt, device=device,
+                                                 prompt_only=prompt_only, prompt_head_format=head)
     finally:
         torch.set_num_threads(torch_threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -162,15 +175,17 @@ def bench_format(loaded, fmt: str, args) -> dict:
     # More single-pass prompt lengths, for the planner's prefill fit (three coefficients: a
     # point per --prompt-len alone leaves the fit no residual to average the noise out).
     prefill_points = [[n, prefill_time(n)] for n in prefill_lens]
-    fill_context(runner, tables, config.vocab_size, args.context, args.prompt_len)
+    if not prompt_only:
+        fill_context(runner, tables, config.vocab_size, args.context, args.prompt_len)
     kv_per_seq = kv_cache_bytes_per_block(config, args.context, runner.kv_cache.dtype)
     # Decode steps as a decode worker runs them: its --threads go to the native kernels' pool
     # and torch keeps one thread (worker/runtime.py configure_process); prefill used them all.
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        decode = [{"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
-                   "kv_bytes": kv_per_seq * b} for b in batches]
+        decode = [] if prompt_only else [
+            {"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
+             "kv_bytes": kv_per_seq * b} for b in batches]
     finally:
         torch.set_num_threads(torch_threads)
     # prompt_len and context make a row self-describing: planner/cost_profile.py fits its
@@ -223,6 +238,8 @@ def run_child(args, level: str) -> dict:
            "--device", args.device]
     if getattr(args, "prefill_lens", None):
         cmd += ["--prefill-lens", args.prefill_lens]
+    if getattr(args, "prompt_only", False):
+        cmd.append("--prompt-only")
     env = native.level_env(level, worker_env(args.threads))
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])[0]
@@ -270,6 +287,10 @@ def print_report(levels: list[dict], args, copy_gb_s: float) -> None:
           f"{'weights MB':>10} {'KV MB':>7} {'GB/s':>6} {'x copy':>6}")
     for lv in levels:
         for r in lv["rows"]:
+            if not r["decode"]:  # --prompt-only
+                print(f"{lv['level']:8} {r['format']:7} {r['prefill_tok_s']:13.1f} {'-':>5} {'-':>12} {'-':>6} "
+                      f"{r['weight_bytes'] / 1e6:10.1f}")
+                continue
             base = r["decode"][0]["batch"] / r["decode"][0]["step_s"]
             for i, d in enumerate(r["decode"]):
                 tok_s = d["batch"] / d["step_s"]
@@ -303,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", action="store_true", help="run the kernel micro-benchmarks first")
     parser.add_argument("--one-level", action="store_true", help="run this process's dispatch level only, in process")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--prompt-only", action="store_true",
+                        help="pack and time as a prefill worker does: prompt-pass layouts, no decode; "
+                             "'auto' among --formats is the format its --prefill-quant auto picks here")
     add_device_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -315,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         parse_lens(args.prefill_lens)
     except ValueError as exc:
         parser.error(str(exc))
+    if AUTO_FORMAT in args.formats.split(",") and not args.prompt_only:
+        parser.error(f"--formats {AUTO_FORMAT}: a prefill format, resolved as a prefill worker resolves "
+                     "it; add --prompt-only")
     configure_process(args.threads)
     if args.kernels:
         for module in ("benchmarks.bench_linear", "benchmarks.bench_attention"):

@@ -187,6 +187,19 @@ def choose_prefill_format(config: ModelConfig, mem_total_bytes: int, int4_tiles:
     return FormatChoice("w8a8", f"{reason}; w8a8 and an int4 decode copy take {both / gib:.2f} GiB")
 
 
+def choose_on_this_host(config: ModelConfig, weights: dict, device_type: str = "cpu") -> FormatChoice:
+    """The prefill format `auto` stands for with this model's weights on this host, as
+    LLMEngine.from_path resolves it (benchmarks.bench_engine --prompt-only times the same
+    choice): int4 in fp32's place only on a CPU whose AMX tiles run and where the native
+    kernels hold every projection as stored; bf16's speed asked only of a CPU."""
+    from kernels import native
+
+    cpu = device_type == "cpu"
+    tiles = cpu and native.available() and native.amx_available() and int4_native_projections(weights)
+    return choose_prefill_format(config, host_memory_bytes(), int4_tiles=tiles,
+                                 bf16_faster=bf16_prefill_faster if cpu else (lambda: False))
+
+
 # How much faster a prompt-sized bf16 GEMM must be than fp32's for bf16 to take fp32's place: it
 # rounds every weight and activation to 8 significant bits (+0.29% perplexity on the default
 # model, its head kept fp32), which a small gain would not pay for. Measured ratios: 2.04x (AMD Zen 4, whole prompt

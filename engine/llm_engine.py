@@ -31,8 +31,7 @@ from engine.device import resolve_device
 from engine.draft_loading import load_draft
 from engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from engine.embedding import pool_step, pooled_vector
-from engine.format_choice import (AUTO_FORMAT, bf16_prefill_faster, choose_prefill_format, host_memory_bytes,
-                                  int4_native_projections)
+from engine.format_choice import AUTO_FORMAT, choose_on_this_host
 from engine.grammar import GrammarBackend
 from engine.kv_cache_sizing import KV_TORCH_DTYPES, kv_dtype_name, sized_cache
 from engine.kv_connector import ConnectorEvents, KVConnector
@@ -46,7 +45,7 @@ from engine.scheduler import Scheduler
 from engine.speculative import SpecDecodeStats, SpeculativeDecoder, seeded_row_generators
 from engine.step_logprobs import add_prompt_logprobs, prompt_logit_rows, token_logprobs
 from engine.step_output import StepOutput
-from kernels import batch_invariance, native
+from kernels import batch_invariance
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +159,7 @@ class LLMEngine:
             loaded = load_model(Path(path))
             prompt_head = None  # the prompt-pass copy's lm_head format, where auto picks one
             if AUTO_FORMAT in (main_format, second_format):
-                tiles = (target.type == "cpu" and native.available() and native.amx_available()
-                         and int4_native_projections(loaded.weights))
-                bf16_faster = bf16_prefill_faster if target.type == "cpu" else (lambda: False)
-                choice = choose_prefill_format(loaded.config, host_memory_bytes(), int4_tiles=tiles,
-                                               bf16_faster=bf16_faster)
+                choice = choose_on_this_host(loaded.config, loaded.weights, target.type)
                 log.log(logging.INFO if choice.fits else logging.WARNING,
                         "prefill weight format auto: %s (%s)", choice.format, choice.reason)
                 prompt_head = choice.prompt_head

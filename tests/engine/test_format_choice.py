@@ -9,6 +9,7 @@ import pytest
 
 from common.model_config import ModelConfig
 from engine.config import CacheConfig, EngineConfig
+from engine import format_choice
 from engine.format_choice import AUTO_FORMAT, choose_prefill_format, matrix_params
 from engine.llm_engine import LLMEngine
 from reliability.model_factory import make_tiny_hf_model
@@ -56,9 +57,7 @@ def test_each_model_size_gets_the_format_that_fits_24_gib():
 def bf16_not_faster(monkeypatch):
     """The engine's bf16 measurement answers no, so the memory rule alone decides (the host's
     own answer is tested below)."""
-    from engine import llm_engine
-
-    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: False)
+    monkeypatch.setattr(format_choice, "bf16_prefill_faster", lambda: False)
 
 
 def test_auto_is_the_default_and_the_engine_resolves_it(tmp_path, caplog, bf16_not_faster):
@@ -82,7 +81,7 @@ def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path,
     """Where int4 runs on AMX tiles and every projection is a block int4 holds as stored, auto is
     int4 in fp32's place; bf16 and w8a8, faster than the tiles at prompt sizes, stand, and so
     does the memory rule elsewhere."""
-    from engine import llm_engine
+    from kernels import native
     from reliability.model_factory import make_tiny_gguf
 
     assert choose_prefill_format(SMOLLM2_135M, 24 * GIB, int4_tiles=True).format == "int4"
@@ -92,7 +91,7 @@ def test_int4_first_where_the_tiles_run_and_the_file_holds_int4_blocks(tmp_path,
     q4 = make_tiny_gguf(tmp_path / "q4.gguf", "Q4_1").path
     f32 = make_tiny_gguf(tmp_path / "f32.gguf", "F32").path
     for granted, path, want in ((True, q4, "int4"), (False, q4, "fp32"), (True, f32, "fp32")):
-        monkeypatch.setattr(llm_engine.native, "amx_available", lambda level=None, g=granted: g)
+        monkeypatch.setattr(native, "amx_available", lambda level=None, g=granted: g)
         with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
             engine = LLMEngine.from_path(path, EngineConfig.for_role(
                 "prefill", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=8)), load_tokenizer=False)
@@ -140,8 +139,6 @@ def test_a_prefill_worker_packs_the_tile_layouts_without_measuring(tmp_path, mon
 def test_bf16_takes_fp32_s_place_only_where_it_measured_faster(tmp_path, caplog, monkeypatch):
     """bf16 in fp32's place where this host's bf16 GEMM is BF16_MIN_GAIN times as fast; the
     question is asked only where fp32 would be chosen and the tiles do not take its place."""
-    from engine import llm_engine
-
     asked = []
 
     def faster(answer):
@@ -154,7 +151,7 @@ def test_bf16_takes_fp32_s_place_only_where_it_measured_faster(tmp_path, caplog,
     assert choose_prefill_format(TINYLLAMA_1B, 24 * GIB, bf16_faster=faster(True)).format == "bf16"
     assert choose_prefill_format(LLAMA3_8B, 24 * GIB, bf16_faster=faster(True)).format == "w8a8"
     assert asked == [True, False]  # the tiles, and the memory rule, decided without asking
-    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: True)
+    monkeypatch.setattr(format_choice, "bf16_prefill_faster", lambda: True)
     model_dir = make_tiny_hf_model(tmp_path / "m", "llama")
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         engine = LLMEngine.from_path(model_dir, EngineConfig.for_role(
@@ -177,11 +174,10 @@ def test_bf16_prompt_passes_answer_the_default_model_s_question_right(default_gg
     Marseillaise, ..." on the default model; with bf16 layers and an fp32 head the first tokens
     are fp32's. Where the host grants AMX tiles, auto would take int4 for this Q4_1 file
     instead (one copy, no bf16 to test), so the tiles are ruled out as well as bf16 measured."""
-    from engine import llm_engine
     from tests.nodes.test_disaggregation import expected_text
 
-    monkeypatch.setattr(llm_engine, "bf16_prefill_faster", lambda: True)
-    monkeypatch.setattr(llm_engine, "int4_native_projections", lambda weights: False)
+    monkeypatch.setattr(format_choice, "bf16_prefill_faster", lambda: True)
+    monkeypatch.setattr(format_choice, "int4_native_projections", lambda weights: False)
     engine = LLMEngine.from_path(default_gguf, EngineConfig.for_role(
         "colocated", "int4", AUTO_FORMAT, cache=CacheConfig(num_blocks=64)))
     assert engine.model.formats == ("int4", "bf16")
