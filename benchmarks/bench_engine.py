@@ -4,6 +4,7 @@ dispatch level, in one run so the figures compare.
     python -m benchmarks.bench_engine [MODEL] [--formats fp32,bf16,int8,int4,w8a8] [--levels LEVELS]
                                   [--prompt-len 512] [--context 512] [--batches 1,8,32]
                                   [--decode-steps 32] [--repeats 3] [--threads 1] [--kernels]
+                                  [--prompt-only]
 
 Prints the CPU (model name; avx2, avx512f, avx512_vnni, avx512_bf16 from /proc/cpuinfo), the
 torch version and thread count, this host's copy bandwidth (dst.copy_(src) of 256 MB fp32, best
@@ -120,9 +121,9 @@ def fill_context(runner: ModelRunner, tables: list[list[int]], vocab: int, conte
         kv[:, :, table[0]:table[0] + n] = kv[:, :, tables[0][0]:tables[0][0] + n]
 
 
-def decode_step_s(runner: ModelRunner, tables: list[list[int]], context: int, steps: int) -> float:
-    """Median time of one decode step over `steps` steps, all sequences at once. Step s writes
-    position context + s; the warm-up step writes the first of them, which step 0 rewrites."""
+def decode_step_times(runner: ModelRunner, tables: list[list[int]], context: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps, all sequences at once. Step s writes position
+    context + s; the warm-up step writes the first of them, which step 0 rewrites."""
     def step(s: int) -> None:
         runner.execute([SequenceChunk([42], context + s, t, True) for t in tables])
 
@@ -134,7 +135,7 @@ def decode_step_s(runner: ModelRunner, tables: list[list[int]], context: int, st
         step(s)
         synchronize(runner.device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def bench_format(loaded, fmt: str, args) -> dict:
@@ -142,7 +143,9 @@ def bench_format(loaded, fmt: str, args) -> dict:
     device = getattr(args, "device", "cpu")
     prompt_only = getattr(args, "prompt_only", False)
     head = None
-    if fmt == AUTO_FORMAT:  # --prompt-only: what a prefill worker resolves `auto` to here
+    if fmt == AUTO_FORMAT:  # what a prefill worker resolves `auto` to here
+        if not prompt_only:
+            raise ValueError(f"format {AUTO_FORMAT!r} is a prefill worker's: time it with prompt_only")
         choice = choose_on_this_host(config, loaded.weights, torch.device(device).type)
         fmt, head = choice.format, choice.prompt_head
     # Packed as a decode worker packs it, torch at one thread (worker/runtime.py): the int4
@@ -183,11 +186,14 @@ def bench_format(loaded, fmt: str, args) -> dict:
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        decode = [] if prompt_only else [
-            {"batch": b, "step_s": decode_step_s(runner, tables[:b], args.context, args.decode_steps),
-             "kv_bytes": kv_per_seq * b} for b in batches]
+        steps = {b: [] if prompt_only else decode_step_times(runner, tables[:b], args.context, args.decode_steps)
+                 for b in batches}
     finally:
         torch.set_num_threads(torch_threads)
+    # step_s: the median step (this table's figure); mean_step_s: all steps over their count, as
+    # llama-bench's tg figure counts them (benchmarks.bench_engine_peer).
+    decode = [{"batch": b, "step_s": statistics.median(t), "mean_step_s": statistics.fmean(t),
+               "kv_bytes": kv_per_seq * b} for b, t in steps.items() if t]
     # prompt_len and context make a row self-describing: planner/cost_profile.py fits its
     # cost models from rows measured at several of them.
     row = {"format": fmt, "prompt_len": args.prompt_len, "context": args.context,
@@ -304,7 +310,7 @@ def print_report(levels: list[dict], args, copy_gb_s: float) -> None:
             decode = ", ".join(f"b={d['batch']} x{b['step_s'] / d['step_s']:.2f}"
                                for d, b in zip(r["decode"], first["decode"]))
             print(f"{lv['level']} {r['format']} vs {first['format']}: "
-                  f"prefill x{r['prefill_tok_s'] / first['prefill_tok_s']:.2f}, decode {decode}")
+                  f"prefill x{r['prefill_tok_s'] / first['prefill_tok_s']:.2f}" + (f", decode {decode}" if decode else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

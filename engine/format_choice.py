@@ -24,6 +24,8 @@ The prefill weight format `auto` stands for (the default `--prefill-quant`): pic
 of the host's memory the model's matrices take in each format, once the model's config is read.
 
     choose_prefill_format(config, mem_total_bytes, int4_tiles=False) -> FormatChoice(format, reason)
+    choose_on_this_host(config, weights, device_type) -> FormatChoice   (the engine's call: this
+        host's memory, its AMX tiles and bf16 speed, the file's block types)
 
     fp32   when its copy takes at most 1/12 of the host's memory (SmolLM2-135M: 0.54 GB), except
     int4   in its place when int4_tiles: the host runs int4 on AMX tiles (kernels/csrc/int4_amx.cpp)

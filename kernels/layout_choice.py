@@ -3,8 +3,8 @@
 Kernel speed differs between hosts of one machine kind far more than a constant can capture
 (aten's int4 GEMV reads ~18 GB/s on one AVX-512 host and ~2 GB/s on an AVX2 one), so where a
 format has two CPU kernels the choice is timed at first use and remembered in
-$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, the native kernels' source digest, aten
-dispatch level and, above 1, the native kernels' thread count. Deleting the file re-measures. The choice is logged.
+$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, the native kernels' source digest
+and the timing method's version, aten dispatch level and, above 1, the native kernels' thread count. Deleting the file re-measures. The choice is logged.
 
 Whether a decode step streams the weights from memory or finds them in the last-level cache
 changes the winner too (Sapphire Rapids class, 105 MB L3, one thread, int4: aten's kernel ran
@@ -41,7 +41,8 @@ _prompt_passes: contextvars.ContextVar[bool] = contextvars.ContextVar("tandem_pr
 _FALLBACK_CACHE_BYTES = 32 << 20  # where sysfs does not say
 ROUNDS = 3  # alternations of the candidates when timing them
 # How candidates are timed; in the key, so choices made by an earlier method are measured
-# again. 2: each timed shape's best round kept apart (_choose).
+# again (every format's, as the key is shared: a few seconds once per host). 2: each timed
+# shape's best round kept apart (_choose).
 TIMING = 2
 # Entered around each timing (set_timing_guard): where the choice is made for more native
 # threads than the process may use right now (a decode worker borrowing an idle prefill
@@ -158,7 +159,7 @@ def fastest_layout(fmt: str, candidates: list[str], time_layout: Callable[[str],
 
 
 def _choose(key: str, path: Path, fmt: str, candidates: list[str],
-            time_layout: Callable[[str], float]) -> str:
+            time_layout: Callable[[str], float | Sequence[float]]) -> str:
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -29,7 +29,8 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # marked `integration`, as is every test that loads the default model (through `default_gguf`
 # or the `model` marker), so that `pytest -m "not integration"` runs the fast part alone.
 INTEGRATION_FILES = {
-    "benchmarks/test_bench_engine.py", "benchmarks/test_device_check.py",
+    "benchmarks/test_bench_engine.py", "benchmarks/test_bench_engine_peer.py",
+    "benchmarks/test_device_check.py",
     "cli/test_bench.py", "cli/test_cli.py",
     "common/test_cluster_auth.py", "common/test_core_lease.py",
     "coordinator/test_api_embeddings.py", "coordinator/test_api_ollama.py",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_engine_peer import report
+from benchmarks.bench_engine_peer import report, verdict
 from reliability.model_factory import make_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,8 +88,6 @@ def test_each_round_runs_both_sides_and_the_ratios_come_from_the_printed_figures
     assert "copy bandwidth:" in out.stdout and "build fake123" in out.stdout
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if "llama.cpp pp" in line)
-    # The prefill worker's format as `auto` resolves it for a tiny Q4_1 file here.
-    assert re.search(r"prefill (fp32|int4|bf16)", lines[header]), lines[header]
     pp = [ROW.match(line) for line in lines[header + 1:header + 3]]
     tg_header = lines.index(next(line for line in lines if "llama.cpp tg" in line))
     tg = [ROW.match(line) for line in lines[tg_header + 1:tg_header + 3]]
@@ -97,15 +95,17 @@ def test_each_round_runs_both_sides_and_the_ratios_come_from_the_printed_figures
     for m in pp:
         t = int(m.group(1))
         check_ratio(m.groups()[1:], 100.0 * t)
-        assert m.group(10).strip() == ""  # no batch columns on the prompt's rows
+        # No batch columns on the prompt's rows: the format `auto` resolved to for this tiny Q4_1
+        # file at this thread count.
+        assert m.group(10).strip() in ("fp32", "int4", "bf16"), m.group(10)
     for m in tg:
         t = int(m.group(1))
         b1 = check_ratio(m.groups()[1:], 10.0 * t)
-        big = re.match(r"\s+([\d.]+) / ([\d.]+)\s+([\d.]+)x\s+(met|short of) 5x", m.group(10))
+        # The batch's ratio, with no verdict: the 5x bar is the for a batch of 8, not 3.
+        big = re.match(r"\s+([\d.]+) / ([\d.]+)\s+([\d.]+)x\s+-$", m.group(10))
         assert big, m.group(10)
         b3 = (float(big.group(1)) + float(big.group(2))) / 2
         assert float(big.group(3)) == pytest.approx(b3 / b1, abs=0.011)
-        assert big.group(4) == ("met" if float(big.group(3)) >= 5.0 else "short of")
 
 
 def test_prompt_len_zero_times_decode_only(setup):
@@ -127,9 +127,10 @@ def test_report_takes_medians_and_the_range_of_each_rounds_pair():
     for r, pp, ours in zip(rounds, (100.0, 120.0, 80.0), (150.0, 90.0, 130.0)):
         r["peer_pp"], r["prefill"] = {1: pp}, {1: (ours, "bf16")}
     lines = report(Path("m.gguf"), rounds, [1], [1, 8])
-    assert "prefill bf16" in lines[1]
     # medians 100 and 130 -> 1.30x; pairs 1.5, 0.75, 1.625
-    assert "1.30x (0.75-1.62)" in lines[2] and "met 1x" in lines[2]
+    assert "1.30x (0.75-1.62)" in lines[2] and "met 1x" in lines[2] and lines[2].endswith("bf16")
+    # The verdict follows the ratio as printed: 0.996 prints 1.00x, so it meets the bar.
+    assert verdict(0.996, 1.0) == "met 1x" and verdict(0.994, 1.0) == "short of 1x"
 
 
 @pytest.mark.parametrize("extra, env, message", [
@@ -137,6 +138,8 @@ def test_report_takes_medians_and_the_range_of_each_rounds_pair():
     (("--prompt-len", "0"), {"FAKE_OMIT": "2"}, "no tg4 row for threads [2]"),
     ((), {"FAKE_FAIL": "1"}, "exited with 3: error: failed to load model"),
     (("--batches", "8,1"), {}, "--batches must start at 1"),
+    (("--batches", "1,8,3"), {}, "and ascend"),
+    (("--prompt-len", "600"), {}, "at most 512"),
     (("--threads", "1,1"), {}, "--threads: distinct"),
     (("--rounds", "0"), {}, "must be >= 1"),
 ])

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from common.model_config import ModelConfig
-from engine.config import CacheConfig, EngineConfig
 from engine import format_choice
+from engine.config import CacheConfig, EngineConfig
 from engine.format_choice import AUTO_FORMAT, choose_prefill_format, matrix_params
 from engine.llm_engine import LLMEngine
 from reliability.model_factory import make_tiny_hf_model
@@ -187,7 +187,6 @@ def test_bf16_prompt_passes_answer_the_default_model_s_question_right(default_gg
 @pytest.mark.parametrize("bf16_seconds,want", [(0.6, True), (0.7, False)])
 def test_bf16_prefill_faster_needs_the_minimum_gain_and_is_measured_once(tmp_path, monkeypatch,
                                                                          bf16_seconds, want):
-    from engine import format_choice
     from kernels import layout_choice
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
