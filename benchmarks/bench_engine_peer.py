@@ -62,8 +62,8 @@ def peer_speed(llama_bench: str, model: Path, threads: list[int], prompt: int, g
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         # -d (KV depth) came with llama.cpp's PR #13096 (April 2025): an older build refuses it.
-        raise SystemExit(f"{' '.join(cmd)} exited with {out.returncode} (a llama-bench older than -d, "
-                         f"April 2025, refuses it): {out.stderr.strip()[-500:]}")
+        older = " (-d, the KV depth, needs a llama-bench from April 2025 on)" if "-d" in out.stderr else ""
+        raise SystemExit(f"{' '.join(cmd)} exited with {out.returncode}: {out.stderr.strip()[-500:]}{older}")
     test = f"pp{prompt}" if gen == 0 else f"tg{gen}"
     try:
         rows = json.loads(out.stdout)
