@@ -310,7 +310,8 @@ def print_report(levels: list[dict], args, copy_gb_s: float) -> None:
             decode = ", ".join(f"b={d['batch']} x{b['step_s'] / d['step_s']:.2f}"
                                for d, b in zip(r["decode"], first["decode"]))
             print(f"{lv['level']} {r['format']} vs {first['format']}: "
-                  f"prefill x{r['prefill_tok_s'] / first['prefill_tok_s']:.2f}" + (f", decode {decode}" if decode else ""))
+                  f"prefill x{r['prefill_tok_s'] / first['prefill_tok_s']:.2f}"
+                  + (f", decode {decode}" if decode else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

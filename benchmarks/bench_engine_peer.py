@@ -149,7 +149,8 @@ def report(model: Path, rounds: list[dict], threads: list[int], batches: list[in
             big = [r["tandem"][t][batches[-1]] for r in rounds]
             amort = statistics.median(big) / statistics.median(b1)
             batch, bar = BATCH_BAR
-            line += f"  {figures(big):>16}  {amort:5.2f}x  {verdict(amort, bar) if batches[-1] == batch else '-':>12}"
+            judged = verdict(amort, bar) if batches[-1] == batch else "-"
+            line += f"  {figures(big):>16}  {amort:5.2f}x  {judged:>12}"
         lines.append(line)
     return lines
 

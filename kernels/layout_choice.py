@@ -3,8 +3,9 @@
 Kernel speed differs between hosts of one machine kind far more than a constant can capture
 (aten's int4 GEMV reads ~18 GB/s on one AVX-512 host and ~2 GB/s on an AVX2 one), so where a
 format has two CPU kernels the choice is timed at first use and remembered in
-$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, the native kernels' source digest
-and the timing method's version, aten dispatch level and, above 1, the native kernels' thread count. Deleting the file re-measures. The choice is logged.
+$TANDEM_HOME/native/layouts.json, keyed by format, CPU model and flags, torch version, the
+native kernels' source digest and the timing method's version, aten dispatch level and, above
+1, the native kernels' thread count. Deleting the file re-measures. The choice is logged.
 
 Whether a decode step streams the weights from memory or finds them in the last-level cache
 changes the winner too (Sapphire Rapids class, 105 MB L3, one thread, int4: aten's kernel ran
@@ -173,9 +174,9 @@ def _choose(key: str, path: Path, fmt: str, candidates: list[str],
         # decode worker: a lone stream's TPOT 11 -> 20 ms.)
         # Per shape, too: a candidate's rounds each time M = 1 and M = 8 one after the other, and
         # a burst in either shape's pass spoils the whole round's sum. Summed per round, two
-        # kernels equal at M = 1 and 12-17% apart at M = 8 (Q6_K, 2 threads, weights streamed)
-        # differed by ~4% a round, inside the noise, and the slower one was recorded: the 1B
-        # Q4_K_M's batch of 8 then ran ~10% slower at the same batch-1 speed.
+        # kernels within 7% of each other at M = 1 and 5-16% apart at M = 8 (Q6_K, 2 threads,
+        # weights streamed) differed by 1-11% a round, inside the noise, and the slower one had
+        # been recorded: the 1B Q4_K_M's batch of 8 then ran ~10% slower at the same b=1 speed.
         best: dict[str, list[float]] = {}
         with _timing_guard():
             for _ in range(ROUNDS):
