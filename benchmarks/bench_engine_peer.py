@@ -78,13 +78,24 @@ def peer_speed(llama_bench: str, model: Path, threads: list[int], prompt: int, g
     return tok_s, build
 
 
+def tandem_row(model: Path, threads: int, **options) -> dict:
+    """bench_engine's one row for `model` at `threads`, from its child at the host's dispatch
+    level. A child that fails (a file tandem refuses, say) has printed its error on this
+    process's stderr; the benchmark stops there with a line naming the model."""
+    child = argparse.Namespace(model=str(model), threads=threads, kv_dtype="fp32", device="cpu",
+                               prefill_lens=None, **options)
+    try:
+        (row,) = run_child(child, native.dispatch_level())["rows"]
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"tandem's bench_engine child failed on {model.name} at {threads} thread(s) "
+                         f"(exit {exc.returncode}); its error is above") from None
+    return row
+
+
 def tandem_prefill(model: Path, threads: int, args) -> tuple[float, str]:
     """Prompt tok/s of one --prompt-len pass as a prefill worker runs it, and its format."""
-    child = argparse.Namespace(
-        model=str(model), formats="auto", prompt_len=args.prompt_len, context=1, batches="1", decode_steps=1,
-        repeats=args.peer_reps, threads=threads, kv_dtype="fp32", device="cpu", prefill_lens=None,
-        prompt_only=True)
-    (row,) = run_child(child, native.dispatch_level())["rows"]
+    row = tandem_row(model, threads, formats="auto", prompt_only=True, prompt_len=args.prompt_len,
+                     repeats=args.peer_reps, context=1, batches="1", decode_steps=1)
     return row["prefill_tok_s"], row["format"]
 
 
@@ -92,11 +103,8 @@ def tandem_decode(model: Path, threads: int, args) -> dict[int, float]:
     """bench_engine's int4 decode tok/s (total over the batch) per batch size, at `threads`,
     from its mean step: llama-bench's tg figure is its steps over their total time, so a slow
     step (a page fault, a preemption) counts on both sides, where a median would drop ours."""
-    child = argparse.Namespace(
-        model=str(model), formats="int4", prompt_len=args.context, context=args.context, batches=args.batches,
-        decode_steps=args.decode_steps, repeats=1, threads=threads, kv_dtype="fp32", device="cpu",
-        prefill_lens=None)
-    (row,) = run_child(child, native.dispatch_level())["rows"]
+    row = tandem_row(model, threads, formats="int4", prompt_len=args.context, context=args.context,
+                     batches=args.batches, decode_steps=args.decode_steps, repeats=1)
     return {d["batch"]: d["batch"] / d["mean_step_s"] for d in row["decode"]}
 
 

@@ -158,6 +158,21 @@ def test_an_unknown_model_or_a_missing_peer_is_named(setup, tmp_path):
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
+def test_a_file_tandem_cannot_load_ends_with_a_line_naming_it(setup, tmp_path):
+    """The peer answers (the stand-in ignores the file), tandem's child refuses it: the child's
+    own error, then one line naming the model, no traceback."""
+    root, fake, _ = setup
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"junk")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_engine_peer", "--llama-bench", str(fake),
+                          str(bad), "--rounds", "1", "--threads", "1", "--prompt-len", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "FAKE_LOG": str(tmp_path / "calls.log")})
+    assert out.returncode == 1
+    assert "child failed on not-a-model.gguf at 1 thread(s)" in out.stderr, out.stderr
+    assert "CalledProcessError" not in out.stderr
+
+
 def test_bench_engine_times_a_prefill_workers_copy_only_when_asked(setup):
     """--prompt-only resolves `auto` as the prefill worker does and runs no decode; `auto`
     without it is refused (it is no decode format)."""
